@@ -1,0 +1,5 @@
+import sys
+
+from meshtrain.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,45 @@
+"""`meshtrain` command: one sub-command per module, each exposing `add_parser` and `run`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> module under meshtrain.cli; each module defines add_parser(subparsers) and run(args)
+COMMANDS = {
+    "train": "train_cmd",
+    "plan": "plan_cmd",
+    "bench": "bench_cmd",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshtrain",
+        description="Train PyTorch models across many devices with every classic "
+                    "parallelism strategy, and plan which one fits.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, module in COMMANDS.items():
+        try:
+            mod = importlib.import_module(f"meshtrain.cli.{module}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"meshtrain.cli.{module}":
+                raise
+            continue  # that command is not built yet
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        print("meshtrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The Plan: one frozen, validated description of how a model is parallelised.
+
+A Plan says nothing about which machine it runs on; `check_world_size` ties it to one.
+Every field is validated in `__post_init__` with a message that names the offending value
+and how to fix it, so a bad plan fails before any process group exists.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+DP_MODES = ("ddp", "dp", "ps-sync", "ps-async")
+OFFLOADS = ("none", "cpu", "disk")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+PRECISIONS = ("fp32", "bf16")
+
+
+class PlanError(ValueError):
+    """A Plan that cannot be built: the message says what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    dp: int = 1
+    """Data-parallel replicas (or ZeRO shards): each feeds its own shard of the global batch."""
+    pp: int = 1
+    """Pipeline stages: the model's layers split into this many consecutive groups."""
+    tp: int = 1
+    """Tensor-parallel width: each layer's matrices split across this many ranks (one node)."""
+    dp_mode: str = "ddp"
+    """How data-parallel gradients are combined: "ddp" | "dp" | "ps-sync" | "ps-async"."""
+    staleness: int = 0
+    """ps-async only: how many steps a worker's parameters may lag the server's."""
+    zero: int = 0
+    """ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters sharded over dp."""
+    offload: str = "none"
+    """Where ZeRO keeps what it offloads: "none" | "cpu" | "disk"."""
+    microbatches: int = 1
+    """Micro-batches per step: gradient accumulation under DP, pipeline depth under PP."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: "naive" | "gpipe" | "1f1b" | "interleaved" (used when pp > 1)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank; > 1 only with the interleaved schedule."""
+    bucket_mb: float = 4.0
+    """Gradient bucket size in MiB: the unit of overlapped communication."""
+    precision: str = "fp32"
+    """Compute precision: "fp32" | "bf16"."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "tp", "microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"Plan.{name}={value!r}: must be a whole number >= 1")
+        _choose("dp_mode", self.dp_mode, DP_MODES)
+        _choose("offload", self.offload, OFFLOADS)
+        _choose("schedule", self.schedule, SCHEDULES)
+        _choose("precision", self.precision, PRECISIONS)
+        if not isinstance(self.zero, int) or self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"Plan.zero={self.zero!r}: must be 0, 1, 2 or 3")
+        if not isinstance(self.staleness, int) or self.staleness < 0:
+            raise PlanError(f"Plan.staleness={self.staleness!r}: must be a whole number >= 0")
+        if self.staleness and self.dp_mode != "ps-async":
+            raise PlanError(f"Plan.staleness={self.staleness} only applies to dp_mode='ps-async' "
+                            f"(got dp_mode={self.dp_mode!r}); drop staleness or use ps-async")
+        if not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
+            raise PlanError(f"Plan.bucket_mb={self.bucket_mb!r}: must be a positive size in MiB")
+        if self.offload != "none" and self.zero == 0:
+            raise PlanError(f"Plan.offload={self.offload!r} needs ZeRO (zero >= 1): "
+                            "offload moves sharded states; set zero=1, 2 or 3")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise PlanError(f"Plan.virtual_stages={self.virtual_stages} needs "
+                            f"schedule='interleaved' (got {self.schedule!r})")
+        if self.zero and self.dp_mode != "ddp":
+            raise PlanError(f"Plan.zero={self.zero} shards over data-parallel ranks and needs "
+                            f"dp_mode='ddp' (got {self.dp_mode!r})")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks this plan needs: one per (pp, dp, tp) coordinate."""
+        return self.pp * self.dp * self.tp
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse a plan whose mesh does not cover exactly `world_size` ranks."""
+        if self.world_size != world_size:
+            raise PlanError(
+                f"Plan(dp={self.dp}, pp={self.pp}, tp={self.tp}) needs dp*pp*tp = "
+                f"{self.world_size} ranks but the world has {world_size}; launch "
+                f"{self.world_size} ranks (e.g. --nproc {self.world_size}) or change the plan "
+                f"so that dp*pp*tp = {world_size}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(f"unknown Plan field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+    def describe(self) -> str:
+        """Short human form, listing only what differs from the defaults."""
+        default = Plan()
+        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                 if getattr(self, f.name) != getattr(default, f.name)]
+        return f"Plan({', '.join(parts)})"
+
+
+def _choose(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise PlanError(f"Plan.{name}={value!r}: choose one of {', '.join(map(repr, allowed))}")
