@@ -1,0 +1,181 @@
+"""Accounted communication: every collective and send/recv meshtrain issues goes through `Comm`.
+
+`Comm` is a thin layer over c10d that also counts, per (axis, operation, tag), the calls and
+the bytes this rank sent and received (`CommStats`). Tests assert theory against these
+counters, the CLI prints them per step, the planner calibrates against them.
+
+[Note: what a collective is charged]
+send/recv are charged their exact bytes. A c10d collective's wire traffic depends on the
+algorithm the backend picks, so it is charged what the bandwidth-optimal ring moves, exactly
+as our reference ring in `reference_collectives.py` moves it (chunks from `tensor_split`):
+all_reduce ~ 2(N-1)/N*S sent and received, reduce_scatter and all_gather ~ (N-1)/N*S (S the
+full, unsharded size); broadcast charges the root (N-1)*S sent and every other rank S received.
+A group of one rank communicates nothing and is charged nothing.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.core.mesh import Mesh
+
+
+@dataclass
+class Traffic:
+    calls: int = 0
+    sent: int = 0       # bytes this rank put on the wire
+    received: int = 0   # bytes this rank took off the wire
+
+    def __add__(self, other: "Traffic") -> "Traffic":
+        return Traffic(self.calls + other.calls, self.sent + other.sent,
+                       self.received + other.received)
+
+
+class CommStats:
+    """Counters of calls and bytes per (axis, op, tag) on this rank."""
+
+    def __init__(self) -> None:
+        self.counters: dict[tuple[str, str, str], Traffic] = defaultdict(Traffic)
+
+    def record(self, axis: str, op: str, tag: str, sent: int, received: int) -> None:
+        t = self.counters[(axis, op, tag)]
+        t.calls += 1
+        t.sent += sent
+        t.received += received
+
+    def total(self, axis: str | None = None, op: str | None = None,
+              tag: str | None = None) -> Traffic:
+        """Sum over the counters that match every filter given."""
+        out = Traffic()
+        for (a, o, t), traffic in self.counters.items():
+            if (axis in (None, a)) and (op in (None, o)) and (tag in (None, t)):
+                out = out + traffic
+        return out
+
+    def reset(self) -> None:
+        self.counters.clear()
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """JSON-friendly copy: "axis/op[tag]" -> {calls, sent, received}."""
+        return {f"{a}/{o}" + (f"[{t}]" if t else ""): vars(tr).copy()
+                for (a, o, t), tr in sorted(self.counters.items())}
+
+
+def ring_chunk_sizes(numel: int, n: int) -> list[int]:
+    """Element counts of the n ring chunks of a flat tensor (as `tensor_split` makes them)."""
+    return [numel // n + (1 if i < numel % n else 0) for i in range(n)]
+
+
+def ring_all_reduce_elements(numel: int, n: int, rank: int) -> int:
+    """Elements rank `rank` sends in a ring all-reduce: every chunk but one in each phase."""
+    if n == 1:
+        return 0
+    sizes = ring_chunk_sizes(numel, n)
+    return 2 * numel - sizes[(rank + 1) % n] - sizes[(rank + 2) % n]
+
+
+def ring_half_elements(numel: int, n: int, rank: int) -> int:
+    """Elements sent in one ring phase (reduce-scatter or all-gather): all chunks but one."""
+    if n == 1:
+        return 0
+    return numel - ring_chunk_sizes(numel, n)[(rank + 1) % n]
+
+
+class _Done:
+    """Handle of a collective that had nothing to do (a group of one)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class Comm:
+    """Accounted collectives along the axes of one mesh. One per rank; passed explicitly."""
+
+    def __init__(self, mesh: Mesh, stats: CommStats | None = None) -> None:
+        self.mesh = mesh
+        self.stats = stats if stats is not None else CommStats()
+
+    def _active(self, axis: str) -> bool:
+        return self.mesh.size(axis) > 1
+
+    # ---- collectives --------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, axis: str, op: str = "sum", tag: str = "",
+                   async_op: bool = False):
+        """Reduce `tensor` in place over `axis` ("sum" or "avg"); every member gets the result."""
+        if not self._active(axis):
+            return _Done() if async_op else None
+        n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
+        nbytes = ring_all_reduce_elements(tensor.numel(), n, r) * tensor.element_size()
+        self.stats.record(axis, "all_reduce", tag, nbytes, nbytes)
+        reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}[op]
+        return dist.all_reduce(tensor, op=reduce_op, group=self.mesh.group(axis),
+                               async_op=async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: str,
+                       op: str = "sum", tag: str = "", async_op: bool = False):
+        """`output` (1/N of `input`) receives this rank's slice of the reduction of `input`."""
+        if not self._active(axis):
+            output.copy_(input.reshape(output.shape))
+            return _Done() if async_op else None
+        n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
+        nbytes = ring_half_elements(input.numel(), n, r) * input.element_size()
+        self.stats.record(axis, "reduce_scatter", tag, nbytes, nbytes)
+        reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}[op]
+        return dist.reduce_scatter_single(output, input, op=reduce_op,
+                                          group=self.mesh.group(axis), async_op=async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: str, tag: str = "",
+                   async_op: bool = False):
+        """`output` (N times `input`) receives every member's `input`, in axis-rank order."""
+        if not self._active(axis):
+            output.copy_(input.reshape(output.shape))
+            return _Done() if async_op else None
+        n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
+        nbytes = ring_half_elements(output.numel(), n, r) * output.element_size()
+        self.stats.record(axis, "all_gather", tag, nbytes, nbytes)
+        return dist.all_gather_single(output, input, group=self.mesh.group(axis),
+                                      async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, axis: str, tag: str = "",
+                  async_op: bool = False):
+        """Copy `tensor` from the member with axis rank `src` to every member of the axis."""
+        if not self._active(axis):
+            return _Done() if async_op else None
+        n, nbytes = self.mesh.size(axis), tensor.numel() * tensor.element_size()
+        is_src = self.mesh.axis_rank(axis) == src
+        self.stats.record(axis, "broadcast", tag, (n - 1) * nbytes if is_src else 0,
+                          0 if is_src else nbytes)
+        return dist.broadcast(tensor, src=self.mesh.global_rank(axis, src),
+                              group=self.mesh.group(axis), async_op=async_op)
+
+    def barrier(self, axis: str | None = None) -> None:
+        if axis is None:
+            if dist.is_initialized():
+                dist.barrier()
+        elif self._active(axis):
+            dist.barrier(group=self.mesh.group(axis))
+
+    # ---- point to point -----------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, dst: int, axis: str, tag: str = ""):
+        """Start sending `tensor` to the member with axis rank `dst`; returns a handle."""
+        self.stats.record(axis, "send", tag, tensor.numel() * tensor.element_size(), 0)
+        return dist.isend(tensor.contiguous(), dst=self.mesh.global_rank(axis, dst),
+                          group=self.mesh.group(axis))
+
+    def irecv(self, tensor: torch.Tensor, src: int, axis: str, tag: str = ""):
+        """Start receiving into `tensor` from the member with axis rank `src`."""
+        self.stats.record(axis, "recv", tag, 0, tensor.numel() * tensor.element_size())
+        return dist.irecv(tensor, src=self.mesh.global_rank(axis, src),
+                          group=self.mesh.group(axis))
+
+    def send(self, tensor: torch.Tensor, dst: int, axis: str, tag: str = "") -> None:
+        self.isend(tensor, dst, axis, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int, axis: str, tag: str = "") -> None:
+        self.irecv(tensor, src, axis, tag).wait()

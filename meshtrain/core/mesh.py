@@ -1,0 +1,112 @@
+"""The device mesh: every rank is a coordinate (pp, dp, tp), tp varying fastest.
+
+The layout is a pure function (`rank_grid`, `axis_groups`) testable with no processes;
+`Mesh` wraps `torch.distributed.device_mesh.DeviceMesh` over that same layout and is passed
+explicitly to every strategy (never a global). An "axis" is a mesh dimension; a "dim" is a
+tensor dimension.
+
+tp varies fastest so that a tensor-parallel group (the most talkative) is a run of
+consecutive ranks, which torchrun places on one node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.core.plan import Plan
+
+AXES = ("pp", "dp", "tp")
+
+
+def rank_grid(pp: int, dp: int, tp: int) -> torch.Tensor:
+    """All ranks as a tensor shaped (pp, dp, tp): grid[i, j, k] is the rank at that coordinate."""
+    return torch.arange(pp * dp * tp).reshape(pp, dp, tp)
+
+
+def axis_groups(grid: torch.Tensor, axis: str) -> list[list[int]]:
+    """The groups of an axis: each is the ranks that vary along `axis`, the others fixed."""
+    dim = AXES.index(axis)
+    moved = grid.movedim(dim, -1)  # (..., axis)
+    return moved.reshape(-1, grid.shape[dim]).tolist()
+
+
+def coordinates(grid: torch.Tensor, rank: int) -> dict[str, int]:
+    """This rank's position along each axis."""
+    where = (grid == rank).nonzero()
+    if where.numel() == 0:
+        raise ValueError(f"rank {rank} is not in a mesh of {grid.numel()} ranks")
+    return dict(zip(AXES, where[0].tolist()))
+
+
+def device_for_backend() -> tuple[torch.device, str]:
+    """The device this rank computes on and the c10d backend that goes with it."""
+    if torch.cuda.is_available():
+        local = torch.cuda.current_device()
+        return torch.device("cuda", local), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+@dataclass
+class Mesh:
+    """Named axes over the world: sizes, this rank's coordinates, and one process group per axis.
+
+    Built collectively (every rank must call `Mesh.build` together). With no process group
+    initialised and a plan of one rank, it is a trivial mesh with no groups at all.
+    """
+    shape: dict[str, int]
+    coords: dict[str, int]
+    rank: int
+    device: torch.device
+    device_mesh: object | None = None  # torch DeviceMesh, None for a single process
+
+    @classmethod
+    def build(cls, plan: Plan) -> "Mesh":
+        shape = {"pp": plan.pp, "dp": plan.dp, "tp": plan.tp}
+        device, _backend = device_for_backend()
+        if not dist.is_available() or not dist.is_initialized():
+            plan.check_world_size(1)
+            return cls(shape=shape, coords={a: 0 for a in AXES}, rank=0, device=device)
+        plan.check_world_size(dist.get_world_size())
+        from torch.distributed.device_mesh import init_device_mesh
+        device_mesh = init_device_mesh(device.type, (plan.pp, plan.dp, plan.tp),
+                                       mesh_dim_names=AXES)
+        rank = dist.get_rank()
+        coords = coordinates(rank_grid(plan.pp, plan.dp, plan.tp), rank)
+        return cls(shape=shape, coords=coords, rank=rank, device=device, device_mesh=device_mesh)
+
+    @property
+    def world_size(self) -> int:
+        return self.shape["pp"] * self.shape["dp"] * self.shape["tp"]
+
+    def size(self, axis: str) -> int:
+        return self.shape[_check_axis(axis)]
+
+    def axis_rank(self, axis: str) -> int:
+        """This rank's index inside its group along `axis`."""
+        return self.coords[_check_axis(axis)]
+
+    def group(self, axis: str):
+        """The process group of the ranks that share every coordinate but `axis`'s.
+
+        None where the axis needs no communication (a single process)."""
+        _check_axis(axis)
+        if self.device_mesh is None:
+            return None
+        return self.device_mesh.get_group(axis)
+
+    def global_rank(self, axis: str, axis_rank: int) -> int:
+        """The global rank of the member `axis_rank` of this rank's group along `axis`."""
+        coords = dict(self.coords, **{_check_axis(axis): axis_rank})
+        return rank_grid(**self.shape)[coords["pp"], coords["dp"], coords["tp"]].item()
+
+    def __repr__(self) -> str:
+        where = ", ".join(f"{a}={self.coords[a]}/{self.shape[a]}" for a in AXES)
+        return f"Mesh(rank={self.rank}, {where}, device={self.device})"
+
+
+def _check_axis(axis: str) -> str:
+    if axis not in AXES:
+        raise ValueError(f"unknown mesh axis {axis!r}; the axes are {AXES}")
+    return axis

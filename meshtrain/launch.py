@@ -1,0 +1,145 @@
+"""Run a function on N local ranks through torch's elastic launcher (the engine of torchrun).
+
+`launch(fn, nproc, args)` starts an elastic agent in this process that rendezvouses on
+loopback (c10d store on 127.0.0.1, never all interfaces), starts `nproc` workers, and
+returns their return values in rank order. Each worker joins the default process group
+(gloo on CPU, NCCL on CUDA) before `fn` runs and leaves it afterwards.
+
+[Note: results survive teardown]
+Each worker writes its result to a file *before* tearing its process group down, so a rank
+killed by the known gloo teardown abort (SIGABRT after training finished) cannot lose a
+finished result: if every rank has written one, `launch` returns them and warns about the
+abort. A rank that fails earlier makes `launch` raise `LaunchError` with that rank's
+traceback; the elastic agent then stops the other workers, so none is left hanging.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import tempfile
+import uuid
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+from meshtrain.testing import function_ref, resolve_function, threads_per_rank
+
+
+class LaunchError(RuntimeError):
+    """A rank failed; the message names it and carries its traceback."""
+
+
+def init_distributed(timeout_s: float = 600.0):
+    """Join the default process group from torchrun/elastic's environment; set threads.
+
+    Returns the backend. Safe to call when already initialised."""
+    import torch
+    import torch.distributed as dist
+
+    from meshtrain.core.mesh import device_for_backend
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    _device, backend = device_for_backend()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    torch.set_num_threads(threads_per_rank(local_world))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return backend
+
+
+def shutdown_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()  # cuts the teardown abort's frequency (PEERS.md)
+        dist.destroy_process_group()
+
+
+def _worker(ref, payload: bytes, result_dir: str):
+    """Entry point of one elastic worker: init, run, save the result, then tear down."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record  # writes this rank's traceback where the agent reads it
+    def run():
+        init_distributed()
+        fn = resolve_function(ref)
+        args, kwargs = pickle.loads(payload)
+        result = fn(*args, **kwargs)
+        rank = int(os.environ["RANK"])
+        tmp = Path(result_dir) / f"rank{rank}.tmp"
+        tmp.write_bytes(pickle.dumps(result))
+        tmp.replace(Path(result_dir) / f"rank{rank}.pkl")
+        shutdown_distributed()
+
+    run()
+
+
+def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
+           start_method: str = "forkserver", timeout_s: float = 900.0) -> list:
+    """Run `fn(*args, **kwargs)` on `nproc` local ranks; return the results in rank order."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc={nproc!r}: launch needs a whole number of ranks >= 1")
+    ref = function_ref(fn)
+    payload = pickle.dumps((tuple(args), dict(kwargs or {})))
+    _quiet_elastic_logs()
+    if start_method == "forkserver":
+        from meshtrain.testing import _forkserver_context
+        _forkserver_context()  # torch and meshtrain preloaded: ranks start in ~0.1 s
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"meshtrain-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
+        rdzv_configs={"timeout": int(timeout_s)}, max_restarts=0, start_method=start_method,
+        monitor_interval=0.05)
+    with tempfile.TemporaryDirectory(prefix="meshtrain-launch-") as result_dir:
+        failure = None
+        try:
+            elastic_launch(config, _worker)(ref, payload, result_dir)
+        except ChildFailedError as err:
+            failure = err
+        results = _read_results(Path(result_dir), nproc)
+    if failure is None or all(r is not _MISSING for r in results):
+        if failure is not None:
+            warnings.warn(f"a rank ended abnormally after returning its result (the known "
+                          f"gloo teardown abort); results kept:\n{_failure_text(failure)}",
+                          RuntimeWarning, stacklevel=2)
+        return results
+    raise LaunchError(_failure_text(failure)) from None
+
+
+_MISSING = object()
+
+
+def _read_results(folder: Path, nproc: int) -> list:
+    out = []
+    for rank in range(nproc):
+        path = folder / f"rank{rank}.pkl"
+        out.append(pickle.loads(path.read_bytes()) if path.exists() else _MISSING)
+    return out
+
+
+def _failure_text(err) -> str:
+    lines = []
+    # earliest first: a rank's error is often the echo of a peer that failed before it
+    for rank, failure in sorted(err.failures.items(), key=lambda kv: kv[1].timestamp):
+        message = failure.message
+        if isinstance(message, dict):  # @record's error file: {"message": ..., "extraInfo": {...}}
+            info = message.get("extraInfo", {})
+            message = info.get("py_callstack") or message.get("message")
+        signal_name = failure.signal_name()
+        why = f"signal {signal_name}" if signal_name else f"exit code {failure.exitcode}"
+        lines.append(f"rank {rank} failed ({why}):\n{message}")
+    return "\n".join(lines)
+
+
+def _quiet_elastic_logs() -> None:
+    """The elastic agent logs every rendezvous step, and each worker's failure, itself;
+    `launch` reports failures in its own error, so keep only the agent's warnings."""
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for name in ("torch.distributed.elastic.multiprocessing", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
