@@ -1,0 +1,180 @@
+"""The advisor: enumerate every valid plan, drop those that do not fit, rank the rest.
+
+Enumeration over (tp, pp, dp, micro-batch, schedule, virtual stages, ZeRO, offload,
+recomputation), pruned so a 64-GPU cluster takes well under a second:
+- tp divides the GPUs of one node and the heads (tp <= gpus per node: Megatron 2021
+  Takeaway #1, tensor parallel only over NVLink);
+- pp divides the layers' count at most, dp = world / (tp pp) divides the global batch;
+- ZeRO-2/3 only without pipelining (their per-micro-batch gradient sharding fights
+  pipelined accumulation; DeepSpeed refuses the combination);
+- offload and recomputation are tried only when the plain variant does not fit: each is
+  strictly slower with everything else equal, so it can never outrank it; of the variants
+  that fit, only the fastest is ranked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshtrain.core.plan import Plan
+from meshtrain.planner.hardware import Cluster
+from meshtrain.planner.memory import Memory, memory
+from meshtrain.planner.model_spec import ModelSpec
+from meshtrain.planner.setup import RECOMPUTE, Candidate, Setup
+from meshtrain.planner.time_model import StepTime, model_flops, step_time
+
+
+class NoPlanFits(ValueError):
+    """No plan fits: the message says by how much and what would make one fit."""
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    cand: Candidate
+    mem: Memory
+    time: StepTime
+    fits: bool
+    tokens_per_s: float
+    mfu: float
+
+    def to_dict(self) -> dict:
+        return {**self.cand.to_dict(), "memory": self.mem.to_dict(),
+                "time": self.time.to_dict(), "fits": self.fits,
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
+
+
+@dataclass
+class Advice:
+    spec: ModelSpec
+    setup: Setup
+    cluster: Cluster
+    ranked: list[Evaluated] = field(default_factory=list)     # fitting, fastest first
+    rejected: list[Evaluated] = field(default_factory=list)   # evaluated but too big
+    considered: int = 0
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def evaluate(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) -> Evaluated:
+    mem = memory(spec, cand, setup)
+    t = step_time(spec, cand, setup, cluster)
+    host_ok = mem.host * cluster.gpus_per_node <= cluster.host_mem
+    fits = mem.total <= cluster.usable_mem and host_ok
+    tokens = setup.global_batch * spec.seq / t.total
+    mfu = model_flops(spec, setup.global_batch) / (t.total * cluster.world * cluster.peak_flops)
+    return Evaluated(cand, mem, t, fits, tokens, mfu)
+
+
+def _layouts(spec: ModelSpec, setup: Setup, cluster: Cluster):
+    """(dp, pp, tp) triples covering the world."""
+    world = cluster.world
+    for tp in divisors(cluster.gpus_per_node):
+        if spec.heads % tp or world % tp:
+            continue
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            if pp > spec.layers or setup.global_batch % dp:
+                continue
+            yield dp, pp, tp
+
+
+def _micro_batches(setup: Setup, dp: int) -> list[int]:
+    per_replica = setup.global_batch // dp
+    if setup.micro_batch:
+        return [setup.micro_batch] if per_replica % setup.micro_batch == 0 else []
+    return [b for b in (1, 2, 4, 8, 16) if per_replica % b == 0]
+
+
+def _schedules(spec: ModelSpec, pp: int, m: int):
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    yield "gpipe", 1
+    yield "1f1b", 1
+    # interleaved needs m a multiple of p and l a multiple of p v (Megatron 2021 §2.2.2)
+    for v in (2, 4):
+        if m % pp == 0 and spec.layers % (pp * v) == 0:
+            yield "interleaved", v
+
+
+def candidates_for(spec: ModelSpec, setup: Setup, cluster: Cluster):
+    """Yield groups of candidates that differ only in offload/recomputation, cheapest first."""
+    recomputes = [setup.recompute] if setup.recompute else list(RECOMPUTE)
+    for dp, pp, tp in _layouts(spec, setup, cluster):
+        for b in _micro_batches(setup, dp):
+            m = setup.global_batch // (dp * b)
+            for schedule, v in _schedules(spec, pp, m):
+                zeros = (0, 1) if pp > 1 else (0, 1, 2, 3)
+                for zero in zeros:
+                    if zero and dp == 1 and zero < 3:
+                        continue  # nothing to shard; ZeRO with dp = 1 only as a host for offload
+                    offloads = ("none", "cpu") if zero else ("none",)
+                    group = []
+                    for offload in offloads:
+                        for rc in recomputes:
+                            plan = Plan(dp=dp, pp=pp, tp=tp, zero=zero, offload=offload,
+                                        microbatches=m, schedule=schedule, virtual_stages=v,
+                                        precision=setup.precision)
+                            group.append(Candidate(plan, b, rc, setup.sequence_parallel))
+                    yield group
+
+
+def advise(spec: ModelSpec, setup: Setup, cluster: Cluster) -> Advice:
+    """Every fitting plan ranked by predicted step time (simpler plans first on ties)."""
+    advice = Advice(spec, setup, cluster)
+    for group in candidates_for(spec, setup, cluster):
+        # The first of a group (no offload, least recomputation) is the fastest of its group;
+        # when it fits it dominates the rest. Otherwise keep the fastest variant that fits.
+        fitting = []
+        for i, cand in enumerate(group):
+            ev = evaluate(spec, cand, setup, cluster)
+            advice.considered += 1
+            (fitting if ev.fits else advice.rejected).append(ev)
+            if ev.fits and i == 0:
+                break
+        if fitting:
+            advice.ranked.append(min(fitting, key=lambda ev: ev.time.total))
+    advice.ranked.sort(key=_rank_key)
+    return advice
+
+
+def _rank_key(ev: Evaluated):
+    p = ev.cand.plan
+    simplicity = (p.offload != "none", p.pp > 1, p.tp > 1, p.zero, ev.cand.recompute != "none")
+    return (round(ev.time.total, 12), simplicity, -ev.cand.micro_batch)
+
+
+def require_fit(advice: Advice) -> None:
+    """Raise NoPlanFits naming the shortfall and what would close it."""
+    if advice.ranked:
+        return
+    spec, setup, cluster = advice.spec, advice.setup, advice.cluster
+    if not advice.rejected:
+        raise NoPlanFits(
+            f"no valid layout of {spec.name} on {cluster.world} devices with global batch "
+            f"{setup.global_batch}: the batch must divide among data-parallel replicas and tp "
+            f"must divide the {spec.heads} heads and {cluster.gpus_per_node} GPUs per node; "
+            f"change --global-batch or --micro-batch")
+    best = min(advice.rejected, key=lambda ev: ev.mem.total)
+    need = best.mem.total
+    have = cluster.usable_mem
+    psi_bytes = spec.num_params * (setup.param_bytes + setup.grad_bytes + setup.optim_bytes)
+    # ZeRO-3 over N devices holds psi_bytes / N of model states (ZeRO Table 1).
+    devices = int(-(-psi_bytes // max(have - (need - best.mem.model_states), 1)))
+    hints = [f"more devices (ZeRO-3 model states alone need about {devices} of them)"]
+    if "cpu" not in {ev.cand.plan.offload for ev in advice.rejected}:
+        hints.append("a ZeRO plan with --offload cpu")
+    else:
+        hints.append("more host memory for offload" if best.mem.host * cluster.gpus_per_node
+                     > cluster.host_mem else "offload (already tried: not enough)")
+    if setup.recompute in ("none", "selective"):
+        hints.append("activation recomputation (--recompute full)")
+    if setup.micro_batch > 1:
+        hints.append("a smaller --micro-batch")
+    hints.append("devices with more memory")
+    raise NoPlanFits(
+        f"{spec.name} fits no plan on {cluster.nodes} x {cluster.gpus_per_node} devices of "
+        f"{have / 1e9:.3g} GB usable: the smallest, {best.cand.label()}, needs "
+        f"{need / 1e9:.3g} GB per device ({best.mem.model_states / 1e9:.3g} GB model states, "
+        f"{best.mem.activations / 1e9:.3g} GB activations). To fit, try: " + "; ".join(hints))

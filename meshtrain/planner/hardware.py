@@ -1,0 +1,172 @@
+"""Devices and links: presets for common GPUs and interconnects, and the Cluster they form.
+
+Bandwidth convention (used by every time formula): `intra_bw` and `inter_bw` are the rate one
+GPU achieves on its own link in a ring collective, i.e. the `B` in the ring cost
+`2(N-1)/N * S / B`. `inter_bw` is per GPU: a node with 8 GPUs and 8 x 200 Gb/s HDR
+InfiniBand rails has inter_bw = 25 GB/s. Presets quote the vendor's per-GPU figure; a
+calibrated profile (`--cluster local`) replaces them with measured bus bandwidths per
+collective and message size.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field, replace
+
+from meshtrain.planner.units import parse_bandwidth, parse_bytes, parse_flops
+
+
+class HardwareError(ValueError):
+    """Unknown preset or an impossible cluster: the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    mem: float          # bytes
+    peak_bf16: float    # dense FLOP/s at 16-bit (fp16 tensor cores on V100)
+    peak_fp32: float    # dense FLOP/s at fp32 without TF32
+    link: str           # the intra-node link preset it ships with
+
+
+# Vendor data sheets: A100 (NVIDIA A100 Tensor Core GPU datasheet, 2021: 312 TFLOPS bf16 dense,
+# 19.5 TFLOPS fp32); H100 SXM (H100 datasheet, 2023: 989 TFLOPS bf16 dense, 67 TFLOPS fp32);
+# V100 SXM2 (V100 datasheet: 125 TFLOPS fp16 tensor core, 15.7 TFLOPS fp32; no bf16).
+GPUS = {
+    "A100-40GB": GPU("A100-40GB", 40e9, 312e12, 19.5e12, "nvlink3"),
+    "A100-80GB": GPU("A100-80GB", 80e9, 312e12, 19.5e12, "nvlink3"),
+    "H100-80GB": GPU("H100-80GB", 80e9, 989e12, 67e12, "nvlink4"),
+    "V100-32GB": GPU("V100-32GB", 32e9, 125e12, 15.7e12, "nvlink2"),
+}
+
+# Per-GPU bandwidths: NVLink 2/3/4 total per GPU 300/600/900 GB/s (NVIDIA datasheets);
+# PCIe 4.0 x16 32 GB/s, 5.0 x16 64 GB/s; InfiniBand HDR 200 Gb/s, NDR 400 Gb/s per rail;
+# Ethernet by line rate.
+LINKS = {
+    "nvlink2": 300e9, "nvlink3": 600e9, "nvlink4": 900e9,
+    "pcie4": 32e9, "pcie5": 64e9,
+    "ib-hdr": 25e9, "ib-ndr": 50e9,
+    "eth-100g": 12.5e9, "eth-25g": 3.125e9, "eth-10g": 1.25e9,
+}
+# Latency per collective hop (alpha in the alpha-beta model, Thakur et al. 2005).
+INTRA_LATENCY = 5e-6
+INTER_LATENCY = 20e-6
+
+
+def lookup(table: dict, name: str, what: str, flag: str):
+    for key, value in table.items():
+        if key.lower() == str(name).lower():
+            return value
+    raise HardwareError(f"unknown {what} {name!r}; choose one of {', '.join(table)} "
+                        f"or give the number itself with {flag}")
+
+
+def bandwidth(text: str) -> float:
+    """A link preset name ('nvlink3', 'ib-hdr') or a rate with units ('25GB/s')."""
+    for key, value in LINKS.items():
+        if key.lower() == str(text).lower():
+            return value
+    return parse_bandwidth(text)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Measured bus bandwidth of one collective against message size (log-linear between)."""
+    sizes: tuple[float, ...]        # bytes, ascending
+    busbw: tuple[float, ...]        # bytes/s at each size
+    latency: float = 0.0            # seconds: the fixed cost of one call
+
+    def at(self, nbytes: float) -> float:
+        if nbytes <= self.sizes[0]:
+            return self.busbw[0]
+        if nbytes >= self.sizes[-1]:
+            return self.busbw[-1]
+        i = bisect.bisect_right(self.sizes, nbytes)
+        x0, x1 = math.log(self.sizes[i - 1]), math.log(self.sizes[i])
+        w = (math.log(nbytes) - x0) / (x1 - x0)
+        return self.busbw[i - 1] * (1 - w) + self.busbw[i] * w
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_mem: float = 80e9           # bytes per device
+    intra_bw: float = 600e9         # bytes/s per GPU inside a node
+    inter_bw: float = 25e9          # bytes/s per GPU across nodes
+    peak_flops: float = 312e12      # dense FLOP/s per device at the training precision
+    efficiency: float = 0.5         # achievable / peak for transformer matmuls
+    host_bw: float = 32e9           # device <-> host (offload) bytes/s per GPU
+    host_mem: float = 1e12          # host bytes per node available for offload
+    host_update_rate: float = 1e9   # parameters/s a node's CPUs update with Adam (offload)
+    reserve: float = 0.1            # fraction of device memory kept for context/fragmentation
+    name: str = "custom"
+    curves: dict = field(default_factory=dict, compare=False)  # collective -> Curve (calibrated)
+
+    def __post_init__(self) -> None:
+        for key in ("nodes", "gpus_per_node"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise HardwareError(f"--{key.replace('_', '-')} {v!r}: must be a whole number >= 1")
+        for key in ("gpu_mem", "intra_bw", "inter_bw", "peak_flops", "host_bw", "host_update_rate"):
+            if not getattr(self, key) > 0:
+                raise HardwareError(f"{key}={getattr(self, key)!r}: must be positive")
+        if not 0 < self.efficiency <= 1:
+            raise HardwareError(f"efficiency={self.efficiency!r}: must be in (0, 1]")
+        if not 0 <= self.reserve < 1:
+            raise HardwareError(f"reserve={self.reserve!r}: must be in [0, 1)")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def usable_mem(self) -> float:
+        return self.gpu_mem * (1 - self.reserve)
+
+    @property
+    def achievable_flops(self) -> float:
+        return self.peak_flops * self.efficiency
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(bandwidth, latency) of a group spanning `span` consecutive ranks: intra-node when
+        the ranks it touches lie in one node, else bounded by the inter-node link."""
+        if span <= self.gpus_per_node:
+            return self.intra_bw, INTRA_LATENCY
+        return self.inter_bw, INTER_LATENCY
+
+    def collective_time(self, kind: str, nbytes: float, n: int, span: int) -> float:
+        """Seconds for one collective of an `nbytes` buffer over `n` ranks spanning `span`.
+
+        Ring costs per rank (Thakur et al. 2005; Patarasuk & Yuan 2009): all-reduce
+        2(n-1)/n * S, reduce-scatter and all-gather (n-1)/n * S, broadcast S. With a
+        calibrated curve the measured bus bandwidth at that size replaces the link figure.
+        """
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+                  "all_gather": (n - 1) / n, "broadcast": 1.0, "p2p": 1.0}[kind]
+        curve = self.curves.get(kind)
+        if curve is not None:
+            return curve.latency + factor * nbytes / curve.at(nbytes)
+        bw, alpha = self.link(span)
+        steps = {"all_reduce": 2 * (n - 1), "broadcast": 1, "p2p": 1}.get(kind, n - 1)
+        return steps * alpha + factor * nbytes / bw
+
+    def with_(self, **changes) -> "Cluster":
+        return replace(self, **changes)
+
+
+def make_cluster(gpu: str | None = None, nodes: int = 1, gpus_per_node: int = 8,
+                 gpu_mem: str | float | None = None, intra_bw: str | float | None = None,
+                 inter_bw: str | float | None = None, peak_flops: str | float | None = None,
+                 precision: str = "bf16", **extra) -> Cluster:
+    """A Cluster from a GPU preset and/or explicit quantities (text with units or numbers)."""
+    base = lookup(GPUS, gpu, "GPU preset", "--gpu-mem/--peak-flops") if gpu else GPUS["A100-80GB"]
+    mem = parse_bytes(gpu_mem) if isinstance(gpu_mem, str) else (gpu_mem or base.mem)
+    intra = bandwidth(intra_bw) if isinstance(intra_bw, str) else (intra_bw or LINKS[base.link])
+    inter = bandwidth(inter_bw) if isinstance(inter_bw, str) else (inter_bw or LINKS["ib-hdr"])
+    default_peak = base.peak_bf16 if precision == "bf16" else base.peak_fp32
+    peak = parse_flops(peak_flops) if isinstance(peak_flops, str) else (peak_flops or default_peak)
+    return Cluster(nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem=mem, intra_bw=intra,
+                   inter_bw=inter, peak_flops=peak, name=base.name if gpu else "custom", **extra)

@@ -1,0 +1,181 @@
+"""Memory per rank for one candidate plan: model states, activations, buffers.
+
+Sources, each quoted where its formula is used:
+- ZeRO, Rajbhandari et al. 2020 (SC'20), §3.1 and Table 1: model states (2 + 2 + K) Psi bytes
+  for mixed-precision Adam, divided by N_d as P_os, P_os+g, P_os+g+p shard them.
+- ZeRO-Offload, Ren et al. 2021 (ATC'21) §3-4 and ZeRO-Infinity, Rajbhandari et al. 2021:
+  optimizer states and gradients (and, with stage 3, parameters) held in host memory.
+- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+  §4 and Table 2: activation bytes per transformer layer; §4.2.3 pipeline in-flight counts.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from meshtrain.planner.model_spec import ModelSpec
+from meshtrain.planner.setup import Candidate, Setup
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    params: float
+    grads: float
+    optim: float
+    host: float = 0.0           # bytes moved to host memory (or disk) by offload
+
+    @property
+    def device(self) -> float:
+        return self.params + self.grads + self.optim
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Device bytes on the busiest rank, by kind, and host bytes that offload adds."""
+    params: float
+    grads: float
+    optim: float
+    activations: float
+    buffers: float
+    host: float
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optim
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.buffers
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "model_states": self.model_states, "total": self.total}
+
+
+def model_states(psi: float, setup: Setup, zero: int = 0, dp: int = 1,
+                 offload: str = "none") -> ModelStates:
+    """Bytes of parameters, gradients and optimizer states for `psi` parameters on one rank.
+
+    ZeRO Table 1 / §5: baseline (2 + 2 + K) Psi; P_os 2Psi + 2Psi + K Psi/N_d;
+    P_os+g 2Psi + (2 + K) Psi/N_d; P_os+g+p (2 + 2 + K) Psi/N_d.
+    Offload (ZeRO-Offload §4.1): optimizer states leave the device; with stage >= 2 the
+    gradient shard too; with stage 3 the parameter shard as well (ZeRO-Infinity §5).
+    """
+    n = dp
+    params = psi * setup.param_bytes / (n if zero >= 3 else 1)
+    grads = psi * setup.grad_bytes / (n if zero >= 2 else 1)
+    optim = psi * setup.optim_bytes / (n if zero >= 1 else 1)
+    if offload == "none" or zero == 0:
+        return ModelStates(params, grads, optim)
+    host = optim + (grads if zero >= 2 else 0) + (params if zero >= 3 else 0)
+    return ModelStates(params if zero < 3 else 0.0, grads if zero < 2 else 0.0, 0.0, host)
+
+
+def zero_comm_volume(zero: int, psi: float) -> float:
+    """Elements each rank sends per step for data-parallel gradients (ZeRO §7.2.1-7.2.2):
+    all-reduce 2Psi for DDP, P_os and P_os+g (reduce-scatter Psi + all-gather Psi); 3Psi for
+    P_os+g+p (parameters all-gathered in forward and again in backward, gradients
+    reduce-scattered): 1.5x DDP."""
+    return (3 if zero == 3 else 2) * psi
+
+
+def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int = 1,
+                           sp: bool = False, recompute: str = "none",
+                           elem_bytes: int = 2) -> float:
+    """Activation bytes one transformer layer keeps for backward (Korthikanti 2022, Table 2).
+
+    In 16-bit with dropout and multi-head attention the paper's counts are:
+      none:                       s b h (34 + 5 a s / h)
+      tensor parallel t:          s b h (10 + 24/t + 5 a s / (h t))
+      tensor + sequence parallel: s b h (34/t + 5 a s / (h t))
+      selective recomputation:    s b h (10 + 24/t)      (with sequence parallel: 34 s b h / t)
+      full recomputation:         2 s b h                (only the layer's input)
+    Built from its §4.1 parts so they also hold for other shapes: the 10 that TP leaves
+    replicated are the two LayerNorm inputs (4sbh), the attention and MLP inputs (4sbh) and
+    two 1-byte dropout masks (2sbh); the 24 TP divides are Q, K, V and the projection input
+    (8sbh) and the MLP's two 4h-wide tensors (16sbh); the scores are softmax output (2),
+    dropout mask (1) and dropout output (2) per a s^2 b. Other element sizes scale the
+    2-byte terms; masks stay 1 byte.
+    """
+    s, b, h, a, e = seq, micro_batch, spec.hidden, spec.heads, elem_bytes
+    sbh = s * b * h
+    if recompute == "full":
+        return e * sbh / (tp if sp else 1)
+    masks = 2 if spec.dropout else 0
+    replicated = 4 * e + masks
+    attn = e * (2 + 2 * spec.kv_dim / h)
+    mlp = e * (4 if spec.mlp == "swiglu" else 2) * spec.ffn_hidden / h
+    divided = attn + mlp
+    if recompute == "selective" or spec.flash_attention:
+        scores = 0.0
+    else:
+        scores = (a * s / h) * (e + (1 + e if spec.dropout else 0))
+    return sbh * (replicated / (tp if sp else 1) + (divided + scores) / tp)
+
+
+def inflight_microbatches(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """Micro-batches whose activations the first stage holds at its peak.
+
+    pp = 1: micro-batches run one after another (gradient accumulation): 1.
+    GPipe (Huang et al. 2019): all m forwards before any backward: m.
+    1F1B (PipeDream-Flush, Narayanan et al. 2021 §2.2.1): at most p: min(m, p).
+    Interleaved with v chunks per rank (Korthikanti 2022 §4.2.3): p (1 + (p-1)/(p v)) of a
+    stage's layers, i.e. the first stage also holds part of later chunks.
+    Naive model parallel: one micro-batch moves through at a time: 1.
+    """
+    if pp == 1 or schedule == "naive":
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved":
+        return min(m, pp * (1 + (pp - 1) / (pp * v)))
+    return min(m, pp)
+
+
+def stage_params(spec: ModelSpec, pp: int, tp: int) -> float:
+    """Parameters on the busiest rank: ceil(l/p) blocks, plus the embedding on the first stage
+    and the head on the last, everything split t ways (Megatron: vocab-parallel embedding,
+    column/row-parallel matrices; norms are small and counted as split too)."""
+    per_stage = math.ceil(spec.layers / pp) * spec.layer_params
+    if spec.measured_params:   # keep the exact total when it was read from a module
+        per_stage = spec.measured_params - spec.embedding_params - spec.head_params
+        per_stage = math.ceil(spec.layers / pp) * per_stage / spec.layers
+    first = per_stage + spec.embedding_params
+    last = per_stage + spec.head_params + (spec.vocab * spec.hidden if spec.tied and pp > 1 else 0)
+    busiest = first + spec.head_params if pp == 1 else max(first, last)
+    return busiest / tp
+
+
+def logits_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int) -> float:
+    """The output layer's fp32 logits for cross-entropy: 4 s b V / t bytes (Korthikanti 2022,
+    §4.3), kept on the last stage for one micro-batch."""
+    return 4 * seq * micro_batch * spec.vocab / tp
+
+
+def memory(spec: ModelSpec, cand: Candidate, setup: Setup, bucket_bytes: float | None = None) -> Memory:
+    """Device memory on the busiest rank of `cand`, and what offload puts on the host."""
+    p = cand.plan
+    psi = stage_params(spec, p.pp, p.tp)
+    states = model_states(psi, setup, p.zero, p.dp, p.offload)
+    per_layer = layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
+                                       cand.recompute, setup.act_bytes)
+    layers_here = math.ceil(spec.layers / p.pp)
+    inflight = inflight_microbatches(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    acts = per_layer * layers_here * inflight
+    if cand.recompute == "full":  # backward re-runs one layer's forward: its full set is live
+        acts += layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
+                                       "none", setup.act_bytes)
+    # the last stage's logits; with pp == 1 they sit beside the first stage's activations
+    acts += logits_bytes(spec, spec.seq, cand.micro_batch, p.tp)
+    buffers = bucket_bytes if bucket_bytes is not None else p.bucket_mb * 2**20
+    if p.zero == 3:  # a gathered unit and the prefetched next one, and its full gradient
+        unit = spec.largest_layer_params / p.tp
+        buffers += unit * (2 * setup.param_bytes + setup.grad_bytes)
+    if p.dp == 1 and p.zero == 0:
+        buffers = 0.0  # nothing to communicate
+    return Memory(states.params, states.grads, states.optim, acts, buffers, states.host)
+
+
+def largest_layer_bytes(spec: ModelSpec, setup: Setup, tp: int = 1) -> float:
+    """A single layer with its gradient and optimizer state: (2 + 2 + K) Psi_layer / t."""
+    per_param = setup.param_bytes + setup.grad_bytes + setup.optim_bytes
+    return spec.largest_layer_params * per_param / tp

@@ -1,0 +1,196 @@
+"""What the planner needs to know about a model: its shape, parameter count and largest layer.
+
+A ModelSpec comes from a preset, a raw description (layers, hidden, heads, vocab, seq), a
+meshtrain `GPTConfig`, or an instantiated `nn.Module` (parameters counted, largest layer read).
+
+Parameter count of a decoder block (Megatron 2021, Narayanan et al., §5.1 and Table 1):
+attention 4h^2 + 4h, MLP 8h^2 + 5h, two LayerNorms 4h: 12h^2 + 13h per layer; with embeddings
+(V + s)h the model holds P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)). The general form below
+reduces to that for a GPT and also covers SwiGLU MLPs (3 matrices h x f), grouped-query
+attention (k, v of width kv_heads * h/heads), RMSNorm (h weights) and untied output heads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+class ModelSpecError(ValueError):
+    """A model description that cannot be used: the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    ffn: int = 0                    # MLP width; 0 means 4 * hidden
+    kv_heads: int = 0               # 0 means heads (multi-head attention)
+    mlp: str = "gelu"               # "gelu" (2 matrices) | "swiglu" (3 matrices, no bias)
+    bias: bool = True               # biases in Linear layers and LayerNorm
+    norm: str = "layernorm"         # "layernorm" (weight [+ bias]) | "rmsnorm" (weight)
+    tied: bool = True               # output head shares the token embedding
+    learned_pos: bool = True        # learned position embedding (s x h) vs rotary (none)
+    dropout: bool = True            # dropout masks stored (Korthikanti's 1-byte masks)
+    flash_attention: bool = False   # fused attention that stores no s x s scores
+    measured_params: int = 0        # exact count read from a module (overrides the formula)
+    measured_largest: int = 0       # largest layer read from a module
+
+    def __post_init__(self) -> None:
+        for key in ("layers", "hidden", "heads", "vocab", "seq"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ModelSpecError(f"model {key}={v!r}: must be a whole number >= 1")
+        if self.hidden % self.heads:
+            raise ModelSpecError(f"model hidden={self.hidden} is not divisible by heads="
+                                 f"{self.heads}; choose heads that divide hidden")
+        if self.mlp not in ("gelu", "swiglu") or self.norm not in ("layernorm", "rmsnorm"):
+            raise ModelSpecError(f"model mlp={self.mlp!r}/norm={self.norm!r}: mlp is 'gelu' or "
+                                 f"'swiglu', norm is 'layernorm' or 'rmsnorm'")
+
+    # -- shape ------------------------------------------------------------------------------
+    @property
+    def ffn_hidden(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def kv_dim(self) -> int:
+        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+
+    # -- parameters -------------------------------------------------------------------------
+    @property
+    def norm_params(self) -> int:
+        return self.hidden * (2 if self.norm == "layernorm" and self.bias else 1)
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of the matrices one token multiplies by in one block (FLOPs = 2x this)."""
+        h, f = self.hidden, self.ffn_hidden
+        attn = 2 * h * h + 2 * h * self.kv_dim                 # q, o and k, v
+        mlp = (3 if self.mlp == "swiglu" else 2) * h * f
+        return attn + mlp
+
+    @property
+    def layer_params(self) -> int:
+        h, f, b = self.hidden, self.ffn_hidden, int(self.bias)
+        biases = b * (2 * h + 2 * self.kv_dim + (2 if self.mlp == "swiglu" else 1) * f + h)
+        return self.layer_matmul_params + biases + 2 * self.norm_params
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden + (self.seq * self.hidden if self.learned_pos else 0)
+
+    @property
+    def head_params(self) -> int:
+        """Final norm plus, when untied, the output projection."""
+        return self.norm_params + (0 if self.tied else self.vocab * self.hidden)
+
+    @property
+    def num_params(self) -> int:
+        if self.measured_params:
+            return self.measured_params
+        return self.embedding_params + self.layers * self.layer_params + self.head_params
+
+    @property
+    def largest_layer_params(self) -> int:
+        """The biggest piece that strategies without tensor parallelism keep whole on one
+        device: a block, the embedding, or the output head (pipeline's smallest stage and
+        ZeRO-3's gathering unit)."""
+        if self.measured_largest:
+            return self.measured_largest
+        return max(self.layer_params, self.embedding_params, self.head_params)
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.num_params / 1e9:.3g}B parameters, {self.layers} layers, "
+                f"hidden {self.hidden}, {self.heads} heads, vocab {self.vocab}, seq {self.seq}")
+
+
+# Published shapes. GPT-2 (Radford et al. 2019; HF gpt2 / gpt2-medium configs), "gpt2-1.3b" as
+# GPT-3 XL with 16 heads of 128 (Brown et al. 2020, Table 2.1), GPT-3 175B (ibid.), Llama
+# (Touvron et al. 2023, Table 2: 7B 32 x 4096, 70B 80 x 8192 with 8 kv heads; SwiGLU widths
+# 11008 / 28672 from the released configs; RMSNorm; untied head; rotary positions).
+PRESETS: dict[str, ModelSpec] = {
+    "gpt2-124m": ModelSpec("gpt2-124m", 12, 768, 12, 50257, 1024),
+    "gpt2-350m": ModelSpec("gpt2-350m", 24, 1024, 16, 50257, 1024),
+    "gpt2-1.3b": ModelSpec("gpt2-1.3b", 24, 2048, 16, 50257, 2048),
+    "gpt3-175b": ModelSpec("gpt3-175b", 96, 12288, 96, 50257, 2048),
+    "llama-7b": ModelSpec("llama-7b", 32, 4096, 32, 32000, 4096, ffn=11008, mlp="swiglu",
+                          bias=False, norm="rmsnorm", tied=False, learned_pos=False),
+    "llama-70b": ModelSpec("llama-70b", 80, 8192, 64, 32000, 4096, ffn=28672, kv_heads=8,
+                           mlp="swiglu", bias=False, norm="rmsnorm", tied=False,
+                           learned_pos=False),
+}
+
+
+def preset(name: str, seq: int | None = None) -> ModelSpec:
+    """A planner preset, or a meshtrain GPT preset (`meshtrain.models.gpt.PRESETS`) by name."""
+    key = str(name).lower()
+    if key in PRESETS:
+        spec = PRESETS[key]
+    else:
+        gpt_presets = _gpt_presets()
+        if key not in gpt_presets:
+            known = list(PRESETS) + [k for k in gpt_presets if k not in PRESETS]
+            raise ModelSpecError(f"unknown model preset {name!r}; choose one of "
+                                 f"{', '.join(known)}, or describe it with --layers --hidden "
+                                 f"--heads --vocab --seq")
+        spec = from_gpt_config(gpt_presets[key], name=key)
+    return replace(spec, seq=seq) if seq else spec
+
+
+def _gpt_presets() -> dict:
+    try:  # imported lazily: the planner must not depend on torch being importable
+        from meshtrain.models.gpt import PRESETS as gpt_presets
+    except ImportError:
+        return {}
+    return gpt_presets
+
+
+def from_description(layers: int, hidden: int, heads: int, vocab: int, seq: int,
+                     name: str = "custom", **kw) -> ModelSpec:
+    """A GPT-shaped model from its raw description (Megatron's Table 1 style)."""
+    return ModelSpec(name, layers, hidden, heads, vocab, seq, **kw)
+
+
+def from_gpt_config(config, name: str = "gpt") -> ModelSpec:
+    """meshtrain's reference GPT: untied lm_head without bias, learned positions, GELU MLP,
+    no dropout, and `scaled_dot_product_attention` (fused: no s x s scores kept)."""
+    spec = ModelSpec(name, config.n_layer, config.d_model, config.n_head, config.vocab_size,
+                     config.seq_len, ffn=config.mlp_ratio * config.d_model, bias=config.bias,
+                     tied=False, dropout=False, flash_attention=True)
+    if hasattr(config, "num_params"):  # the config knows its exact count; trust it
+        spec = replace(spec, measured_params=config.num_params())
+    return spec
+
+
+def from_module(module, seq: int | None = None, name: str | None = None, **shape) -> ModelSpec:
+    """Parameters and largest layer read from an instantiated `nn.Module`.
+
+    The largest layer is the largest of `module.layers()` when the module exposes its
+    pipeline-able layers (meshtrain's GPT does), else of its leaf modules. Shape fields the
+    module does not reveal (layers, hidden, heads, vocab, seq) come from `module.config` when it
+    is a GPTConfig, else from `shape` and simple reads (most common Linear input width).
+    """
+    import torch.nn as nn  # lazily: only this entry point needs torch
+
+    total = sum(p.numel() for p in module.parameters())
+    if hasattr(module, "layers") and callable(module.layers):
+        units = list(module.layers())
+    else:
+        units = [m for m in module.modules() if not list(m.children())]
+    largest = max((sum(p.numel() for p in u.parameters()) for u in units), default=total)
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "d_model"):
+        spec = from_gpt_config(config, name or type(module).__name__)
+    else:
+        widths = [m.in_features for m in module.modules() if isinstance(m, nn.Linear)]
+        embeds = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
+        hidden = shape.pop("hidden", max(set(widths), key=widths.count) if widths else 1)
+        spec = ModelSpec(name or type(module).__name__,
+                         layers=shape.pop("layers", max(1, len(units))), hidden=hidden,
+                         heads=shape.pop("heads", 1),
+                         vocab=shape.pop("vocab", max(embeds) if embeds else hidden),
+                         seq=seq or shape.pop("seq", 1), **shape)
+    return replace(spec, seq=seq or spec.seq, measured_params=total, measured_largest=largest)

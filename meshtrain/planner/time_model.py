@@ -1,0 +1,169 @@
+"""Step time for one candidate plan: compute, communication per mesh axis, pipeline bubble.
+
+Sources, quoted where used:
+- Megatron 2021 (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+  Clusters Using Megatron-LM", SC'21), §5.1 FLOPs per step and §2.2 pipeline bubble.
+- Megatron 2019 (Shoeybi et al.) §3: tensor parallel MLP and attention, two all-reduces in
+  forward and two in backward per layer; Korthikanti et al. 2022 §4.2.2: sequence parallel
+  replaces each all-reduce with reduce-scatter + all-gather of the same volume.
+- Ring collectives (Thakur et al. 2005): all-reduce 2(N-1)/N S, reduce-scatter / all-gather
+  (N-1)/N S per rank. ZeRO §7 for the data-parallel volumes.
+Mesh layout is ("pp", "dp", "tp") with tp fastest-varying (ARCHITECTURE.md): a tp group spans
+tp consecutive ranks, a dp group tp*dp, a pipeline boundary tp*dp*pp.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from meshtrain.planner.hardware import Cluster
+from meshtrain.planner.memory import stage_params
+from meshtrain.planner.model_spec import ModelSpec
+from meshtrain.planner.setup import Candidate, Setup
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float          # seconds of arithmetic on the busiest rank, bubble excluded
+    bubble: float           # seconds idle in the pipeline fill and drain
+    tp_comm: float          # tensor-parallel collectives (on the critical path)
+    pp_comm: float          # pipeline sends/receives (on the critical path)
+    dp_comm: float          # data-parallel gradient/parameter traffic, all of it
+    dp_exposed: float       # the part of dp_comm not hidden behind compute
+    offload: float          # host transfers and the host optimizer step
+    total: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def forward_flops_per_token(spec: ModelSpec, seq: int) -> tuple[float, float, float]:
+    """(per layer, of which attention scores, logits) forward FLOPs for one token.
+
+    Each weight is one multiply-add (2 FLOPs) per token; attention's QK^T and (attn)V add
+    2 * 2 * s * h per token (Megatron 2021 §5.1: 24 B s h^2 + 4 B s^2 h per layer forward);
+    the logit layer 2 h V."""
+    attn_scores = 4 * seq * spec.hidden
+    layer = 2 * spec.layer_matmul_params + attn_scores
+    logits = 2 * spec.hidden * spec.vocab
+    return layer, attn_scores, logits
+
+
+def step_flops(spec: ModelSpec, global_batch: int, recompute: str = "none") -> float:
+    """FLOPs of one training step over the whole cluster.
+
+    Backward costs twice forward (Megatron 2021 §5.1), so a step is 3x forward; full
+    recomputation re-runs every layer's forward (4x for the layers, the logit layer not
+    recomputed); selective recomputation re-runs only the attention scores (Korthikanti 2022
+    §5). For a GPT with full recomputation this is Megatron 2021's
+        F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
+    Its "72 ..." form without recomputation keeps V/(16lh), which undercounts the logit layer
+    (3 x 2BshV = 6BshV, i.e. V/(12lh) in that form); this function counts it as 6BshV.
+    """
+    layer, scores, logits = forward_flops_per_token(spec, spec.seq)
+    per_token = 3 * (spec.layers * layer + logits)
+    if recompute == "full":
+        per_token += spec.layers * layer
+    elif recompute == "selective":
+        per_token += spec.layers * scores
+    return global_batch * spec.seq * per_token
+
+
+def model_flops(spec: ModelSpec, global_batch: int) -> float:
+    """Useful FLOPs per step (no recomputation): the numerator of MFU (PaLM, Chowdhery et al.
+    2022, Appendix B)."""
+    return step_flops(spec, global_batch, "none")
+
+
+def pipeline_slots(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """Time slots (each one micro-batch's forward + backward on one stage) a step takes.
+
+    Megatron 2021 §2.2: GPipe and 1F1B take m + p - 1 slots (bubble fraction (p-1)/m);
+    interleaved with v chunks per rank shrinks the bubble to (p-1)/v slots. Naive model
+    parallel (no micro-batch overlap) runs the m micro-batches through all p stages in turn.
+    """
+    if pp == 1:
+        return m
+    if schedule == "naive":
+        return m * pp
+    if schedule == "interleaved":
+        return m + (pp - 1) / v
+    return m + pp - 1
+
+
+def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) -> StepTime:
+    p = cand.plan
+    b, m, s, h = cand.micro_batch, p.microbatches, spec.seq, spec.hidden
+    # Compute per micro-batch on one rank: the model's FLOPs for b sequences over pp stages
+    # (the busiest holds ceil(l/p) layers, plus the logit layer when pp = 1) and tp ranks.
+    layer_f, scores_f, logits_f = forward_flops_per_token(spec, s)
+    extra = layer_f if cand.recompute == "full" else scores_f if cand.recompute == "selective" else 0
+    layers_here = math.ceil(spec.layers / p.pp)
+    mb_flops = b * s * (layers_here * (3 * layer_f + extra) + 3 * logits_f) / p.tp
+    t_mb = mb_flops / cluster.achievable_flops
+
+    # Tensor parallel: 4 collectives of b s h per layer (2 forward, 2 backward; Megatron 2019
+    # §3), 6 with full recomputation (its forward runs twice); ring all-reduce volume.
+    act = b * s * h * setup.act_bytes
+    n_tp = (6 if cand.recompute == "full" else 4) * layers_here
+    t_tp = n_tp * cluster.collective_time("all_reduce", act, p.tp, p.tp)
+
+    # Pipeline: each micro-batch sends b s h forward and its gradient back across a boundary;
+    # with tp > 1 each tp rank sends 1/t and the receiver all-gathers over the fast link
+    # (Megatron 2021 §4.1 scatter/gather optimisation).
+    t_pp = 0.0
+    if p.pp > 1:
+        span = p.tp * p.dp * p.pp
+        chunk = act / p.tp
+        t_pp = 2 * cluster.collective_time("p2p", chunk, 2, span)
+        if p.tp > 1:
+            t_pp += 2 * cluster.collective_time("all_gather", act, p.tp, p.tp)
+        t_pp *= p.virtual_stages  # interleaving multiplies the boundaries crossed (§2.2.2)
+
+    slots = pipeline_slots(p.schedule, p.pp, m, p.virtual_stages)
+    slot = t_mb + t_tp + t_pp
+    compute = m * t_mb
+    bubble = (slots - m) * slot
+    pipeline = slots * slot
+
+    # Data parallel (ZeRO §7.2): S = this rank's gradients. DDP / ZeRO-1: one all-reduce (or
+    # reduce-scatter + all-gather) per step; ZeRO-2 reduce-scatters every micro-batch (it keeps
+    # only a gradient shard) and all-gathers parameters once; ZeRO-3 all-gathers parameters in
+    # forward and in backward and reduce-scatters gradients, every micro-batch: 1.5x DDP's
+    # volume per micro-batch.
+    psi = stage_params(spec, p.pp, p.tp)
+    grad_bytes = psi * setup.grad_bytes
+    param_bytes = psi * setup.param_bytes
+    span = p.tp * p.dp
+    coll = lambda kind, nbytes: cluster.collective_time(kind, nbytes, p.dp, span)
+    if p.zero <= 1:
+        t_dp = coll("all_reduce", grad_bytes)
+    elif p.zero == 2:
+        t_dp = m * coll("reduce_scatter", grad_bytes) + coll("all_gather", param_bytes)
+    else:
+        t_dp = m * (2 * coll("all_gather", param_bytes) + coll("reduce_scatter", grad_bytes))
+    # Overlap: DDP buckets overlap the all-reduce with the last micro-batch's backward (2/3
+    # of its compute; Li et al. 2020, PyTorch DDP §3.2.3); ZeRO-3 prefetches, hiding its
+    # traffic behind all compute (Rajbhandari et al. 2020 §7.2.2). With pp > 1 the gradient
+    # exchange waits for the pipeline flush (Megatron 2021 §2.2) and is not hidden.
+    if p.dp == 1:
+        hidden = 0.0
+    elif p.pp > 1:
+        hidden = 0.0
+    elif p.zero == 3:
+        hidden = compute
+    elif p.zero == 2:
+        hidden = compute * 2 / 3
+    else:
+        hidden = t_mb * 2 / 3
+    exposed = max(0.0, t_dp - hidden)
+
+    # Offload (ZeRO-Offload §4): gradient shard to host, updated parameters back, over the
+    # host link, and Adam on the host CPUs at host_update_rate shared by the node's GPUs.
+    t_off = 0.0
+    if p.offload != "none":
+        shard = psi / p.dp
+        t_off = shard * (setup.grad_bytes + setup.param_bytes) / cluster.host_bw
+        t_off += shard * cluster.gpus_per_node / cluster.host_update_rate
+    total = pipeline + exposed + t_off
+    return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, total)

@@ -1,0 +1,169 @@
+"""The planner's memory and FLOP formulas against the papers' published figures."""
+import pytest
+
+from meshtrain.planner import memory as mm
+from meshtrain.planner.model_spec import PRESETS, from_description, preset
+from meshtrain.planner.setup import Candidate, Setup
+from meshtrain.planner.time_model import step_flops
+from meshtrain.planner.units import UnitError, parse_bandwidth, parse_bytes, parse_flops
+from meshtrain.core.plan import Plan
+
+MIXED_ADAM = Setup(precision="bf16", optimizer="adam")
+
+
+# --- ZeRO (Rajbhandari et al. 2020), Table 1: Psi = 7.5B, K = 12, N_d = 64 -----------------
+@pytest.mark.parametrize("zero, published_gb", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.88)])
+def test_zero_table1_model_states(zero, published_gb):
+    states = mm.model_states(7.5e9, MIXED_ADAM, zero=zero, dp=64)
+    gb = states.device / 1e9
+    digits = len(str(published_gb).split(".")[1]) if "." in str(published_gb) else 0
+    assert round(gb, digits) == published_gb
+
+
+def test_zero_table1_other_columns():
+    # the same table's N_d = 1024 column for 7.5B: 120, 30.1, 15.1, 0.12 (GB)
+    got = [mm.model_states(7.5e9, MIXED_ADAM, z, 1024).device / 1e9 for z in range(4)]
+    assert [round(g, 1) for g in got[:3]] == [120.0, 30.1, 15.1]
+    assert round(got[3], 2) == 0.12
+    assert MIXED_ADAM.optim_bytes == 12
+
+
+def test_zero_communication_volumes():
+    # ZeRO §7.2: DDP 2Psi, P_os+g 2Psi (reduce-scatter + all-gather), P_os+g+p 3Psi
+    assert [mm.zero_comm_volume(z, 1.0) for z in (0, 1, 2, 3)] == [2, 2, 2, 3]
+
+
+def test_offload_moves_states_to_host():
+    on_device = mm.model_states(1e9, MIXED_ADAM, zero=2, dp=4, offload="none")
+    off = mm.model_states(1e9, MIXED_ADAM, zero=2, dp=4, offload="cpu")
+    assert off.optim == 0 and off.grads == 0 and off.params == on_device.params
+    assert off.host == on_device.optim + on_device.grads
+
+
+# --- Korthikanti et al. 2022, Table 2, GPT-3 175B: s=2048, h=12288, a=96, b=1, t=8 --------
+S, H, A, B, T = 2048, 12288, 96, 1, 8
+SBH = S * B * H
+GPT3 = PRESETS["gpt3-175b"]
+
+
+@pytest.mark.parametrize("tp, sp, recompute, expected", [
+    (1, False, "none", SBH * (34 + 5 * A * S / H)),
+    (T, False, "none", SBH * (10 + 24 / T + 5 * A * S / (H * T))),
+    (T, True, "none", SBH * (34 / T + 5 * A * S / (H * T))),
+    (T, False, "selective", SBH * (10 + 24 / T)),
+    (T, True, "selective", SBH * 34 / T),
+    (1, False, "full", 2 * SBH),
+])
+def test_korthikanti_table2(tp, sp, recompute, expected):
+    got = mm.layer_activation_bytes(GPT3, S, B, tp=tp, sp=sp, recompute=recompute)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_korthikanti_none_is_34_plus_5as_over_h():
+    # the headline number: 114 s b h bytes per layer for GPT-3 without parallelism
+    assert mm.layer_activation_bytes(GPT3, S, B) == SBH * 114
+
+
+# --- Megatron 2021 Table 1: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12lh)), V=51200, s=2048 -----
+MEGATRON_TABLE1 = [  # (billions as printed, heads, hidden, layers)
+    (1.7, 24, 2304, 24), (3.6, 32, 3072, 30), (7.5, 32, 4096, 36), (18.4, 48, 6144, 40),
+    (39.1, 64, 8192, 48), (76.1, 80, 10240, 60), (145.6, 96, 12288, 80),
+    (310.1, 128, 16384, 96), (529.6, 128, 20480, 105), (1008.0, 160, 25600, 128)]
+
+
+@pytest.mark.parametrize("billions, heads, hidden, layers", MEGATRON_TABLE1)
+def test_megatron_table1_parameter_counts(billions, heads, hidden, layers):
+    spec = from_description(layers, hidden, heads, vocab=51200, seq=2048)
+    formula = 12 * layers * hidden**2 * (1 + 13 / (12 * hidden) + (51200 + 2048) / (12 * layers * hidden))
+    # the paper's formula leaves out the final LayerNorm (2h parameters)
+    assert spec.num_params - 2 * hidden == pytest.approx(formula, rel=1e-12)
+    assert round(spec.num_params / 1e9, 1) == billions
+
+
+def test_megatron_flops_with_recomputation():
+    # Megatron 2021 §5.1: F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with full recomputation
+    spec = from_description(80, 12288, 96, vocab=51200, seq=2048)
+    Bg, s, l, h, V = 1536, 2048, 80, 12288, 51200
+    expected = 96 * Bg * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    assert step_flops(spec, Bg, "full") == pytest.approx(expected, rel=1e-12)
+    # without recomputation: 72 B s l h^2 (1 + s/6h) for the layers, 6 B s h V for the logits
+    expected_none = 72 * Bg * s * l * h**2 * (1 + s / (6 * h)) + 6 * Bg * s * h * V
+    assert step_flops(spec, Bg, "none") == pytest.approx(expected_none, rel=1e-12)
+
+
+# --- presets and other inputs ------------------------------------------------------------
+@pytest.mark.parametrize("name, billions", [("gpt2-124m", 0.124), ("gpt2-350m", 0.355),
+                                            ("llama-7b", 6.74), ("llama-70b", 68.98),
+                                            ("gpt3-175b", 174.6)])
+def test_preset_parameter_counts(name, billions):
+    digits = len(str(billions).split(".")[1])
+    assert round(preset(name).num_params / 1e9, digits) == billions
+
+
+def test_gpt2_124m_exact_and_llama7b_exact():
+    assert preset("gpt2-124m").num_params == 124_439_808
+    assert preset("llama-7b").num_params == 6_738_415_616
+    assert preset("llama-70b").num_params == 68_976_648_192
+
+
+def test_from_module_reads_parameters_and_largest_layer():
+    torch = pytest.importorskip("torch")
+    from meshtrain.planner.model_spec import from_module
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    spec = from_module(net, seq=4)
+    assert spec.num_params == 8 * 32 + 32 + 32 * 8 + 8
+    assert spec.largest_layer_params == 8 * 32 + 32
+
+
+def test_from_gpt_config_matches_module_when_available():
+    gpt = pytest.importorskip("meshtrain.models.gpt")
+    from meshtrain.planner.model_spec import from_gpt_config
+    config = gpt.PRESETS["tiny"]
+    spec = from_gpt_config(config)
+    assert spec.num_params == config.num_params()
+    # the formula without the measured override agrees too
+    from dataclasses import replace
+    assert replace(spec, measured_params=0).num_params == config.num_params()
+
+
+def test_unknown_preset_is_clear():
+    with pytest.raises(ValueError, match="unknown model preset 'gpt5'.*choose one of"):
+        preset("gpt5")
+
+
+# --- units -------------------------------------------------------------------------------
+def test_units_parse():
+    assert parse_bytes("80GB") == 80e9
+    assert parse_bytes("40 GiB") == 40 * 2**30
+    assert parse_bandwidth("600GB/s") == 600e9
+    assert parse_bandwidth("200Gb/s") == parse_bandwidth("200Gbps") == 25e9
+    assert parse_flops("312TFLOPS") == parse_flops("312 TFLOP/s") == 312e12
+
+
+@pytest.mark.parametrize("fn, text, words", [
+    (parse_bytes, "80", "no unit"), (parse_bytes, "-80GB", "negative"),
+    (parse_bandwidth, "600", "no unit"), (parse_bandwidth, "600GB", "not a rate"),
+    (parse_bandwidth, "-1GB/s", "negative"), (parse_flops, "312", "no unit"),
+    (parse_bytes, "lots", "does not start with a number"), (parse_bytes, "0GB", "zero")])
+def test_units_refuse_bad_text(fn, text, words):
+    with pytest.raises(UnitError, match=words):
+        fn(text)
+
+
+# --- pipeline in-flight activations ------------------------------------------------------
+def test_inflight_microbatches_per_schedule():
+    assert mm.inflight_microbatches("gpipe", 4, 16) == 16
+    assert mm.inflight_microbatches("1f1b", 4, 16) == 4
+    assert mm.inflight_microbatches("1f1b", 4, 2) == 2
+    assert mm.inflight_microbatches("interleaved", 4, 16, 2) == 4 * (1 + 3 / 8)
+    assert mm.inflight_microbatches("1f1b", 1, 16) == 1
+
+
+def test_memory_of_a_plan_adds_up():
+    spec = preset("gpt2-1.3b")
+    cand = Candidate(Plan(dp=8, zero=1, microbatches=4), micro_batch=2)
+    mem = mm.memory(spec, cand, MIXED_ADAM)
+    psi = spec.num_params
+    assert mem.params == psi * 2 and mem.grads == psi * 2
+    assert mem.optim == pytest.approx(psi * 12 / 8)
+    assert mem.total == mem.params + mem.grads + mem.optim + mem.activations + mem.buffers
