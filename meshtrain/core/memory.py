@@ -1,0 +1,76 @@
+"""Exact memory accounting: bytes held by this rank, counted from tensor storages.
+
+Parameters, gradients and optimizer states are summed over *unique* storages (a gradient
+that is a view into a flat bucket counts the bucket once). Activations are the bytes autograd
+saved for backward during one forward, measured with saved-tensor hooks, parameters excluded.
+Beside them, the process's peak resident memory as the OS reports it.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Iterable
+
+import torch
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
+
+
+def peak_process_bytes() -> int:
+    """Peak resident set size of this process (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+@dataclass
+class MemoryReport:
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations: int | None  # None until a step has been measured
+    peak_process: int
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_states
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), model_states=self.model_states)
+
+
+class ActivationMeter:
+    """Counts the bytes autograd saves for backward (parameters excluded) inside `measure()`."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.last_bytes: int | None = None
+
+    @contextmanager
+    def measure(self):
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor):
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self._param_storages:
+                seen[ptr] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.last_bytes = sum(seen.values())

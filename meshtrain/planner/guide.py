@@ -1,0 +1,131 @@
+"""The scalability guide's questions, answered with the planner's numbers.
+
+The guide (the classic "efficient training on many GPUs" decision list, e.g. Hugging Face
+Transformers' performance docs) says: fits on one device -> DDP (or ZeRO); does not fit ->
+pipeline, ZeRO or tensor parallel; largest layer does not fit -> tensor parallel or ZeRO-3;
+one device that cannot hold it -> ZeRO with offload; many nodes with fast links -> ZeRO or
+DP+PP+TP; many nodes with slow links -> DP+PP+TP with ZeRO-1. Here each question gets the
+number that decides it, the guide's family is matched against the top-ranked plan, and any
+disagreement is explained by the time component that differs most.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from meshtrain.core.plan import Plan
+from meshtrain.planner.advisor import Advice, Evaluated
+from meshtrain.planner.memory import largest_layer_bytes, memory
+from meshtrain.planner.setup import Candidate
+from meshtrain.planner.time_model import step_flops
+
+
+@dataclass(frozen=True)
+class Question:
+    question: str
+    answer: bool
+    numbers: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    questions: list
+    family: str             # the guide's recommendation in words
+    agrees: bool            # the top-ranked plan belongs to the guide's family
+    explanation: str
+
+    def to_dict(self) -> dict:
+        return {"questions": [asdict(q) for q in self.questions], "guide_recommends": self.family,
+                "agrees": self.agrees, "explanation": self.explanation}
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.0f} GB" if x >= 1e11 else f"{x / 1e9:.3g} GB"
+
+
+FAMILIES = {  # name -> (words, predicate over a candidate's Plan)
+    "ddp": ("DDP or ZeRO (data parallel only)",
+            lambda p: p.pp == 1 and p.tp == 1 and p.offload == "none"),
+    "split": ("pipeline, ZeRO or tensor parallel",
+              lambda p: p.pp > 1 or p.tp > 1 or p.zero >= 1),
+    "big-layer": ("tensor parallel or ZeRO-3", lambda p: p.tp > 1 or p.zero == 3),
+    "offload": ("ZeRO with offload", lambda p: p.offload != "none"),
+    "fast": ("ZeRO, or DP+PP+TP", lambda p: (p.pp == 1 and p.tp == 1 and p.zero >= 1)
+             or (p.pp > 1 and p.tp > 1)),
+    "slow": ("DP+PP+TP with ZeRO-1", lambda p: p.pp > 1 and p.tp > 1 and p.zero <= 1),
+}
+
+
+def questions(advice: Advice) -> tuple[list[Question], str]:
+    spec, setup, cluster = advice.spec, advice.setup, advice.cluster
+    usable = cluster.usable_mem
+    b = setup.micro_batch or 1
+    one = memory(spec, Candidate(Plan(precision=setup.precision), b, "none"), setup)
+    fits = one.total <= usable
+    qs = [Question("Does the model fit on one device?", fits,
+                   f"one device (micro-batch {b}, no recomputation) needs {_gb(one.total)}: "
+                   f"{_gb(one.model_states)} model states + {_gb(one.activations)} activations,"
+                   f" against {_gb(usable)} usable")]
+    layer = largest_layer_bytes(spec, setup)
+    layer_fits = layer <= usable
+    qs.append(Question("Does its largest layer fit on one device?", layer_fits,
+                       f"largest layer {spec.largest_layer_params / 1e6:.4g}M parameters with "
+                       f"gradient and optimizer state: {_gb(layer)} against {_gb(usable)}"))
+    many = cluster.nodes > 1
+    qs.append(Question("Does it span many nodes?", many,
+                       f"{cluster.nodes} node(s) x {cluster.gpus_per_node} devices"))
+    family = "ddp" if fits else "split" if layer_fits else "big-layer"
+    if cluster.world == 1 and not fits:
+        family = "offload"
+    if many:
+        # Fast or slow: can the inter-node link all-reduce the gradients within the backward
+        # pass of pure data parallelism (2/3 of the step's compute, Megatron 2021 §5.1)?
+        grads = spec.num_params * setup.grad_bytes
+        t_ar = cluster.collective_time("all_reduce", grads, cluster.world, cluster.world)
+        t_bwd = step_flops(spec, setup.global_batch) * 2 / 3 / cluster.world / cluster.achievable_flops
+        fast = t_ar <= t_bwd
+        qs.append(Question("Are the inter-node links fast?", fast,
+                           f"all-reducing {_gb(grads)} of gradients across {cluster.world} "
+                           f"devices at {cluster.inter_bw / 1e9:.3g} GB/s takes {t_ar:.3g} s; "
+                           f"data-parallel backward computes for {t_bwd:.3g} s"))
+        if not fits:
+            family = "fast" if fast else "slow"
+    return qs, family
+
+
+def _best_in(advice: Advice, family: str) -> Evaluated | None:
+    pred = FAMILIES[family][1]
+    return next((ev for ev in advice.ranked if pred(ev.cand.plan)), None)
+
+
+def _why(a: Evaluated, top: Evaluated) -> str:
+    parts = {"pipeline bubble": "bubble", "tensor-parallel communication": "tp_comm",
+             "pipeline communication": "pp_comm", "exposed data-parallel communication":
+             "dp_exposed", "offload traffic": "offload", "compute": "compute"}
+    diffs = {name: getattr(a.time, key) - getattr(top.time, key) for name, key in parts.items()}
+    name = max(diffs, key=diffs.get)
+    key = parts[name]
+    return (f"its {name} is {getattr(a.time, key):.3g} s against {getattr(top.time, key):.3g} s"
+            + (f" (recomputation: {a.cand.recompute})" if name == "compute" and a.cand.recompute != "none" else ""))
+
+
+def verdict(advice: Advice) -> Verdict:
+    qs, family = questions(advice)
+    words, pred = FAMILIES[family]
+    if not advice.ranked:
+        return Verdict(qs, words, False, "no plan fits, so no ranking to compare")
+    top = advice.ranked[0]
+    if pred(top.cand.plan):
+        return Verdict(qs, words, True, f"the fastest plan, {top.cand.label()}, is what the "
+                       f"guide recommends ({words})")
+    best = _best_in(advice, family)
+    if best is None:
+        smallest = [ev for ev in advice.rejected if pred(ev.cand.plan)]
+        detail = (f"; the smallest such plan, {min(smallest, key=lambda e: e.mem.total).cand.label()}"
+                  f", needs {_gb(min(e.mem.total for e in smallest))}") if smallest else ""
+        return Verdict(qs, words, False, f"the guide recommends {words}, but no such plan fits "
+                       f"or is valid here{detail}; the fastest plan is {top.cand.label()}")
+    ratio = best.time.total / top.time.total
+    return Verdict(qs, words, False,
+                   f"the guide recommends {words}; its best, {best.cand.label()}, is predicted "
+                   f"{best.time.total:.3g} s per step, {ratio:.2f}x the fastest plan "
+                   f"{top.cand.label()} ({top.time.total:.3g} s): {_why(best, top)}")

@@ -1,0 +1,75 @@
+"""The advisor's result for people (a table and the guide in words) and for programs (JSON)."""
+from __future__ import annotations
+
+import json
+
+from meshtrain.planner.advisor import Advice
+from meshtrain.planner.guide import verdict
+from meshtrain.planner.units import fmt_rate
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
+
+
+def table(advice: Advice, top: int = 10) -> str:
+    head = ("#", "plan", "params", "grads", "optim", "acts", "other", "total GB", "host GB",
+            "step s", "tokens/s", "MFU")
+    rows = [head]
+    for i, ev in enumerate(advice.ranked[:top], 1):
+        m = ev.mem
+        rows.append((str(i), ev.cand.label(), _gb(m.params), _gb(m.grads), _gb(m.optim),
+                     _gb(m.activations), _gb(m.buffers), _gb(m.total), _gb(m.host),
+                     f"{ev.time.total:.4g}", f"{ev.tokens_per_s:,.0f}", f"{ev.mfu:.1%}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in
+                       enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def words(advice: Advice) -> str:
+    spec, setup, cl = advice.spec, advice.setup, advice.cluster
+    v = verdict(advice)
+    out = [f"Model: {spec.describe()}.",
+           f"Cluster: {cl.nodes} x {cl.gpus_per_node} {cl.name} ({cl.gpu_mem / 1e9:.3g} GB, "
+           f"{cl.usable_mem / 1e9:.3g} GB usable; {fmt_rate(cl.peak_flops, 'FLOP/s')} peak, "
+           f"{cl.efficiency:.0%} achievable; intra {fmt_rate(cl.intra_bw, 'B/s')}, inter "
+           f"{fmt_rate(cl.inter_bw, 'B/s')}).",
+           f"Training: global batch {setup.global_batch} x {spec.seq} tokens, {setup.precision},"
+           f" {setup.optimizer} (K = {setup.optim_bytes} bytes/parameter).",
+           f"Considered {advice.considered} plans: {len(advice.ranked)} fit and are ranked, "
+           f"{len(advice.rejected)} predicted not to fit.", "", "The guide's questions:"]
+    for q in v.questions:
+        out.append(f"  - {q.question} {'yes' if q.answer else 'no'}: {q.numbers}.")
+    out += ["", f"The guide recommends {v.family}. "
+            + ("It agrees with the numbers: " if v.agrees else "The numbers differ: ")
+            + v.explanation + "."]
+    if advice.ranked:
+        t = advice.ranked[0].time
+        out.append(f"Fastest plan's step: compute {t.compute:.3g} s, bubble {t.bubble:.3g} s, "
+                   f"tensor-parallel {t.tp_comm:.3g} s, pipeline p2p {t.pp_comm:.3g} s, data-"
+                   f"parallel {t.dp_comm:.3g} s of which {t.dp_exposed:.3g} s exposed, offload "
+                   f"{t.offload:.3g} s.")
+    return "\n".join(out)
+
+
+def to_json(advice: Advice, top: int = 10) -> str:
+    v = verdict(advice)
+    data = {
+        "model": {"name": advice.spec.name, "params": advice.spec.num_params,
+                  "largest_layer_params": advice.spec.largest_layer_params,
+                  "layers": advice.spec.layers, "hidden": advice.spec.hidden,
+                  "heads": advice.spec.heads, "vocab": advice.spec.vocab, "seq": advice.spec.seq},
+        "cluster": {k: getattr(advice.cluster, k) for k in (
+            "name", "nodes", "gpus_per_node", "gpu_mem", "intra_bw", "inter_bw", "peak_flops",
+            "efficiency", "reserve")},
+        "setup": {k: getattr(advice.setup, k) for k in (
+            "global_batch", "micro_batch", "precision", "optimizer", "recompute",
+            "sequence_parallel")},
+        "considered": advice.considered, "fitting": len(advice.ranked),
+        "rejected": len(advice.rejected),
+        "guide": v.to_dict(),
+        "plans": [ev.to_dict() for ev in advice.ranked[:top]],
+    }
+    return json.dumps(data, indent=2)

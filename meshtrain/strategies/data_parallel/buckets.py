@@ -1,0 +1,87 @@
+"""Gradient buckets: flat buffers that own a group of parameters' gradients.
+
+A bucket holds its parameters' gradients as views into one flat buffer, so that a single
+collective moves them all (DDP all-reduces it; ZeRO-2 will reduce-scatter the same buffer).
+The protocol is small: `attach_grads`, `mark_ready` (True when the last gradient arrived),
+`launch`-ed elsewhere into `handle`, `wait`, `reset`.
+
+Buckets are filled in reverse order of the parameters' registration: backward produces the
+last layers' gradients first, so the first bucket is ready earliest and its communication
+overlaps the rest of backward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Bucket:
+    """One flat gradient buffer, the parameters whose gradients live in it, a ready set."""
+
+    def __init__(self, index: int, params: list[nn.Parameter]) -> None:
+        self.index = index
+        self.params = params
+        self.offsets: list[int] = []
+        numel = 0
+        for p in params:
+            self.offsets.append(numel)
+            numel += p.numel()
+        first = params[0]
+        self.buffer = torch.zeros(numel, dtype=first.dtype, device=first.device)
+        self._ready: set[int] = set()
+        self.handle = None  # the in-flight collective's work handle, if launched
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+    def attach_grads(self) -> None:
+        """Make each parameter's .grad a view into the buffer (autograd accumulates in place)."""
+        for i, p in enumerate(self.params):
+            view = self.grad_view(i)
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+
+    def mark_ready(self, param: nn.Parameter) -> bool:
+        """Record that `param`'s gradient is final; True once every gradient here is."""
+        self._ready.add(id(param))
+        return self.all_ready
+
+    @property
+    def all_ready(self) -> bool:
+        return len(self._ready) == len(self.params)
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+
+    def reset(self) -> None:
+        self._ready.clear()
+        self.handle = None
+
+
+def build_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket]:
+    """Group `params` (in the order given) into buckets of about `bucket_bytes` each.
+
+    A bucket closes once it reaches the cap; a parameter larger than the cap gets a bucket
+    of its own. Parameters of different dtype or device never share a bucket."""
+    buckets: list[Bucket] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in params:
+        if current and (p.dtype != current[0].dtype or p.device != current[0].device):
+            buckets.append(Bucket(len(buckets), current))
+            current, size = [], 0
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            buckets.append(Bucket(len(buckets), current))
+            current, size = [], 0
+    if current:
+        buckets.append(Bucket(len(buckets), current))
+    return buckets

@@ -1,0 +1,120 @@
+"""Checkpoints: torch.distributed.checkpoint (sharded, reshardable), written atomically.
+
+Layout of a checkpoint folder:
+    meshtrain.json     plan, step and extras, and every parameter's name and shape
+    *.distcp, .metadata   torch.distributed.checkpoint's own files (model + optimizer)
+
+Keys are the model's own parameter names (fully qualified), so a checkpoint does not depend
+on the plan that wrote it: it loads under any other plan.
+
+[Note: atomic save]
+Every rank writes into `<path>.partial`; after a barrier, rank 0 writes meshtrain.json last
+and renames the folder to `<path>` (moving an older one aside first). A crash at any point
+leaves either the previous checkpoint or the new one, never a half-written one under `path`;
+a folder without meshtrain.json is refused on load.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+META = "meshtrain.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded: missing, corrupted, or from another model."""
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def save(path, model: nn.Module, optimizer, plan, extra: dict) -> None:
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    if _rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial),
+             no_dist=not _distributed())
+    _barrier()
+    if _rank() == 0:
+        meta = {"format": 1, "plan": plan.to_dict(), "extra": extra,
+                "shapes": {k: list(v.shape) for k, v in model.state_dict().items()}}
+        tmp = partial / (META + ".tmp")
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, partial / META)
+        old = path.with_name(path.name + ".old")
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+def read_meta(path) -> dict:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path}: the folder does not exist")
+    meta_file = path / META
+    if not meta_file.exists():
+        raise CheckpointError(f"{path} is not a complete meshtrain checkpoint ({META} is "
+                              "missing: an interrupted save?); use an earlier checkpoint")
+    try:
+        return json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{meta_file} is corrupted ({exc}); use an earlier "
+                              "checkpoint") from None
+
+
+def check_shapes(meta: dict, model: nn.Module, path) -> None:
+    """Refuse, by name, a checkpoint whose parameters do not match the model's."""
+    saved = meta.get("shapes", {})
+    ours = {k: list(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(ours) - set(saved))
+    unexpected = sorted(set(saved) - set(ours))
+    changed = [f"{k}: checkpoint {saved[k]} vs model {ours[k]}"
+               for k in sorted(set(ours) & set(saved)) if saved[k] != ours[k]]
+    if missing or unexpected or changed:
+        details = "; ".join(filter(None, [
+            f"missing from checkpoint: {missing[:5]}" if missing else "",
+            f"not in model: {unexpected[:5]}" if unexpected else "",
+            f"shape differs: {changed[:5]}" if changed else ""]))
+        raise CheckpointError(f"checkpoint {path} was saved from a different model ({details}); "
+                              "build the model with the configuration it was saved with")
+
+
+def load(path, model: nn.Module, optimizer) -> dict:
+    meta = read_meta(path)
+    check_shapes(meta, model, path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    try:
+        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    except Exception as exc:  # DCP's own errors are long and deep: name the file and the fix
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {path} could not be read ({first}); it is "
+                              "corrupted or incomplete: use an earlier checkpoint") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    return meta.get("extra", {})
+
