@@ -157,24 +157,37 @@ def require_fit(advice: Advice) -> None:
             f"must divide the {spec.heads} heads and {cluster.gpus_per_node} GPUs per node; "
             f"change --global-batch or --micro-batch")
     best = min(advice.rejected, key=lambda ev: ev.mem.total)
-    need = best.mem.total
     have = cluster.usable_mem
     psi_bytes = spec.num_params * (setup.param_bytes + setup.grad_bytes + setup.optim_bytes)
-    # ZeRO-3 over N devices holds psi_bytes / N of model states (ZeRO Table 1).
-    devices = int(-(-psi_bytes // max(have - (need - best.mem.model_states), 1)))
-    hints = [f"more devices (ZeRO-3 model states alone need about {devices} of them)"]
-    if "cpu" not in {ev.cand.plan.offload for ev in advice.rejected}:
-        hints.append("a ZeRO plan with --offload cpu")
+    # ZeRO-3 over N devices holds psi_bytes / N of model states (ZeRO Table 1), beside the
+    # smallest plan's activations and buffers.
+    room = have - best.mem.activations - best.mem.buffers
+    if room > 0:
+        hints = [f"more devices (ZeRO-3 model states alone need about "
+                 f"{int(-(-psi_bytes // room))})"]
     else:
-        hints.append("more host memory for offload" if best.mem.host * cluster.gpus_per_node
-                     > cluster.host_mem else "offload (already tried: not enough)")
+        hints = [f"more devices for tensor or pipeline parallelism (this plan's activations "
+                 f"alone, {best.mem.activations / 1e9:.3g} GB, exceed a device)"]
+    offloaded = {ev.cand.plan.offload for ev in advice.rejected}
+    host_need = best.mem.host * cluster.gpus_per_node
+    if "cpu" not in offloaded:
+        hints.append("a ZeRO plan with offload to host memory")
+    elif host_need > cluster.host_mem:
+        hints.append(f"more host memory for offload (needs {host_need / 1e9:,.0f} GB per node, "
+                     f"has {cluster.host_mem / 1e9:,.0f} GB)")
     if setup.recompute in ("none", "selective"):
         hints.append("activation recomputation (--recompute full)")
     if setup.micro_batch > 1:
         hints.append("a smaller --micro-batch")
     hints.append("devices with more memory")
+    if best.mem.total <= have:
+        where = (f"fits device memory ({best.mem.total / 1e9:.3g} GB of {have / 1e9:.3g} GB) "
+                 f"only by offloading {host_need / 1e9:,.0f} GB per node to host memory, more "
+                 f"than its {cluster.host_mem / 1e9:,.0f} GB")
+    else:
+        where = (f"needs {best.mem.total / 1e9:.3g} GB per device against {have / 1e9:.3g} GB "
+                 f"usable ({best.mem.model_states / 1e9:.3g} GB model states, "
+                 f"{best.mem.activations / 1e9:.3g} GB activations)")
     raise NoPlanFits(
-        f"{spec.name} fits no plan on {cluster.nodes} x {cluster.gpus_per_node} devices of "
-        f"{have / 1e9:.3g} GB usable: the smallest, {best.cand.label()}, needs "
-        f"{need / 1e9:.3g} GB per device ({best.mem.model_states / 1e9:.3g} GB model states, "
-        f"{best.mem.activations / 1e9:.3g} GB activations). To fit, try: " + "; ".join(hints))
+        f"{spec.name} fits no plan on {cluster.nodes} x {cluster.gpus_per_node} devices: the "
+        f"smallest, {best.cand.label()}, {where}. To fit, try: " + "; ".join(hints))

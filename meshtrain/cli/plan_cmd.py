@@ -1,0 +1,117 @@
+"""`meshtrain plan`: which parallel plan fits this model on this cluster, and how fast.
+
+    meshtrain plan --model gpt2-1.3b --nodes 2 --gpus-per-node 8 --gpu A100-80GB --inter-bw 25GB/s
+    meshtrain plan --layers 48 --hidden 6144 --heads 48 --vocab 51200 --seq 2048 --json
+    meshtrain plan --calibrate            # measure this machine, save a profile
+    meshtrain plan --cluster local ...    # plan with the measured profile
+    meshtrain plan --verify               # run the top supported plans for real, compare
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="rank parallel plans for a model on a cluster (memory, step time, MFU)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model (a preset, or a raw description)")
+    m.add_argument("--model", help="preset: gpt2-124m, gpt2-350m, gpt2-1.3b, gpt3-175b, "
+                   "llama-7b, llama-70b, or a meshtrain GPT preset (tiny, small)")
+    for flag in ("layers", "hidden", "heads", "vocab"):
+        m.add_argument(f"--{flag}", type=int)
+    m.add_argument("--seq", type=int, help="sequence length (overrides the preset's)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--cluster", choices=["local"], help="'local': the calibrated profile")
+    c.add_argument("--profile", help="profile path (default ~/.cache/meshtrain/profile.json)")
+    c.add_argument("--nodes", type=int, default=1)
+    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--gpu", help="A100-40GB, A100-80GB, H100-80GB, V100-32GB")
+    c.add_argument("--gpu-mem", help="device memory, e.g. 80GB")
+    c.add_argument("--intra-bw", help="per-GPU link inside a node, e.g. 600GB/s or nvlink3")
+    c.add_argument("--inter-bw", help="per-GPU link across nodes, e.g. 25GB/s, 200Gb/s, ib-hdr")
+    c.add_argument("--peak-flops", help="peak FLOP/s per device, e.g. 312TFLOPS")
+    c.add_argument("--efficiency", type=float, help="achievable fraction of peak (default 0.5)")
+    c.add_argument("--host-mem", help="host memory per node for offload, e.g. 1TB")
+    t = p.add_argument_group("training")
+    t.add_argument("--global-batch", type=int, default=64, help="sequences per step")
+    t.add_argument("--micro-batch", type=int, default=0, help="sequences per micro-batch "
+                   "(default: the planner chooses)")
+    t.add_argument("--precision", default="bf16", help="bf16 (mixed) or fp32")
+    t.add_argument("--optimizer", default="adam", help="adam or sgd")
+    t.add_argument("--recompute", default="auto", help="auto, none, selective or full")
+    t.add_argument("--no-sequence-parallel", action="store_true")
+    o = p.add_argument_group("output and actions")
+    o.add_argument("--top", type=int, default=10, help="plans to show")
+    o.add_argument("--json", action="store_true", help="print the result as JSON")
+    o.add_argument("--calibrate", action="store_true", help="measure this machine's compute "
+                   "and collective bandwidths on local ranks; save a profile")
+    o.add_argument("--verify", action="store_true", help="run the top plans the Trainer "
+                   "supports on local ranks; compare predicted and measured")
+    o.add_argument("--nproc", type=int, default=2, help="ranks for --calibrate")
+    p.set_defaults(run=run)
+
+
+def _fail(message: str) -> int:
+    print(f"meshtrain plan: error: {message}", file=sys.stderr)
+    return 2
+
+
+def build_inputs(args):
+    """(ModelSpec, Setup, Cluster) from the parsed arguments; raises ValueError subclasses."""
+    from meshtrain.planner import hardware, model_spec
+    from meshtrain.planner.setup import Setup
+
+    raw = [getattr(args, f) for f in ("layers", "hidden", "heads", "vocab")]
+    if args.model and any(v is not None for v in raw):
+        raise ValueError("give either --model or --layers/--hidden/--heads/--vocab, not both")
+    if args.model:
+        spec = model_spec.preset(args.model, seq=args.seq)
+    elif all(v is not None for v in raw) and args.seq:
+        spec = model_spec.from_description(*raw, seq=args.seq)
+    else:
+        raise ValueError("no model: give --model PRESET (e.g. gpt2-1.3b) or all of --layers "
+                         "--hidden --heads --vocab --seq")
+    recompute = "" if args.recompute == "auto" else args.recompute
+    setup = Setup(global_batch=args.global_batch, micro_batch=args.micro_batch,
+                  precision=args.precision, optimizer=args.optimizer, recompute=recompute,
+                  sequence_parallel=not args.no_sequence_parallel)
+    extra = {"efficiency": args.efficiency} if args.efficiency is not None else {}
+    if args.host_mem:
+        from meshtrain.planner.units import parse_bytes
+        extra["host_mem"] = parse_bytes(args.host_mem)
+    if args.cluster == "local":
+        from meshtrain.planner.profile import load_profile_cluster
+        cluster = load_profile_cluster(args.profile, nodes=args.nodes, **extra)
+    else:
+        cluster = hardware.make_cluster(args.gpu, args.nodes, args.gpus_per_node, args.gpu_mem,
+                                        args.intra_bw, args.inter_bw, args.peak_flops,
+                                        precision=setup.precision, **extra)
+    return spec, setup, cluster
+
+
+def run(args) -> int:
+    from meshtrain.core.plan import PlanError
+    from meshtrain.planner.advisor import advise, require_fit
+
+    try:
+        if args.calibrate:
+            from meshtrain.planner.calibrate import calibrate_command
+            return calibrate_command(args)
+        if args.verify:
+            from meshtrain.planner.verify import verify_command
+            return verify_command(args)
+        spec, setup, cluster = build_inputs(args)
+        advice = advise(spec, setup, cluster)
+        require_fit(advice)
+    except (ValueError, PlanError, OSError) as exc:
+        return _fail(str(exc))
+    from meshtrain.planner import report
+    if args.json:
+        print(report.to_json(advice, args.top))
+    else:
+        print(report.table(advice, args.top))
+        print()
+        print(report.words(advice))
+    return 0
