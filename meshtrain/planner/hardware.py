@@ -27,16 +27,18 @@ class GPU:
     peak_bf16: float    # dense FLOP/s at 16-bit (fp16 tensor cores on V100)
     peak_fp32: float    # dense FLOP/s at fp32 without TF32
     link: str           # the intra-node link preset it ships with
+    mem_bw: float       # device memory bytes/s
 
 
 # Vendor data sheets: A100 (NVIDIA A100 Tensor Core GPU datasheet, 2021: 312 TFLOPS bf16 dense,
 # 19.5 TFLOPS fp32); H100 SXM (H100 datasheet, 2023: 989 TFLOPS bf16 dense, 67 TFLOPS fp32);
 # V100 SXM2 (V100 datasheet: 125 TFLOPS fp16 tensor core, 15.7 TFLOPS fp32; no bf16).
+# Memory bandwidth from the same sheets: 1.555 / 2.0 / 3.35 / 0.9 TB/s.
 GPUS = {
-    "A100-40GB": GPU("A100-40GB", 40e9, 312e12, 19.5e12, "nvlink3"),
-    "A100-80GB": GPU("A100-80GB", 80e9, 312e12, 19.5e12, "nvlink3"),
-    "H100-80GB": GPU("H100-80GB", 80e9, 989e12, 67e12, "nvlink4"),
-    "V100-32GB": GPU("V100-32GB", 32e9, 125e12, 15.7e12, "nvlink2"),
+    "A100-40GB": GPU("A100-40GB", 40e9, 312e12, 19.5e12, "nvlink3", 1.555e12),
+    "A100-80GB": GPU("A100-80GB", 80e9, 312e12, 19.5e12, "nvlink3", 2.0e12),
+    "H100-80GB": GPU("H100-80GB", 80e9, 989e12, 67e12, "nvlink4", 3.35e12),
+    "V100-32GB": GPU("V100-32GB", 32e9, 125e12, 15.7e12, "nvlink2", 0.9e12),
 }
 
 # Per-GPU bandwidths: NVLink 2/3/4 total per GPU 300/600/900 GB/s (NVIDIA datasheets);
@@ -96,6 +98,7 @@ class Cluster:
     inter_bw: float = 25e9          # bytes/s per GPU across nodes
     peak_flops: float = 312e12      # dense FLOP/s per device at the training precision
     efficiency: float = 0.5         # achievable / peak for transformer matmuls
+    mem_bw: float = 2.0e12          # device memory bytes/s (the optimizer step is bound by it)
     host_bw: float = 32e9           # device <-> host (offload) bytes/s per GPU
     host_mem: float = 1e12          # host bytes per node available for offload
     host_update_rate: float = 1e9   # parameters/s a node's CPUs update with Adam (offload)
@@ -108,7 +111,8 @@ class Cluster:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise HardwareError(f"--{key.replace('_', '-')} {v!r}: must be a whole number >= 1")
-        for key in ("gpu_mem", "intra_bw", "inter_bw", "peak_flops", "host_bw", "host_update_rate"):
+        for key in ("gpu_mem", "intra_bw", "inter_bw", "peak_flops", "mem_bw", "host_bw",
+                    "host_update_rate"):
             if not getattr(self, key) > 0:
                 raise HardwareError(f"{key}={getattr(self, key)!r}: must be positive")
         if not 0 < self.efficiency <= 1:
@@ -169,4 +173,5 @@ def make_cluster(gpu: str | None = None, nodes: int = 1, gpus_per_node: int = 8,
     default_peak = base.peak_bf16 if precision == "bf16" else base.peak_fp32
     peak = parse_flops(peak_flops) if isinstance(peak_flops, str) else (peak_flops or default_peak)
     return Cluster(nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem=mem, intra_bw=intra,
-                   inter_bw=inter, peak_flops=peak, name=base.name if gpu else "custom", **extra)
+                   inter_bw=inter, peak_flops=peak, mem_bw=base.mem_bw,
+                   name=base.name if gpu else "custom", **extra)

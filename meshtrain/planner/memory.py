@@ -164,14 +164,19 @@ def memory(spec: ModelSpec, cand: Candidate, setup: Setup, bucket_bytes: float |
     if cand.recompute == "full":  # backward re-runs one layer's forward: its full set is live
         acts += layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
                                        "none", setup.act_bytes)
-    # the last stage's logits; with pp == 1 they sit beside the first stage's activations
+    # the last stage's output layer: the final norm's and the projection's inputs (2 s b h
+    # elements) and the fp32 logits; with pp == 1 they sit beside the first stage's layers
+    acts += 2 * setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden / (p.tp if cand.sp else 1)
     acts += logits_bytes(spec, spec.seq, cand.micro_batch, p.tp)
-    buffers = bucket_bytes if bucket_bytes is not None else p.bucket_mb * 2**20
+    # DDP and ZeRO-1 reduce gradients in place (they are views of the flat buckets, as in
+    # PyTorch DDP with gradient_as_bucket_view and meshtrain's DDP); ZeRO-2 needs a bucket to
+    # reduce-scatter from before keeping only its shard.
+    buffers = 0.0
+    if p.zero == 2:
+        buffers = bucket_bytes if bucket_bytes is not None else p.bucket_mb * 2**20
     if p.zero == 3:  # a gathered unit and the prefetched next one, and its full gradient
         unit = spec.largest_layer_params / p.tp
         buffers += unit * (2 * setup.param_bytes + setup.grad_bytes)
-    if p.dp == 1 and p.zero == 0:
-        buffers = 0.0  # nothing to communicate
     return Memory(states.params, states.grads, states.optim, acts, buffers, states.host)
 
 

@@ -31,6 +31,7 @@ class StepTime:
     dp_comm: float          # data-parallel gradient/parameter traffic, all of it
     dp_exposed: float       # the part of dp_comm not hidden behind compute
     offload: float          # host transfers and the host optimizer step
+    optimizer: float        # the on-device optimizer step
     total: float
 
     def to_dict(self) -> dict:
@@ -165,5 +166,13 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
         shard = psi / p.dp
         t_off = shard * (setup.grad_bytes + setup.param_bytes) / cluster.host_bw
         t_off += shard * cluster.gpus_per_node / cluster.host_update_rate
-    total = pipeline + exposed + t_off
-    return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, total)
+    # The optimizer step is bound by memory bandwidth: Adam reads the parameter, gradient and
+    # K bytes of state and writes the parameter and state back (Rajbhandari et al. 2020 §3.1
+    # for K), for this rank's shard only under ZeRO-1+.
+    t_opt = 0.0
+    if p.offload == "none":
+        shard = psi / (p.dp if p.zero >= 1 else 1)
+        per_param = setup.param_bytes + setup.grad_bytes + 2 * setup.optim_bytes + setup.param_bytes
+        t_opt = shard * per_param / cluster.mem_bw
+    total = pipeline + exposed + t_off + t_opt
+    return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, t_opt, total)
