@@ -77,6 +77,16 @@ def ring_all_reduce_elements(numel: int, n: int, rank: int) -> int:
     return 2 * numel - sizes[(rank + 1) % n] - sizes[(rank + 2) % n]
 
 
+def ring_all_reduce_received_elements(numel: int, n: int, rank: int) -> int:
+    """Elements rank `rank` receives in a ring all-reduce: every chunk but its own in the
+    reduce-scatter, every chunk but the one it finished with, (rank+1) % n, in the all-gather.
+    Equal to `ring_all_reduce_elements` when n divides numel; it differs per rank otherwise."""
+    if n == 1:
+        return 0
+    sizes = ring_chunk_sizes(numel, n)
+    return 2 * numel - sizes[rank] - sizes[(rank + 1) % n]
+
+
 def ring_half_elements(numel: int, n: int, rank: int) -> int:
     """Elements sent in one ring phase (reduce-scatter or all-gather): all chunks but one."""
     if n == 1:
@@ -111,8 +121,9 @@ class Comm:
         if not self._active(axis):
             return _Done() if async_op else None
         n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
-        nbytes = ring_all_reduce_elements(tensor.numel(), n, r) * tensor.element_size()
-        self.stats.record(axis, "all_reduce", tag, nbytes, nbytes)
+        sent = ring_all_reduce_elements(tensor.numel(), n, r) * tensor.element_size()
+        received = ring_all_reduce_received_elements(tensor.numel(), n, r) * tensor.element_size()
+        self.stats.record(axis, "all_reduce", tag, sent, received)
         reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}[op]
         return dist.all_reduce(tensor, op=reduce_op, group=self.mesh.group(axis),
                                async_op=async_op)
