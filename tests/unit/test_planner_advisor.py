@@ -127,9 +127,10 @@ def test_microbatches_at_least_four_times_stages():
 
 
 def test_enumeration_is_fast_on_64_gpus():
-    start = time.perf_counter()
+    # CPU time of this process, so that other work on a shared machine does not count
+    start = time.process_time()
     a = _plan("llama-70b", nodes=8, global_batch=1024)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
     assert a.considered > 1000 and a.ranked
 
 
