@@ -1,0 +1,146 @@
+"""`meshtrain train`: train the reference GPT on local ranks (or under torchrun), then summarise.
+
+Local:    meshtrain train --nproc 2
+torchrun: torchrun --nproc-per-node 2 -m meshtrain train        (one node)
+          torchrun --nnodes 2 --node-rank K --nproc-per-node 1 \\
+                   --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m meshtrain train
+Under torchrun (RANK and WORLD_SIZE set) every rank runs the job itself and --nproc is ignored.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from meshtrain.core.plan import Plan, PlanError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train the reference GPT (default: tiny GPT, 2 ranks of DDP)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, help="local ranks to start (default 2; with --resume, "
+                                           "the run's own, or a new count: DDP over them)")
+    p.add_argument("--model", default="tiny", help="GPT preset: tiny, small, gpt2-124m, ...")
+    p.add_argument("--layers", type=int, help="override the preset's number of layers")
+    p.add_argument("--d-model", type=int, help="override the preset's width")
+    p.add_argument("--heads", type=int, help="override the preset's attention heads")
+    p.add_argument("--seq", type=int, help="override the preset's sequence length")
+    p.add_argument("--data", help="a text file or folder (default: this Python's standard "
+                                   "library source)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default 250; with --resume, "
+                                           "the run's own or a new total)")
+    p.add_argument("--batch", type=int, default=32, help="global batch in sequences")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--run-dir", help="run folder (default runs/<date-time>)")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its latest checkpoint "
+                        "(--steps may raise its step count)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    plan = p.add_argument_group("plan (default: DDP over all ranks)")
+    plan.add_argument("--dp", type=int, help="data-parallel ranks (default: all ranks)")
+    plan.add_argument("--pp", type=int, default=1)
+    plan.add_argument("--tp", type=int, default=1)
+    plan.add_argument("--zero", type=int, default=0)
+    plan.add_argument("--dp-mode", default="ddp")
+    plan.add_argument("--microbatches", type=int, default=1)
+    plan.add_argument("--schedule", default="1f1b")
+    plan.add_argument("--bucket-mb", type=float, default=4.0)
+    p.set_defaults(run=run)
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def build_config(args):
+    from meshtrain.train.run import RunConfig
+
+    if args.resume:
+        config = RunConfig.load(args.resume)
+        config.resume, config.progress = True, not args.no_progress
+        config.steps = args.steps or config.steps
+        world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
+        if world and world != Plan.from_dict(config.plan).world_size:
+            config.plan = Plan(dp=world).to_dict()  # checkpoints load under any plan
+        return config
+    world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or 2)
+    plan = Plan(dp=args.dp or max(1, world // (args.pp * args.tp)), pp=args.pp, tp=args.tp,
+                zero=args.zero, dp_mode=args.dp_mode, microbatches=args.microbatches,
+                schedule=args.schedule, bucket_mb=args.bucket_mb)
+    plan.check_world_size(world)
+    overrides = {k: v for k, v in {"n_layer": args.layers, "d_model": args.d_model,
+                                   "n_head": args.heads, "seq_len": args.seq}.items()
+                 if v is not None}
+    run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    return RunConfig(run_dir=run_dir, plan=plan.to_dict(), model=args.model,
+                     model_overrides=overrides, data=args.data, steps=args.steps or 250,
+                     batch_size=args.batch, lr=args.lr, warmup=args.warmup, seed=args.seed,
+                     eval_every=args.eval_every, ckpt_every=args.ckpt_every,
+                     progress=not args.no_progress)
+
+
+def run(args) -> int:
+    from meshtrain.launch import LaunchError, launch
+    from meshtrain.models.gpt import gpt_config
+    from meshtrain.train.run import train_rank
+    from meshtrain.train.trainer import refuse_unbuilt
+
+    try:
+        config = build_config(args)
+        plan = Plan.from_dict(config.plan)
+        refuse_unbuilt(plan)
+        gpt_config(config.model, **config.model_overrides)  # a bad preset fails here, not on N ranks
+        if plan.dp and config.batch_size % plan.dp:
+            raise PlanError(f"global batch {config.batch_size} does not split over dp="
+                            f"{plan.dp} ranks; use --batch a multiple of {plan.dp}")
+    except (PlanError, ValueError, FileNotFoundError) as exc:
+        print(f"meshtrain train: {exc}", file=sys.stderr)
+        return 2
+    Path(config.run_dir, "checkpoints").mkdir(parents=True, exist_ok=True)
+    if _under_torchrun():
+        summary = train_rank(config)
+        if int(os.environ["RANK"]) == 0:
+            print_summary(summary)
+        return 0
+    config.save()
+    print(f"meshtrain train: {plan.describe()} on {plan.world_size} local rank(s), run folder "
+          f"{config.run_dir}", file=sys.stderr)
+    try:
+        summary = launch(train_rank, nproc=plan.world_size, args=(config,))[0]
+    except LaunchError as exc:
+        print(f"meshtrain train: a rank failed; the run folder {config.run_dir} keeps the last "
+              f"checkpoint (continue with --resume {config.run_dir}).\n{exc}", file=sys.stderr)
+        return 1
+    print_summary(summary)
+    return 0
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def print_summary(s: dict) -> None:
+    ratio = s["val_loss_end"] / s["val_loss_start"]
+    lines = [
+        "",
+        f"plan          {s['plan']}, {s['steps']} steps"
+        + (f" (resumed at step {s['resumed_from']})" if s["resumed_from"] else ""),
+        f"train loss    {s['train_loss_start']:.4f} -> {s['train_loss_end']:.4f}",
+        f"val loss      {s['val_loss_start']:.4f} -> {s['val_loss_end']:.4f} ({ratio:.2f}x)",
+        f"throughput    {s['tokens_per_s']:,.0f} tokens/s (median step {s['median_step_s'] * 1e3:.1f} ms)",
+        f"communicated  {_mib(s['bytes_sent_per_step'])} sent per rank per step",
+    ]
+    for rank, m in enumerate(s["memory_per_rank"]):
+        act = _mib(m["activations"]) if m["activations"] is not None else "n/a"
+        lines.append(f"memory rank {rank}  params {_mib(m['parameters'])}, grads "
+                     f"{_mib(m['gradients'])}, optimizer {_mib(m['optimizer_states'])}, "
+                     f"activations {act}, process peak {_mib(m['peak_process'])}")
+    lines += [f"run folder    {s['run_dir']}",
+              f"checkpoint    {s['checkpoint']}", ""]
+    print("\n".join(lines))

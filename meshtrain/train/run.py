@@ -1,0 +1,199 @@
+"""One training run on the reference GPT: the job behind `meshtrain train`.
+
+`train_rank(config)` runs on every rank (started by `meshtrain.launch` or by torchrun). A run
+folder holds everything needed to understand and continue it:
+
+    config.json       the RunConfig (resume reads it back)
+    metrics.jsonl     one JSON object per step (loss, lr, tokens/s, bytes) and per evaluation
+    checkpoints/      step_XXXXXXXX/ folders (atomic, see checkpoint.py) and `latest`
+
+The batch of step s depends only on (seed, s) and the learning rate only on s, so resuming
+from the checkpoint of step s gives exactly the numbers an uninterrupted run gives.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.core.plan import Plan
+from meshtrain.data.corpus import check_fits, load_corpus
+from meshtrain.data.sampler import BatchSampler, eval_batches
+from meshtrain.models.gpt import GPT, gpt_config
+from meshtrain.train.trainer import Trainer
+
+
+@dataclass
+class RunConfig:
+    run_dir: str
+    plan: dict = field(default_factory=dict)
+    model: str = "tiny"
+    model_overrides: dict = field(default_factory=dict)
+    data: str | None = None
+    steps: int = 250
+    batch_size: int = 32          # global batch, sequences
+    lr: float = 3e-3
+    warmup: int = 30
+    weight_decay: float = 0.1
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 8
+    ckpt_every: int = 100
+    resume: bool = False
+    progress: bool = True
+
+    def save(self) -> None:
+        path = Path(self.run_dir) / "config.json"
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, run_dir) -> "RunConfig":
+        path = Path(run_dir) / "config.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{run_dir} is not a meshtrain run folder (no config.json); "
+                                    "pass the folder a previous `meshtrain train` printed")
+        return cls(**json.loads(path.read_text()))
+
+
+def learning_rate(config: RunConfig, step: int) -> float:
+    """Linear warm-up, then constant: a function of the step alone (resume-exact)."""
+    return config.lr * min(1.0, (step + 1) / max(1, config.warmup))
+
+
+def latest_checkpoint(run_dir) -> Path | None:
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.exists():
+        return None
+    return Path(run_dir) / "checkpoints" / pointer.read_text().strip()
+
+
+def _write_latest(run_dir, name: str) -> None:
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    tmp = pointer.with_suffix(".tmp")
+    tmp.write_text(name + "\n")
+    os.replace(tmp, pointer)  # atomic: `latest` always names a complete checkpoint
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def train_rank(config: RunConfig) -> dict:
+    """Train per `config` on this rank; returns the run summary (same on every rank)."""
+    from meshtrain.launch import init_distributed
+
+    if "RANK" in os.environ and not dist.is_initialized():
+        init_distributed()
+    plan = Plan.from_dict(config.plan)
+    model_config = gpt_config(config.model, **config.model_overrides)
+    corpus = load_corpus(config.data)
+    check_fits(corpus, model_config.seq_len)
+
+    torch.manual_seed(config.seed)
+    trainer = Trainer(GPT(model_config), plan, optimizer=lambda ps: torch.optim.AdamW(
+        ps, lr=config.lr, weight_decay=config.weight_decay), measure_activations=True)
+    sampler = BatchSampler(corpus.train, config.batch_size, model_config.seq_len, config.seed,
+                           trainer.dp_rank, trainer.dp_size)
+    val = eval_batches(corpus.val, max(1, config.batch_size // 2), model_config.seq_len,
+                       config.eval_batches)
+    is_main = _rank() == 0
+    metrics = _Metrics(Path(config.run_dir) / "metrics.jsonl", enabled=is_main)
+
+    start, first = 0, {}
+    ckpt = latest_checkpoint(config.run_dir) if config.resume else None
+    if ckpt is not None:
+        extra = trainer.load(ckpt)
+        start, first = trainer.steps_done, extra.get("first", {})
+        metrics.truncate_after(start)  # steps past the checkpoint are redone
+    if not first:
+        first = {"val_loss": trainer.evaluate(val)}
+        metrics.write({"step": 0, "val_loss": first["val_loss"]})
+
+    tokens_per_step = config.batch_size * model_config.seq_len
+    bar = _progress(start, config.steps, enabled=is_main and config.progress)
+    loss, t_start = float("nan"), time.perf_counter()
+    step_times, step_bytes = [], []
+    for step in range(start, config.steps):
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = learning_rate(config, step)
+        before = trainer.comm.stats.total()
+        t0 = time.perf_counter()
+        loss = trainer.step(*sampler.batch(step))
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        sent = trainer.comm.stats.total().sent - before.sent
+        step_bytes.append(sent)
+        first.setdefault("train_loss", loss)
+        metrics.write({"step": step + 1, "loss": loss, "lr": learning_rate(config, step),
+                       "step_s": dt, "tokens_per_s": tokens_per_step / dt, "bytes_sent": sent})
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+        done = step + 1
+        if done % config.eval_every == 0 and done < config.steps:
+            metrics.write({"step": done, "val_loss": trainer.evaluate(val)})
+        if done % config.ckpt_every == 0 or done == config.steps:
+            _checkpoint(trainer, config, done, first)
+    bar.close()
+
+    final_val = trainer.evaluate(val)
+    metrics.write({"step": config.steps, "val_loss": final_val})
+    memory = _gather(trainer.memory_report().to_dict())
+    timed = step_times[min(3, len(step_times) // 2):]  # skip warm-up steps
+    median = sorted(timed)[len(timed) // 2] if timed else float("nan")
+    return {
+        "run_dir": str(Path(config.run_dir).resolve()), "plan": plan.describe(),
+        "steps": config.steps, "resumed_from": start,
+        "train_loss_start": first.get("train_loss"), "train_loss_end": loss,
+        "val_loss_start": first["val_loss"], "val_loss_end": final_val,
+        "median_step_s": median, "tokens_per_s": tokens_per_step / median,
+        "bytes_sent_per_step": sum(step_bytes) / max(1, len(step_bytes)), "memory_per_rank": memory,
+        "wall_s": time.perf_counter() - t_start,
+        "checkpoint": str(latest_checkpoint(config.run_dir)),
+    }
+
+
+def _checkpoint(trainer: Trainer, config: RunConfig, step: int, first: dict) -> None:
+    name = f"step_{step:08d}"
+    trainer.save(Path(config.run_dir) / "checkpoints" / name, extra={"first": first})
+    if _rank() == 0:
+        _write_latest(config.run_dir, name)
+        for old in sorted((Path(config.run_dir) / "checkpoints").glob("step_*"))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)  # keep the last two
+
+
+def _gather(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class _Metrics:
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path, self.enabled = path, enabled
+
+    def truncate_after(self, step: int) -> None:
+        if self.enabled and self.path.exists():
+            keep = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= step]
+            self.path.write_text("".join(line + "\n" for line in keep))
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def _progress(start: int, total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", disable=not enabled,
+                file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
