@@ -11,6 +11,12 @@ killed by the known gloo teardown abort (SIGABRT after training finished) cannot
 finished result: if every rank has written one, `launch` returns them and warns about the
 abort. A rank that fails earlier makes `launch` raise `LaunchError` with that rank's
 traceback; the elastic agent then stops the other workers, so none is left hanging.
+
+[Note: the first failure is often an echo]
+When `fn` raises on one rank, its peers' next collective fails with "connection closed" and
+can exit before it does; the agent then reports only the echo and terminates the rank that
+raised, losing its traceback. So a worker whose `fn` raises writes its traceback to a file
+first (as results are), and `LaunchError` lists those before the agent's failures.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import logging
 import os
 import pickle
 import tempfile
+import traceback
 import uuid
 import warnings
 from datetime import timedelta
@@ -66,8 +73,12 @@ def _worker(ref, payload: bytes, result_dir: str):
         init_distributed()
         fn = resolve_function(ref)
         args, kwargs = pickle.loads(payload)
-        result = fn(*args, **kwargs)
         rank = int(os.environ["RANK"])
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:  # see [Note: the first failure is often an echo]
+            (Path(result_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+            raise
         tmp = Path(result_dir) / f"rank{rank}.tmp"
         tmp.write_bytes(pickle.dumps(result))
         tmp.replace(Path(result_dir) / f"rank{rank}.pkl")
@@ -102,13 +113,14 @@ def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
         except ChildFailedError as err:
             failure = err
         results = _read_results(Path(result_dir), nproc)
+        raised = _read_raised(Path(result_dir))
     if failure is None or all(r is not _MISSING for r in results):
         if failure is not None:
             warnings.warn(f"a rank ended abnormally after returning its result (the known "
                           f"gloo teardown abort); results kept:\n{_failure_text(failure)}",
                           RuntimeWarning, stacklevel=2)
         return results
-    raise LaunchError(_failure_text(failure)) from None
+    raise LaunchError(_failure_text(failure, raised)) from None
 
 
 _MISSING = object()
@@ -122,10 +134,20 @@ def _read_results(folder: Path, nproc: int) -> list:
     return out
 
 
-def _failure_text(err) -> str:
-    lines = []
+def _read_raised(folder: Path) -> dict[int, str]:
+    """Tracebacks of the ranks whose `fn` raised, earliest first."""
+    files = sorted(folder.glob("rank*.err"), key=lambda f: f.stat().st_mtime_ns)
+    return {int(f.stem[len("rank"):]): f.read_text() for f in files}
+
+
+def _failure_text(err, raised: dict[int, str] | None = None) -> str:
+    raised = raised or {}
+    lines = [f"rank {rank} failed (raised in the launched function):\n{text}"
+             for rank, text in raised.items()]
     # earliest first: a rank's error is often the echo of a peer that failed before it
     for rank, failure in sorted(err.failures.items(), key=lambda kv: kv[1].timestamp):
+        if rank in raised:
+            continue
         message = failure.message
         if isinstance(message, dict):  # @record's error file: {"message": ..., "extraInfo": {...}}
             info = message.get("extraInfo", {})
