@@ -104,6 +104,8 @@ def run(args) -> int:
         return 2
     Path(config.run_dir, "checkpoints").mkdir(parents=True, exist_ok=True)
     if _under_torchrun():
+        if int(os.environ["RANK"]) == 0:
+            config.save()
         summary = train_rank(config)
         if int(os.environ["RANK"]) == 0:
             print_summary(summary)

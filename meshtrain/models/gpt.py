@@ -61,7 +61,7 @@ class GPTConfig:
         d, b, h = self.d_model, int(self.bias), self.mlp_ratio * self.d_model
         layer_norm = d * (1 + b)
         embed = (self.vocab_size + self.seq_len) * d
-        attn = 4 * (d * d + d * b)                  # q, k, v, proj
+        attn = 4 * d * d + 3 * d * b                # q, k, v, proj (k has no bias)
         mlp = d * h + h * b + h * d + d * b         # fc, proj
         block = 2 * layer_norm + attn + mlp
         head = layer_norm + d * self.vocab_size     # ln_f, lm_head (no bias)
@@ -72,7 +72,8 @@ class GPTConfig:
 # `gpt2-medium` configs): vocab 50257, context 1024. "gpt2-1.3b" is GPT-3 XL (Brown et al. 2020,
 # Table 2.1: 24 layers, d_model 2048, d_head 128, context 2048); the paper's "24 heads" does not
 # divide 2048 by 128, so we take 16 heads of 128. Counts differ from the papers' because
-# lm_head is untied here (e.g. gpt2-124m: 124,439,808 tied + 38,597,376 = 163,037,184).
+# lm_head is untied and the key projection has no bias here (e.g. gpt2-124m: 124,439,808 tied
+# + 38,597,376 untied lm_head - 12 * 768 key biases = 163,027,968).
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128),
     "small": GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256),
@@ -122,7 +123,10 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head                # of the whole model, for printing
         self.head_dim = config.head_dim
         self.q = nn.Linear(d, d, bias=config.bias)
-        self.k = nn.Linear(d, d, bias=config.bias)
+        # No key bias, ever: it adds q.b to every score of a query, which softmax cancels, so
+        # its true gradient is 0 and Adam would turn the round-off there into lr-sized steps
+        # that differ between any two ways of computing the same batch.
+        self.k = nn.Linear(d, d, bias=False)
         self.v = nn.Linear(d, d, bias=config.bias)
         self.proj = nn.Linear(d, d, bias=config.bias)
 

@@ -106,6 +106,11 @@ def check_shapes(meta: dict, model: nn.Module, path) -> None:
 def load(path, model: nn.Module, optimizer) -> dict:
     meta = read_meta(path)
     check_shapes(meta, model, path)
+    # get_state_dict creates a fresh optimizer's state (the slots to load into) only when no
+    # parameter holds a gradient; DDP's bucket views would make it skip that silently and
+    # leave the optimizer state unloaded. The caller re-attaches its gradients afterwards.
+    for p in model.parameters():
+        p.grad = None
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     try:

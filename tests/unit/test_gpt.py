@@ -32,8 +32,9 @@ def test_num_params_matches_module_on_meta_device(name):
 
 
 def test_gpt2_124m_count_matches_published_value():
-    # nanoGPT's GPT-2 124M with tied lm_head: 124,439,808; ours is untied (+ 50257 * 768).
-    assert PRESETS["gpt2-124m"].num_params() == 124_439_808 + 50257 * 768
+    # nanoGPT's GPT-2 124M with tied lm_head: 124,439,808; ours is untied (+ 50257 * 768) and
+    # has no key bias (- 12 layers * 768).
+    assert PRESETS["gpt2-124m"].num_params() == 124_439_808 + 50257 * 768 - 12 * 768
 
 
 def test_config_errors_name_value_and_fix():
@@ -94,6 +95,7 @@ def test_too_long_input_rejected():
 def _sliced(linear: nn.Linear, rows=None, cols=None, keep_bias=True) -> nn.Linear:
     w = linear.weight[rows if rows is not None else slice(None)]
     w = w[:, cols] if cols is not None else w
+    keep_bias = keep_bias and linear.bias is not None
     out = nn.Linear(w.shape[1], w.shape[0], bias=keep_bias)
     with torch.no_grad():
         out.weight.copy_(w)

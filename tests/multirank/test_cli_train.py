@@ -1,0 +1,81 @@
+"""`meshtrain train` end to end: torchrun across two node agents, resume, bad input."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SMALL = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "32", "--batch", "8",
+         "--no-progress", "--eval-every", "3", "--ckpt-every", "3"]
+BIN = Path(sys.executable).parent
+
+
+def meshtrain(*args, timeout=120):
+    return subprocess.run([str(BIN / "meshtrain"), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir) -> list[tuple]:
+    return [(m["step"], round(m.get("loss", m.get("val_loss")), 5)) for m in metrics(run_dir)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    run = tmp_path_factory.mktemp("one") / "run"
+    out = meshtrain("train", "--nproc", "1", "--steps", "6", "--run-dir", str(run), *SMALL)
+    assert out.returncode == 0, out.stderr
+    return run
+
+
+def test_two_node_agents_under_torchrun_match_one_process(one_process, tmp_path):
+    run, port = tmp_path / "run", free_port()
+    cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "-m", "meshtrain", "train", "--steps", "6", "--run-dir", str(run), *SMALL]
+    nodes = [subprocess.Popen(cmd[:1] + ["--node-rank", str(k)] + cmd[1:], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for k in range(2)]
+    outs = [n.communicate(timeout=120) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    assert "Plan(dp=2)" in outs[0][0] + outs[1][0]
+    assert losses(run) == losses(one_process)
+
+
+def test_resume_gives_the_numbers_of_an_uninterrupted_run(one_process, tmp_path):
+    run = tmp_path / "run"
+    first = meshtrain("train", "--nproc", "2", "--steps", "3", "--run-dir", str(run), *SMALL)
+    assert first.returncode == 0, first.stderr
+    resumed = meshtrain("train", "--resume", str(run), "--steps", "6", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed at step 3" in resumed.stdout
+    assert losses(run) == losses(one_process)
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "2", "--dp", "4"], "needs dp*pp*tp = 4 ranks but the world has 2"),
+    (["--nproc", "2", "--pp", "2"], "pipeline schedules are not available yet"),
+    (["--model", "gpt5"], "unknown"),
+    (["--nproc", "2", "--batch", "7"], "does not split over dp=2"),
+    (["--resume", "/nonexistent/run"], "not a meshtrain run folder"),
+])
+def test_bad_input_is_refused_with_a_clear_message(args, message, tmp_path, capsys):
+    from meshtrain.cli.main import main
+
+    assert main(["train", "--run-dir", str(tmp_path / "r"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
