@@ -1,0 +1,1 @@
+"""Benchmarks: meshtrain's strategies side by side with PyTorch's own, in one run, as ratios."""

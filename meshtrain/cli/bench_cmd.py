@@ -1,0 +1,38 @@
+"""`meshtrain bench`: meshtrain's strategies against PyTorch's own, side by side, as ratios."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark a strategy against PyTorch's own implementation")
+    p.add_argument("strategy", choices=["ddp"], help="what to benchmark")
+    p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (2 4)")
+    p.add_argument("--model", default="small", help="GPT preset (small: PEERS.md's shape)")
+    p.add_argument("--batch", type=int, default=16, help="global batch")
+    p.add_argument("--steps", type=int, default=15, help="timed steps per repetition")
+    p.add_argument("--reps", type=int, default=3, help="repetitions (median taken)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--bucket-mb", type=float, default=4.0)
+    p.add_argument("--json", metavar="FILE", help="also write the full result as JSON")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from meshtrain.bench import ddp
+
+    for world in args.world:
+        if world < 2 or args.batch % world:
+            print(f"meshtrain bench: world {world} needs to be >= 2 and divide the global "
+                  f"batch {args.batch}", file=sys.stderr)
+            return 2
+    result = ddp.run(worlds=args.world, model_name=args.model, global_batch=args.batch,
+                     steps=args.steps, reps=args.reps, warmup=args.warmup,
+                     bucket_mb=args.bucket_mb,
+                     progress=lambda msg: print(msg, file=sys.stderr))
+    print(ddp.format_report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
