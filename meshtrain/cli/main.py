@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> module under meshtrain.cli; each module defines add_parser(subparsers) and run(args)
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("meshtrain: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading
+        sys.stdout = open(os.devnull, "w")
+        return 0
 
 
 if __name__ == "__main__":
