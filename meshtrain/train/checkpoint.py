@@ -115,11 +115,20 @@ def load(path, model: nn.Module, optimizer) -> dict:
     state = {"model": model_sd, "optim": optim_sd}
     try:
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
-    except Exception as exc:  # DCP's own errors are long and deep: name the file and the fix
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint {path} could not be read ({first}); it is "
-                              "corrupted or incomplete: use an earlier checkpoint") from None
+    # DCP's own errors are long and deep: name the file and the fix. Its CheckpointException
+    # (what a corrupted shard raises) derives from BaseException, not Exception.
+    except (Exception, dcp.CheckpointException) as exc:
+        raise CheckpointError(f"checkpoint {path} could not be read ({_root_cause(exc)}); it "
+                              "is corrupted or incomplete: use an earlier checkpoint") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     return meta.get("extra", {})
 
+
+def _root_cause(exc: BaseException) -> str:
+    """One line: the first rank's own exception, unwrapped from DCP's CheckpointException
+    (whose text is a traceback per rank)."""
+    if isinstance(exc, dcp.CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
