@@ -18,12 +18,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 META = "meshtrain.json"
 
@@ -52,12 +55,15 @@ def save(path, model: nn.Module, optimizer, plan, extra: dict) -> None:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
+    has_optimizer_state = bool(optimizer.state)  # False before the first optimizer step
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial),
-             no_dist=not _distributed())
+    state = {"model": model_sd, "optim": optim_sd} if has_optimizer_state else {"model": model_sd}
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed())
     _barrier()
     if _rank() == 0:
         meta = {"format": 1, "plan": plan.to_dict(), "extra": extra,
+                "has_optimizer_state": has_optimizer_state,
                 "shapes": {k: list(v.shape) for k, v in model.state_dict().items()}}
         tmp = partial / (META + ".tmp")
         tmp.write_text(json.dumps(meta, indent=1))
@@ -112,17 +118,31 @@ def load(path, model: nn.Module, optimizer) -> dict:
     for p in model.parameters():
         p.grad = None
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    with_optimizer = meta.get("has_optimizer_state", True)
+    state = {"model": model_sd, "optim": optim_sd} if with_optimizer else {"model": model_sd}
     try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
     # DCP's own errors are long and deep: name the file and the fix. Its CheckpointException
     # (what a corrupted shard raises) derives from BaseException, not Exception.
     except (Exception, dcp.CheckpointException) as exc:
         raise CheckpointError(f"checkpoint {path} could not be read ({_root_cause(exc)}); it "
                               "is corrupted or incomplete: use an earlier checkpoint") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    if with_optimizer:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    else:  # saved before the first step: the optimizer starts fresh, as it did then
+        set_model_state_dict(model, state["model"])
+        optimizer.state.clear()  # get_state_dict filled it with placeholder slots
     return meta.get("extra", {})
+
+
+@contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes one process even when told so (no_dist=True)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _root_cause(exc: BaseException) -> str:
