@@ -82,7 +82,7 @@ def one_process_rank(model_name: str, global_batch: int, steps: int, reps: int,
 
 
 def run(worlds=(2, 4), model_name: str = "small", global_batch: int = 16, steps: int = 15,
-        reps: int = 3, warmup: int = 3, bucket_mb: float = 4.0, progress=print) -> dict:
+        reps: int = 3, warmup: int = 3, bucket_mb: float = Plan().bucket_mb, progress=print) -> dict:
     """The whole benchmark; returns medians (seconds per step) and ratios."""
     from meshtrain.launch import launch
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
+from meshtrain.core.plan import Plan
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a strategy against PyTorch's own implementation")
@@ -14,7 +16,7 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=15, help="timed steps per repetition")
     p.add_argument("--reps", type=int, default=3, help="repetitions (median taken)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--bucket-mb", type=float, default=4.0)
+    p.add_argument("--bucket-mb", type=float, default=Plan().bucket_mb)
     p.add_argument("--json", metavar="FILE", help="also write the full result as JSON")
     p.set_defaults(run=run)
 

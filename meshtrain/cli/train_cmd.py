@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
     plan.add_argument("--dp-mode", default="ddp")
     plan.add_argument("--microbatches", type=int, default=1)
     plan.add_argument("--schedule", default="1f1b")
-    plan.add_argument("--bucket-mb", type=float, default=4.0)
+    plan.add_argument("--bucket-mb", type=float, default=Plan().bucket_mb)
     p.set_defaults(run=run)
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 META = "meshtrain.json"
 
@@ -56,8 +56,11 @@ def save(path, model: nn.Module, optimizer, plan, extra: dict) -> None:
         partial.mkdir(parents=True)
     _barrier()
     has_optimizer_state = bool(optimizer.state)  # False before the first optimizer step
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd} if has_optimizer_state else {"model": model_sd}
+    if has_optimizer_state:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:  # get_state_dict would fill the empty optimizer with placeholder state (a step)
+        state = {"model": get_model_state_dict(model)}
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed())
     _barrier()
@@ -112,14 +115,17 @@ def check_shapes(meta: dict, model: nn.Module, path) -> None:
 def load(path, model: nn.Module, optimizer) -> dict:
     meta = read_meta(path)
     check_shapes(meta, model, path)
-    # get_state_dict creates a fresh optimizer's state (the slots to load into) only when no
-    # parameter holds a gradient; DDP's bucket views would make it skip that silently and
-    # leave the optimizer state unloaded. The caller re-attaches its gradients afterwards.
-    for p in model.parameters():
-        p.grad = None
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     with_optimizer = meta.get("has_optimizer_state", True)
-    state = {"model": model_sd, "optim": optim_sd} if with_optimizer else {"model": model_sd}
+    if with_optimizer:
+        # get_state_dict creates a fresh optimizer's state (the slots to load into) only when
+        # no parameter holds a gradient, else it silently leaves the optimizer unloaded.
+        # The caller starts its next step with fresh gradients anyway.
+        for p in model.parameters():
+            p.grad = None
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:  # saved before the first step: the optimizer starts fresh, as it did then
+        state = {"model": get_model_state_dict(model)}
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
@@ -131,9 +137,8 @@ def load(path, model: nn.Module, optimizer) -> dict:
     if with_optimizer:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-    else:  # saved before the first step: the optimizer starts fresh, as it did then
+    else:
         set_model_state_dict(model, state["model"])
-        optimizer.state.clear()  # get_state_dict filled it with placeholder slots
     return meta.get("extra", {})
 
 

@@ -90,11 +90,10 @@ class Trainer:
                 loss = self._forward_loss(x, y) / len(micro_inputs)
                 loss.backward()
             loss_sum += loss.detach()
-        ddp.finish_gradient_sync()
-        mean_loss = ddp.step_statistics(loss_sum, count=1)
+        mean_loss = ddp.finish_gradient_sync(loss_sum)
         self.optimizer.step()
         self.steps_done += 1
-        return float(mean_loss)
+        return mean_loss
 
     def _forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.activations is None:
@@ -127,7 +126,7 @@ class Trainer:
         """Restore model and optimizer from `path` (saved under any plan); returns its extras."""
         extra = checkpoint.load(path, self.model, self.optimizer)
         self.steps_done = int(extra.get("steps_done", 0))
-        self.data_parallel.zero_grad()  # loading replaced .grad tensors: re-attach the buckets
+        self.data_parallel.zero_grad()  # loading touched .grad: start the next step clean
         return extra
 
     def memory_report(self) -> MemoryReport:

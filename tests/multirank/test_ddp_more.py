@@ -68,8 +68,8 @@ def test_buckets_overlap_backward_and_move_ring_bytes(world, microbatches):
         for step in res["steps"]:
             # one all-reduce per bucket per step, however many micro-batches (no_sync)
             assert step["grad"] == {"calls": len(numels), "sent": sent, "received": received}
-            # plus exactly one small all-reduce (loss, count, used flags), and nothing else
-            stats_numel = 2 + len(list(GPT(CONFIG).parameters()))
+            # plus exactly one small all-reduce (loss, used flags), and nothing else
+            stats_numel = 1 + len(list(GPT(CONFIG).parameters()))
             assert step["step"]["calls"] == 1
             assert step["step"]["sent"] == ring_all_reduce_elements(stats_numel, world, rank) * 4
             assert step["everything"]["calls"] == len(numels) + 1

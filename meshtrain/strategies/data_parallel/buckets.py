@@ -2,8 +2,9 @@
 
 A bucket holds its parameters' gradients as views into one flat buffer, so that a single
 collective moves them all (DDP all-reduces it; ZeRO-2 will reduce-scatter the same buffer).
-The protocol is small: `attach_grads`, `mark_ready` (True when the last gradient arrived),
-`launch`-ed elsewhere into `handle`, `wait`, `reset`.
+The protocol is small: `absorb` (move a freshly computed .grad into the buffer and make .grad
+a view of it), `mark_ready` (True when the last gradient arrived), `launch`-ed elsewhere into
+`handle`, `wait`, `reset`.
 
 Buckets are filled in reverse order of the parameters' registration: backward produces the
 last layers' gradients first, so the first bucket is ready earliest and its communication
@@ -42,9 +43,21 @@ class Bucket:
     def attach_grads(self) -> None:
         """Make each parameter's .grad a view into the buffer (autograd accumulates in place)."""
         for i, p in enumerate(self.params):
-            view = self.grad_view(i)
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                p.grad = view
+            self.absorb(i, p)
+
+    def absorb(self, i: int, param: nn.Parameter) -> None:
+        """Make `param.grad` (the i-th here) a view into the buffer, copying in the gradient
+        autograd just produced if it is not one already. Later accumulations then add into
+        the buffer in place; copying the first saves zeroing the buffer every step."""
+        view = self.grad_view(i)
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+        else:
+            return
+        param.grad = view
 
     def mark_ready(self, param: nn.Parameter) -> bool:
         """Record that `param`'s gradient is final; True once every gradient here is."""

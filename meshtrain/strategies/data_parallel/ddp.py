@@ -2,7 +2,8 @@
 
 Every data-parallel rank holds the whole model. At start, parameters are broadcast from dp
 rank 0 so that all replicas begin identical. During backward, a hook on each parameter
-marks its gradient ready; the moment a bucket's last gradient is ready its all-reduce
+moves its gradient into its bucket and marks it ready; the moment a bucket's last gradient
+is ready its all-reduce
 (average over dp) is launched asynchronously, so communication overlaps the rest of
 backward. `finish_gradient_sync` launches what is left and waits.
 
@@ -15,7 +16,8 @@ order: a ready bucket waits until every bucket before it has been launched.
 A parameter unused in a step gets no hook call; its bucket is launched at the end (its slice
 is zero). A parameter unused on *every* rank gets `.grad = None` before the optimizer step,
 so the optimizer skips it exactly as it would in one process. Which parameters were used is
-agreed on in `step_statistics`, the one small all-reduce per step that also carries the loss.
+agreed on in `finish_gradient_sync`, by the one small all-reduce per step that also carries
+the loss; it is queued behind the buckets and waited for with them.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ class DDP:
         broadcast_module(model, comm, axis)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buckets: list[Bucket] = build_buckets(self.params[::-1], bucket_mb * 2**20)
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._used: set[int] = set()
         self._next_launch = 0
         self._sync = True
@@ -54,10 +56,10 @@ class DDP:
 
     # ---- the step -----------------------------------------------------------------------
     def zero_grad(self) -> None:
-        """Zero the buckets and make every .grad a view into them again."""
+        """Start a step: no gradients yet (each lands in its bucket as backward makes it)."""
+        for p in self.params:
+            p.grad = None
         for b in self.buckets:
-            b.buffer.zero_()
-            b.attach_grads()
             b.reset()
         self._used.clear()
         self._next_launch = 0
@@ -74,9 +76,10 @@ class DDP:
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         self._used.add(id(param))
+        bucket, i = self._slot[id(param)]
+        bucket.absorb(i, param)
         if not self._sync:
             return
-        bucket = self._bucket_of[id(param)]
         self.events.append(("ready", bucket.index, time.perf_counter()))
         if bucket.mark_ready(param):
             self._launch_in_order(final=False)
@@ -91,26 +94,28 @@ class DDP:
             self.events.append(("launch", bucket.index, time.perf_counter()))
             self._next_launch += 1
 
-    def finish_gradient_sync(self) -> None:
-        """After the last backward: launch the buckets still waiting, then wait for all."""
+    def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
+        """After the last backward: launch the buckets still waiting and the step's statistics
+        (this rank's loss, which parameters it used), wait for all; return the global mean loss.
+        """
         self.events.append(("backward_end", -1, time.perf_counter()))
+        for p in self.params:
+            if id(p) not in self._used:  # no gradient here: its slice must be zero
+                bucket, i = self._slot[id(p)]
+                bucket.absorb(i, p)
         self._launch_in_order(final=True)
+        used = [id(p) in self._used for p in self.params]
+        stats = torch.tensor([float(local_loss), *used], device=local_loss.device)
+        stats_handle = self.comm.all_reduce(stats, self.axis, op="sum", tag="step",
+                                            async_op=True)
         for bucket in self.buckets:
             bucket.wait()
+        stats_handle.wait()
         self.events.append(("synced", -1, time.perf_counter()))
-
-    def step_statistics(self, loss_sum: torch.Tensor, count: int) -> torch.Tensor:
-        """One small all-reduce for the step: global mean loss, and which parameters any
-        rank used (see [Note: parameters without a gradient]). Returns the mean loss."""
-        used = torch.tensor([id(p) in self._used for p in self.params], dtype=torch.float32,
-                            device=loss_sum.device)
-        stats = torch.cat([loss_sum.detach().reshape(1).float(),
-                           torch.tensor([float(count)], device=loss_sum.device), used])
-        self.comm.all_reduce(stats, self.axis, op="sum", tag="step")
-        for p, users in zip(self.params, stats[2:].tolist()):
+        for p, users in zip(self.params, stats[1:].tolist()):
             if users == 0:
                 p.grad = None
-        return stats[0] / stats[1]
+        return stats[0].item() / self.comm.mesh.size(self.axis)
 
     # ---- accounting ---------------------------------------------------------------------
     @property
