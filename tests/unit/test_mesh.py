@@ -103,7 +103,11 @@ def test_dtypes_never_share_a_bucket():
 def test_grad_views_share_the_bucket_storage():
     params = _params((3, 4), (5,), (2, 3))
     (bucket,) = build_buckets(params, bucket_bytes=2**30)
-    bucket.attach_grads()
+    params[1].grad = torch.full((5,), 7.0)  # a gradient autograd produced: copied in
+    for i, p in enumerate(params):
+        bucket.absorb(i, p)
+    torch.testing.assert_close(bucket.buffer[12:17], torch.full((5,), 7.0), rtol=0, atol=0)
+    bucket.buffer.zero_()
     for i, p in enumerate(params):
         assert p.grad.shape == p.shape
         assert p.grad.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()

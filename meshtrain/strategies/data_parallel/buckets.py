@@ -40,11 +40,6 @@ class Bucket:
         p = self.params[i]
         return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
 
-    def attach_grads(self) -> None:
-        """Make each parameter's .grad a view into the buffer (autograd accumulates in place)."""
-        for i, p in enumerate(self.params):
-            self.absorb(i, p)
-
     def absorb(self, i: int, param: nn.Parameter) -> None:
         """Make `param.grad` (the i-th here) a view into the buffer, copying in the gradient
         autograd just produced if it is not one already. Later accumulations then add into
