@@ -59,7 +59,8 @@ def questions(advice: Advice) -> tuple[list[Question], str]:
     spec, setup, cluster = advice.spec, advice.setup, advice.cluster
     usable = cluster.usable_mem
     b = setup.micro_batch or 1
-    one = memory(spec, Candidate(Plan(precision=setup.precision), b, "none"), setup)
+    one = memory(spec, Candidate(Plan(precision=setup.precision), b, "none"), setup,
+                 runtime=(cluster.runtime_fixed, cluster.runtime_per_act))
     fits = one.total <= usable
     qs = [Question("Does the model fit on one device?", fits,
                    f"one device (micro-batch {b}, no recomputation) needs {_gb(one.total)}: "

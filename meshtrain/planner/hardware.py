@@ -103,6 +103,11 @@ class Cluster:
     host_mem: float = 1e12          # host bytes per node available for offload
     host_update_rate: float = 1e9   # parameters/s a node's CPUs update with Adam (offload)
     reserve: float = 0.1            # fraction of device memory kept for context/fragmentation
+    # Calibrated on a local profile (`meshtrain plan --calibrate`); presets keep the defaults:
+    runtime_fixed: float = 0.0      # bytes of a rank's working memory outside tensors
+    runtime_per_act: float = 0.0    # ... and more per byte of saved activations
+    optimizer_rate: float = 0.0     # parameters/s the optimizer step updates (0: from mem_bw)
+    overlap: float = 1.0            # fraction of hideable gradient traffic really hidden
     name: str = "custom"
     curves: dict = field(default_factory=dict, compare=False)  # collective -> Curve (calibrated)
 
@@ -117,6 +122,8 @@ class Cluster:
                 raise HardwareError(f"{key}={getattr(self, key)!r}: must be positive")
         if not 0 < self.efficiency <= 1:
             raise HardwareError(f"efficiency={self.efficiency!r}: must be in (0, 1]")
+        if not 0 <= self.overlap <= 1:
+            raise HardwareError(f"overlap={self.overlap!r}: must be in [0, 1]")
         if not 0 <= self.reserve < 1:
             raise HardwareError(f"reserve={self.reserve!r}: must be in [0, 1)")
 

@@ -38,17 +38,26 @@ class Memory:
     activations: float
     buffers: float
     host: float
+    transient: float = 0.0      # backward's working tensors at the peak (derived)
+    runtime: float = 0.0        # the process's working memory outside tensors (calibrated)
 
     @property
     def model_states(self) -> float:
         return self.params + self.grads + self.optim
 
     @property
+    def allocated(self) -> float:
+        """Peak bytes of live tensors: states, saved activations, buffers, transients."""
+        return self.model_states + self.activations + self.buffers + self.transient
+
+    @property
     def total(self) -> float:
-        return self.model_states + self.activations + self.buffers
+        """Peak bytes the rank's process needs: tensors plus the runtime's own working memory."""
+        return self.allocated + self.runtime
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "model_states": self.model_states, "total": self.total}
+        return {**asdict(self), "model_states": self.model_states, "allocated": self.allocated,
+                "total": self.total}
 
 
 def model_states(psi: float, setup: Setup, zero: int = 0, dp: int = 1,
@@ -151,8 +160,34 @@ def logits_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int) -> float:
     return 4 * seq * micro_batch * spec.vocab / tp
 
 
-def memory(spec: ModelSpec, cand: Candidate, setup: Setup, bucket_bytes: float | None = None) -> Memory:
-    """Device memory on the busiest rank of `cand`, and what offload puts on the host."""
+def transient_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
+    """Working tensors that exist beside the saved activations at the step's peak (derived).
+
+    The peak falls as backward starts, when every saved activation is still alive. Then:
+    - the cross-entropy's gradient w.r.t. the log-probabilities and the log-softmax
+      backward's gradient w.r.t. the logits, both fp32 and logits-shaped: 2 x 4 s b V / t;
+    - one freshly produced parameter gradient before it is copied into its DDP bucket (the
+      "absorb" transient; also the size of a single-tensor AdamW temporary): the largest
+      weight matrix's gradient, grad_bytes x largest_tensor_params / t.
+    Checked against the CPU allocator's exact peak (torch.profiler profile_memory) for
+    meshtrain's GPT: exact when an h x 4h matrix is the largest (the absorb transient then
+    coincides with the logits' gradients); when the vocabulary dominates, the second term
+    does not coincide with the first and this over-states the peak by that one gradient.
+    """
+    p = cand.plan
+    logits = 2 * logits_bytes(spec, spec.seq, cand.micro_batch, p.tp)
+    absorb = setup.grad_bytes * spec.largest_tensor_params / p.tp
+    return logits + absorb
+
+
+def memory(spec: ModelSpec, cand: Candidate, setup: Setup, bucket_bytes: float | None = None,
+           runtime: tuple[float, float] = (0.0, 0.0)) -> Memory:
+    """Device memory on the busiest rank of `cand`, and what offload puts on the host.
+
+    `runtime` = (fixed bytes, bytes per activation byte): the process's working memory that
+    no tensor accounts for, calibrated on the machine (`meshtrain plan --calibrate`; see
+    `calibrate.fit_runtime_memory`). On GPU presets it is 0: `Cluster.reserve` covers the
+    CUDA context and the caching allocator's fragmentation instead."""
     p = cand.plan
     psi = stage_params(spec, p.pp, p.tp)
     states = model_states(psi, setup, p.zero, p.dp, p.offload)
@@ -177,7 +212,11 @@ def memory(spec: ModelSpec, cand: Candidate, setup: Setup, bucket_bytes: float |
     if p.zero == 3:  # a gathered unit and the prefetched next one, and its full gradient
         unit = spec.largest_layer_params / p.tp
         buffers += unit * (2 * setup.param_bytes + setup.grad_bytes)
-    return Memory(states.params, states.grads, states.optim, acts, buffers, states.host)
+    transient = transient_bytes(spec, cand, setup)
+    fixed, per_act = runtime
+    runtime_bytes = fixed + per_act * acts
+    return Memory(states.params, states.grads, states.optim, acts, buffers, states.host,
+                  transient, runtime_bytes)
 
 
 def largest_layer_bytes(spec: ModelSpec, setup: Setup, tp: int = 1) -> float:

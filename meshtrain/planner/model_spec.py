@@ -102,6 +102,14 @@ class ModelSpec:
             return self.measured_largest
         return max(self.layer_params, self.embedding_params, self.head_params)
 
+    @property
+    def largest_tensor_params(self) -> int:
+        """The biggest single weight matrix: an MLP matrix (h x f), the token embedding or an
+        untied output head (V x h), or a square attention matrix. Its gradient is the largest
+        one autograd materialises at a time (see memory.transient_bytes)."""
+        h = self.hidden
+        return max(h * self.ffn_hidden, self.vocab * h, h * h)
+
     def describe(self) -> str:
         return (f"{self.name}: {self.num_params / 1e9:.3g}B parameters, {self.layers} layers, "
                 f"hidden {self.hidden}, {self.heads} heads, vocab {self.vocab}, seq {self.seq}")

@@ -92,6 +92,18 @@ def pipeline_slots(schedule: str, pp: int, m: int, v: int = 1) -> float:
     return m + pp - 1
 
 
+def bucket_sizes(total: float, bucket: float) -> tuple[int, float, float]:
+    """DDP buckets of `total` gradient bytes: (count of full buckets, their size, the last
+    bucket's size). Buckets close at parameter boundaries; ignoring that is a small error."""
+    if total <= 0:
+        return 0, 0.0, 0.0
+    full = int(total // bucket)
+    rest = total - full * bucket
+    if rest <= 0:
+        return full - 1, float(bucket), float(bucket)
+    return full, float(bucket), rest
+
+
 def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) -> StepTime:
     p = cand.plan
     b, m, s, h = cand.micro_batch, p.microbatches, spec.seq, spec.hidden
@@ -137,27 +149,44 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     param_bytes = psi * setup.param_bytes
     span = p.tp * p.dp
     coll = lambda kind, nbytes: cluster.collective_time(kind, nbytes, p.dp, span)
+    stats = 0.0
     if p.zero <= 1:
-        t_dp = coll("all_reduce", grad_bytes)
+        # DDP all-reduces its gradient buckets (Plan.bucket_mb each, filled from the last
+        # layer backwards), each at its own size on the measured curve.
+        full, size, last_size = bucket_sizes(grad_bytes, p.bucket_mb * 2**20)
+        last = coll("all_reduce", last_size)
+        t_dp = full * coll("all_reduce", size) + last
     elif p.zero == 2:
+        last = coll("reduce_scatter", bucket_sizes(grad_bytes, p.bucket_mb * 2**20)[2])
         t_dp = m * coll("reduce_scatter", grad_bytes) + coll("all_gather", param_bytes)
     else:
         t_dp = m * (2 * coll("all_gather", param_bytes) + coll("reduce_scatter", grad_bytes))
+        # nothing is computed before the first unit's gather, nor after the last bucket
+        unit = spec.largest_layer_params / p.tp * setup.param_bytes
+        last = (coll("all_gather", unit)
+                + coll("reduce_scatter", bucket_sizes(grad_bytes, p.bucket_mb * 2**20)[2]))
+    if p.dp > 1:  # the step's statistics (loss; meshtrain's DDP adds a used-flag per
+        # parameter tensor, ~13 per block): one small all-reduce behind the gradients
+        stats = coll("all_reduce", 4 * (2 + 13 * math.ceil(spec.layers / p.pp)))
     # Overlap: DDP buckets overlap the all-reduce with the last micro-batch's backward (2/3
-    # of its compute; Li et al. 2020, PyTorch DDP §3.2.3); ZeRO-3 prefetches, hiding its
-    # traffic behind all compute (Rajbhandari et al. 2020 §7.2.2). With pp > 1 the gradient
-    # exchange waits for the pipeline flush (Megatron 2021 §2.2) and is not hidden.
+    # of its compute; Li et al. 2020, PyTorch DDP §3.2.3), ZeRO-2 its reduce-scatters with
+    # every micro-batch's backward, except the last bucket, which is ready only when
+    # backward ends; ZeRO-3 prefetches, hiding its traffic behind all compute
+    # (Rajbhandari et al. 2020 §7.2.2). With pp > 1 the gradient exchange waits for the
+    # pipeline flush (Megatron 2021 §2.2) and is not hidden. `cluster.overlap` scales what
+    # can hide: 1 on GPUs (copy engines and NCCL's own SMs); on CPU ranks gloo's threads take
+    # the cores backward runs on, so a local profile sets it low (see profile.py).
     if p.dp == 1:
         hidden = 0.0
     elif p.pp > 1:
         hidden = 0.0
     elif p.zero == 3:
-        hidden = compute
-    elif p.zero == 2:
-        hidden = compute * 2 / 3
+        hidden = max(0.0, min(t_dp - last, compute)) * cluster.overlap
+    elif p.zero == 2:  # the last micro-batch's last bucket, too, waits for backward's end
+        hidden = max(0.0, min(t_dp - last, compute * 2 / 3)) * cluster.overlap
     else:
-        hidden = t_mb * 2 / 3
-    exposed = max(0.0, t_dp - hidden)
+        hidden = max(0.0, min(t_dp - last, t_mb * 2 / 3)) * cluster.overlap
+    exposed = max(0.0, t_dp - hidden) + stats
 
     # Offload (ZeRO-Offload §4): gradient shard to host, updated parameters back, over the
     # host link, and Adam on the host CPUs at host_update_rate shared by the node's GPUs.
@@ -169,10 +198,15 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     # The optimizer step is bound by memory bandwidth: Adam reads the parameter, gradient and
     # K bytes of state and writes the parameter and state back (Rajbhandari et al. 2020 §3.1
     # for K), for this rank's shard only under ZeRO-1+.
+    # A calibrated profile measures the optimizer's update rate (parameters/s) directly:
+    # PyTorch's AdamW on CPU runs tensor by tensor, several passes per tensor, well below
+    # the single-pass bound.
     t_opt = 0.0
     if p.offload == "none":
         shard = psi / (p.dp if p.zero >= 1 else 1)
         per_param = setup.param_bytes + setup.grad_bytes + 2 * setup.optim_bytes + setup.param_bytes
         t_opt = shard * per_param / cluster.mem_bw
+        if cluster.optimizer_rate:
+            t_opt = shard / cluster.optimizer_rate
     total = pipeline + exposed + t_off + t_opt
     return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, t_opt, total)

@@ -155,7 +155,7 @@ def train_rank(config: RunConfig) -> dict:
         "median_step_s": median, "tokens_per_s": tokens_per_step / median,
         "bytes_sent_per_step": sum(step_bytes) / max(1, len(step_bytes)), "memory_per_rank": memory,
         "wall_s": time.perf_counter() - t_start,
-        "checkpoint": str(latest_checkpoint(config.run_dir)),
+        "checkpoint": str(latest_checkpoint(Path(config.run_dir).resolve())),
     }
 
 

@@ -166,4 +166,18 @@ def test_memory_of_a_plan_adds_up():
     psi = spec.num_params
     assert mem.params == psi * 2 and mem.grads == psi * 2
     assert mem.optim == pytest.approx(psi * 12 / 8)
-    assert mem.total == mem.params + mem.grads + mem.optim + mem.activations + mem.buffers
+    assert mem.runtime == 0  # no calibrated runtime memory on a GPU preset
+    assert mem.total == (mem.params + mem.grads + mem.optim + mem.activations + mem.buffers
+                         + mem.transient)
+    # backward's working tensors: the logits' two fp32 gradients and the largest gradient
+    logits = 4 * spec.seq * 2 * spec.vocab
+    assert mem.transient == 2 * logits + 2 * spec.vocab * spec.hidden
+
+
+def test_runtime_memory_is_fixed_plus_per_activation_byte():
+    spec = preset("small")
+    cand = Candidate(Plan(dp=1), micro_batch=8)
+    bare = mm.memory(spec, cand, Setup(precision="fp32"))
+    mem = mm.memory(spec, cand, Setup(precision="fp32"), runtime=(30e6, 0.4))
+    assert mem.runtime == pytest.approx(30e6 + 0.4 * mem.activations)
+    assert mem.allocated == bare.total and mem.total == bare.total + mem.runtime
