@@ -157,7 +157,10 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
         last = coll("all_reduce", last_size)
         t_dp = full * coll("all_reduce", size) + last
     elif p.zero == 2:
-        last = coll("reduce_scatter", bucket_sizes(grad_bytes, p.bucket_mb * 2**20)[2])
+        # the updated parameters' all-gather follows the optimizer step: no backward left
+        # to hide it behind (DeepSpeed stage 2 runs it after the step)
+        last = (coll("reduce_scatter", bucket_sizes(grad_bytes, p.bucket_mb * 2**20)[2])
+                + coll("all_gather", param_bytes))
         t_dp = m * coll("reduce_scatter", grad_bytes) + coll("all_gather", param_bytes)
     else:
         t_dp = m * (2 * coll("all_gather", param_bytes) + coll("reduce_scatter", grad_bytes))
