@@ -3,7 +3,14 @@
 The profile holds, per calibrated world size (ranks on this machine, one thread each): the
 matmul rate each rank achieves while all run (the "peak"), the rate a reference transformer
 step achieves (so efficiency = achieved / peak), memory-copy bandwidth, and each collective's
-bus bandwidth at several message sizes measured through meshtrain's accounted `Comm`.
+bus bandwidth at several message sizes measured through meshtrain's accounted `Comm`; the
+AdamW update rate; and the runtime memory (fixed + per activation byte) a rank needs beyond
+its tensors.
+
+Not measured: how much gradient all-reduce hides behind backward. On CPU ranks gloo's
+threads run on the cores backward uses (one thread per rank, ranks <= cores), so hiding buys
+little; a local cluster takes LOCAL_OVERLAP. (The verified plans put the whole small model
+in one 25 MiB bucket, which is ready only when backward ends: nothing to hide there.)
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from pathlib import Path
 from meshtrain.planner.hardware import Cluster, Curve, HardwareError
 
 DEFAULT_PATH = Path("~/.cache/meshtrain/profile.json")
+LOCAL_OVERLAP = 0.0
 
 
 def profile_path(path: str | os.PathLike | None = None) -> Path:
@@ -60,7 +68,12 @@ def cluster_from_profile(profile: dict, world: int | None = None, nodes: int = 1
                     intra_bw=link, inter_bw=link, peak_flops=entry["matmul_flops"],
                     efficiency=min(1.0, entry["model_flops"] / entry["matmul_flops"]),
                     mem_bw=entry["mem_bw"], host_bw=entry["mem_bw"],
-                    host_mem=profile["host_mem"], name=f"local ({w} ranks)", curves=curves)
+                    host_mem=profile["host_mem"], name=f"local ({w} ranks)", curves=curves,
+                    optimizer_rate=entry.get("optimizer_rate", 0.0), overlap=LOCAL_OVERLAP)
+    runtime = entry.get("runtime_memory")
+    if runtime:
+        settings.update(runtime_fixed=runtime["fixed"],
+                        runtime_per_act=runtime["per_activation_byte"])
     settings.update(extra)
     return Cluster(**settings)
 

@@ -1,0 +1,71 @@
+"""`meshtrain plan --verify` machinery on a tiny GPT: 2 DDP plans (world 1 and 2), real ranks.
+
+Model-state bytes and the exact allocated peak are deterministic and asserted against the
+Trainer's accounting; step time and resident memory depend on the machine and its load, so
+they are only checked to be measured (speed lives in benchmarks)."""
+import io
+import time
+
+import pytest
+
+from meshtrain.planner import verify
+
+TINY = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=32)
+PLANS = ((1, 4, 1), (2, 4, 2))
+
+# A synthetic profile: predictions need rates to exist, not to be right (no timed asserts).
+_CURVE = {"sizes": [256, 2**20], "busbw": [1e6, 1e9]}
+_ENTRY = {"matmul_flops": 1e11, "model_flops": 5e10, "mem_bw": 1e10, "optimizer_rate": 1e8,
+          "collectives": {k: _CURVE for k in ("all_reduce", "all_gather", "reduce_scatter",
+                                                "broadcast")},
+          "runtime_memory": {"fixed": 5e6, "per_activation_byte": 0.4}}
+PROFILE = {"created": "test", "cpu_count": 2, "host_mem": 8e9,
+           "worlds": {"1": {**_ENTRY, "collectives": {}}, "2": _ENTRY}}
+
+
+@pytest.fixture(scope="module")
+def rows_and_text():
+    out = io.StringIO()
+    start = time.perf_counter()
+    rows = verify.verify(PROFILE, plans=PLANS, steps=2, warmup=1, model=TINY, out=out)
+    print(f"\nverify of {len(PLANS)} tiny plans: {time.perf_counter() - start:.1f} s")
+    return rows, out.getvalue()
+
+
+def test_model_states_predicted_equal_the_trainers_accounting(rows_and_text):
+    rows, _ = rows_and_text
+    assert [r["world"] for r in rows] == [1, 2]
+    for r in rows:
+        # the planner counts the GPT's parameters exactly: 4 + 4 (bucket) + 8 (AdamW) bytes
+        # each; it leaves out only AdamW's 4-byte step counter per parameter tensor
+        measured = r["measured"]["model_states"]
+        assert 0 <= measured - r["predicted"]["model_states"] <= 4 * 64  # < 64 tensors here
+        assert abs(r["error"]["model_states"]) <= verify.LIMITS["model_states"]
+
+
+def test_allocated_peak_is_the_derived_tensors(rows_and_text):
+    rows, _ = rows_and_text
+    for r in rows:
+        # states + saved activations + backward's transients, against the allocator's events
+        assert r["measured"]["peak_alloc"] >= r["measured"]["model_states"]
+        assert r["predicted"]["peak_alloc"] == pytest.approx(r["measured"]["peak_alloc"], rel=0.15)
+
+
+def test_time_and_resident_memory_are_measured(rows_and_text):
+    rows, _ = rows_and_text
+    for r in rows:
+        for key in ("step", "peak_rss", "activations"):
+            assert r["measured"][key] > 0 and r["predicted"][key] > 0, key
+
+
+def test_report_has_predicted_and_measured_columns(rows_and_text):
+    rows, text = rows_and_text
+    lines = text.strip().splitlines()
+    assert len(lines) == len(PLANS)
+    for r, line in zip(rows, lines):
+        assert line.startswith(r["plan"])
+        for key, _, scale in verify.COLUMNS:
+            assert f"{r['predicted'][key] / scale:7.2f} /{r['measured'][key] / scale:7.2f}" in line
+    assert "pred / meas" in verify.HEADER and "peak RSS MB" in verify.HEADER
+    ok, summary = verify.summary(rows)
+    assert "model_states: worst error" in summary
