@@ -81,8 +81,9 @@ def one_process_rank(model_name: str, global_batch: int, steps: int, reps: int,
     return out
 
 
-def run(worlds=(2, 4), model_name: str = "small", global_batch: int = 16, steps: int = 15,
-        reps: int = 3, warmup: int = 3, bucket_mb: float = Plan().bucket_mb, progress=print) -> dict:
+def run(worlds=(2, 4), model_name: str = "small", global_batch: int = 16, steps: int = 5,
+        reps: int = 10, warmup: int = 3, bucket_mb: float = Plan().bucket_mb,
+        progress=print) -> dict:
     """The whole benchmark; returns medians (seconds per step) and ratios."""
     from meshtrain.launch import launch
 
@@ -107,8 +108,8 @@ def run(worlds=(2, 4), model_name: str = "small", global_batch: int = 16, steps:
 
 def format_report(result: dict) -> str:
     one = result["one_process"]
-    lines = [f"model {result['model']} GPT, global batch {result['global_batch']}, median of "
-             f"{result['reps']} x {result['steps']} steps (after warm-up), alternating",
+    lines = [f"model {result['model']} GPT, global batch {result['global_batch']}, median step "
+             f"of {result['reps']} alternating repetitions x {result['steps']} steps each",
              "one process: " + ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.0f} ms"
                                          for k, v in one.items()),
              f"{'world':>5} {'meshtrain':>10} {'torch DDP':>10} {'ratio':>6} "

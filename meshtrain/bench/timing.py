@@ -1,8 +1,9 @@
 """Fair timing on a shared, noisy machine: alternate the contenders, repeat, take medians.
 
-Each contender is a `step()` callable; `alternate` runs warm-up steps, then for every
-repetition times `steps` steps of each contender in turn (A, B, A, B, ...), so slow phases
-of the machine hit both sides alike. Times are per step, in seconds.
+Each contender is a `step()` callable. After warm-up, every repetition runs `steps` steps of
+each contender in turn, the order flipped every other repetition (A B, B A, ...), so slow
+phases of the machine hit both sides alike. Every step is timed on its own, the ranks lined
+up before it, and the median over all steps is quoted: one descheduled step moves it little.
 """
 from __future__ import annotations
 
@@ -11,26 +12,30 @@ import time
 from typing import Callable
 
 
-def time_steps(step: Callable[[], object], steps: int, sync: Callable[[], None]) -> float:
-    """Mean seconds per step over `steps` steps, the ranks lined up before and after."""
-    sync()
-    t0 = time.perf_counter()
+def time_each_step(step: Callable[[], object], steps: int,
+                   sync: Callable[[], None]) -> list[float]:
+    """Seconds of each of `steps` steps, the ranks lined up before each."""
+    times = []
     for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
         step()
-    sync()
-    return (time.perf_counter() - t0) / steps
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def alternate(contenders: dict[str, Callable[[], object]], steps: int, reps: int, warmup: int,
               sync: Callable[[], None]) -> dict[str, list[float]]:
-    """Per-repetition seconds per step of each contender, measured in alternation."""
+    """Seconds of every timed step of each contender, measured in alternation."""
     for step in contenders.values():
         for _ in range(warmup):
             step()
     times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(reps):
-        for name, step in contenders.items():
-            times[name].append(time_steps(step, steps, sync))
+    names = list(contenders)
+    for rep in range(reps):
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            times[name] += time_each_step(contenders[name], steps, sync)
     return times
 
 
