@@ -30,7 +30,8 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
-from meshtrain.testing import function_ref, resolve_function, threads_per_rank
+from meshtrain.core.processes import (forkserver_context, function_ref, resolve_function,
+                                      threads_per_rank)
 
 
 class LaunchError(RuntimeError):
@@ -99,8 +100,7 @@ def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
     payload = pickle.dumps((tuple(args), dict(kwargs or {})))
     _quiet_elastic_logs()
     if start_method == "forkserver":
-        from meshtrain.testing import _forkserver_context
-        _forkserver_context()  # torch and meshtrain preloaded: ranks start in ~0.1 s
+        forkserver_context()  # torch and meshtrain preloaded: ranks start in ~0.1 s
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"meshtrain-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",

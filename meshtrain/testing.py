@@ -17,10 +17,6 @@ imports it after taking the parent's `sys.path`, so pytest test modules work.
 """
 from __future__ import annotations
 
-import functools
-import importlib
-import multiprocessing as mp
-import os
 import pickle
 import queue as queue_module
 import signal
@@ -30,37 +26,12 @@ import traceback
 import warnings
 from datetime import timedelta
 
+from meshtrain.core.processes import (forkserver_context, function_ref, resolve_function,
+                                      threads_per_rank)
+
 
 class RankError(RuntimeError):
     """A rank failed, crashed or hung; the message names the rank and says how."""
-
-
-def threads_per_rank(world: int) -> int:
-    """One rank per core at most: ranks x threads <= cores (oversubscribing costs ~2x)."""
-    return max(1, (os.cpu_count() or 1) // world)
-
-
-@functools.lru_cache(maxsize=1)
-def _forkserver_context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["meshtrain._preload"])
-    return ctx
-
-
-def function_ref(fn) -> tuple[str, str]:
-    """(module, qualified name) by which a child process can import `fn`."""
-    module, qualname = fn.__module__, fn.__qualname__
-    if module == "__main__" or "<locals>" in qualname or "<lambda>" in qualname:
-        raise ValueError(f"{qualname} cannot run on other ranks: pass a top-level function "
-                         "of an importable module (not a lambda, a closure or __main__)")
-    return module, qualname
-
-
-def resolve_function(ref: tuple[str, str]):
-    obj = importlib.import_module(ref[0])
-    for part in ref[1].split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _rank_main(ref, payload, rank, world, port, results, sys_path, timeout_s) -> None:
@@ -91,7 +62,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 60.0, **kwargs) -> list:
     import torch.distributed as dist
 
     ref = function_ref(fn)
-    ctx = _forkserver_context()
+    ctx = forkserver_context()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
     results = ctx.Queue()

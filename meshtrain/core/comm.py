@@ -94,6 +94,9 @@ def ring_half_elements(numel: int, n: int, rank: int) -> int:
     return numel - ring_chunk_sizes(numel, n)[(rank + 1) % n]
 
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+
+
 class _Done:
     """Handle of a collective that had nothing to do (a group of one)."""
 
@@ -124,8 +127,7 @@ class Comm:
         sent = ring_all_reduce_elements(tensor.numel(), n, r) * tensor.element_size()
         received = ring_all_reduce_received_elements(tensor.numel(), n, r) * tensor.element_size()
         self.stats.record(axis, "all_reduce", tag, sent, received)
-        reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}[op]
-        return dist.all_reduce(tensor, op=reduce_op, group=self.mesh.group(axis),
+        return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.mesh.group(axis),
                                async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: str,
@@ -137,8 +139,7 @@ class Comm:
         n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
         nbytes = ring_half_elements(input.numel(), n, r) * input.element_size()
         self.stats.record(axis, "reduce_scatter", tag, nbytes, nbytes)
-        reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}[op]
-        return dist.reduce_scatter_single(output, input, op=reduce_op,
+        return dist.reduce_scatter_single(output, input, op=_REDUCE_OPS[op],
                                           group=self.mesh.group(axis), async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: str, tag: str = "",

@@ -1,6 +1,5 @@
 """`meshtrain train` end to end: torchrun across two node agents, resume, bad input."""
 import json
-import os
 import socket
 import subprocess
 import sys
