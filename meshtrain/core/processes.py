@@ -1,7 +1,7 @@
 """What starting rank processes needs, shared by `meshtrain.launch` and `meshtrain.testing`.
 
 - A function travels to a rank by name (module, qualified name), never pickled by value:
-  the child imports it, so it must be a top-level function of an importable module.
+  the child imports it, so it must be a top-level function of a module or of the script.
 - Ranks start from a forkserver that has torch and meshtrain already imported
   (`meshtrain._preload`): a world-2 start takes ~0.07 s instead of ~3 s with spawn.
 - Each rank gets cores / ranks threads: oversubscribing the cores costs ~2x.
@@ -12,6 +12,7 @@ import functools
 import importlib
 import multiprocessing as mp
 import os
+import sys
 
 
 def threads_per_rank(world: int) -> int:
@@ -30,9 +31,13 @@ def forkserver_context():
 def function_ref(fn) -> tuple[str, str]:
     """(module, qualified name) by which a child process can import `fn`."""
     module, qualname = fn.__module__, fn.__qualname__
-    if module == "__main__" or "<locals>" in qualname or "<lambda>" in qualname:
+    # A script's own functions work: multiprocessing re-runs the script as the child's
+    # __main__ (so its launching code must sit under `if __name__ == "__main__":`).
+    from_script = module != "__main__" or getattr(sys.modules["__main__"], "__file__", None)
+    if not from_script or "<locals>" in qualname or "<lambda>" in qualname:
         raise ValueError(f"{qualname} cannot run on other ranks: pass a top-level function "
-                         "of an importable module (not a lambda, a closure or __main__)")
+                         "of a module or script (not a lambda, a closure, or a function "
+                         "typed into an interactive session)")
     return module, qualname
 
 
