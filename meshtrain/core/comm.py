@@ -14,6 +14,7 @@ A group of one rank communicates nothing and is charged nothing.
 """
 from __future__ import annotations
 
+import pickle
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -172,6 +173,18 @@ class Comm:
                 dist.barrier()
         elif self._active(axis):
             dist.barrier(group=self.mesh.group(axis))
+
+    def gather_objects(self, obj, tag: str = "") -> list:
+        """Every rank's picklable `obj`, in rank order, on every rank (for reports, not for
+        training data). Charged under the axis "world" with the pickled size."""
+        if not (dist.is_available() and dist.is_initialized()) or self.mesh.world_size == 1:
+            return [obj]
+        out = [None] * self.mesh.world_size
+        dist.all_gather_object(out, obj)
+        nbytes = len(pickle.dumps(obj))
+        self.stats.record("world", "all_gather_object", tag, (self.mesh.world_size - 1) * nbytes,
+                          sum(len(pickle.dumps(o)) for o in out) - nbytes)
+        return out
 
     # ---- point to point -----------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, axis: str, tag: str = ""):

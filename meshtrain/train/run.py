@@ -144,7 +144,7 @@ def train_rank(config: RunConfig) -> dict:
 
     final_val = trainer.evaluate(val)
     metrics.write({"step": config.steps, "val_loss": final_val})
-    memory = _gather(trainer.memory_report().to_dict())
+    memory = trainer.comm.gather_objects(trainer.memory_report().to_dict(), tag="report")
     timed = step_times[min(3, len(step_times) // 2):]  # skip warm-up steps
     median = sorted(timed)[len(timed) // 2] if timed else float("nan")
     return {
@@ -166,14 +166,6 @@ def _checkpoint(trainer: Trainer, config: RunConfig, step: int, first: dict) -> 
         _write_latest(config.run_dir, name)
         for old in sorted((Path(config.run_dir) / "checkpoints").glob("step_*"))[:-2]:
             shutil.rmtree(old, ignore_errors=True)  # keep the last two
-
-
-def _gather(obj) -> list:
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 class _Metrics:
