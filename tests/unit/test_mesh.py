@@ -100,24 +100,28 @@ def test_dtypes_never_share_a_bucket():
     assert buckets[1].nbytes == 32
 
 
+def test_absorb_scales_first_gradients_in_and_accumulates_later_ones():
+    params = _params((3, 4), (5,), (2, 3))
+    (bucket,) = build_buckets(params, bucket_bytes=2**30)
+    bucket.buffer.fill_(99.0)  # stale values from a previous step: overwritten, never summed
+    bucket.absorb(0, torch.full((3, 4), 2.0), scale=0.5, first=True)
+    bucket.absorb(1, torch.full((5,), 7.0), scale=0.5, first=True)
+    bucket.absorb(1, torch.full((5,), 1.0), scale=0.5, first=False)  # a later micro-batch
+    bucket.absorb(2, None, scale=0.5, first=True)  # no gradient this step: zero
+    expected = torch.cat([torch.full((12,), 1.0), torch.full((5,), 4.0), torch.zeros(6)])
+    torch.testing.assert_close(bucket.buffer, expected, rtol=0, atol=0)
+
+
 def test_grad_views_share_the_bucket_storage():
     params = _params((3, 4), (5,), (2, 3))
     (bucket,) = build_buckets(params, bucket_bytes=2**30)
-    params[1].grad = torch.full((5,), 7.0)  # a gradient autograd produced: copied in
     for i, p in enumerate(params):
-        bucket.absorb(i, p)
-    torch.testing.assert_close(bucket.buffer[12:17], torch.full((5,), 7.0), rtol=0, atol=0)
-    bucket.buffer.zero_()
-    for i, p in enumerate(params):
-        assert p.grad.shape == p.shape
-        assert p.grad.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()
-        assert p.grad.data_ptr() == bucket.buffer.data_ptr() + bucket.offsets[i] * 4
-    # autograd accumulates into the views, so the flat buffer sees every gradient
-    (params[0].sum() * 2 + params[1].sum() * 3 + params[2].sum() * 5).backward()
-    expected = torch.cat([torch.full((12,), 2.0), torch.full((5,), 3.0), torch.full((6,), 5.0)])
-    torch.testing.assert_close(bucket.buffer, expected, rtol=0, atol=0)
-    bucket.buffer.mul_(0.5)   # writing the buffer writes the gradients
-    torch.testing.assert_close(params[1].grad, torch.full((5,), 1.5), rtol=0, atol=0)
+        view = bucket.grad_view(i)
+        assert view.shape == p.shape
+        assert view.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()
+        assert view.data_ptr() == bucket.buffer.data_ptr() + bucket.offsets[i] * 4
+    bucket.buffer.fill_(1.5)   # writing the buffer writes every view
+    torch.testing.assert_close(bucket.grad_view(1), torch.full((5,), 1.5), rtol=0, atol=0)
 
 
 def test_ready_set():

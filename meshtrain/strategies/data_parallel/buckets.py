@@ -2,9 +2,9 @@
 
 A bucket holds its parameters' gradients as views into one flat buffer, so that a single
 collective moves them all (DDP all-reduces it; ZeRO-2 will reduce-scatter the same buffer).
-The protocol is small: `absorb` (move a freshly computed .grad into the buffer and make .grad
-a view of it), `mark_ready` (True when the last gradient arrived), `launch`-ed elsewhere into
-`handle`, `wait`, `reset`.
+The protocol is small: `absorb` (add a freshly computed gradient into its slot), `grad_view`
+(the slot, as the parameter's .grad once the step's gradients are final), `mark_ready` (True
+when the last gradient arrived), `launch`-ed elsewhere into `handle`, `wait`, `reset`.
 
 Buckets are filled in reverse order of the parameters' registration: backward produces the
 last layers' gradients first, so the first bucket is ready earliest and its communication
@@ -40,19 +40,18 @@ class Bucket:
         p = self.params[i]
         return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
 
-    def absorb(self, i: int, param: nn.Parameter) -> None:
-        """Make `param.grad` (the i-th here) a view into the buffer, copying in the gradient
-        autograd just produced if it is not one already. Later accumulations then add into
-        the buffer in place; copying the first saves zeroing the buffer every step."""
+    def absorb(self, i: int, grad: torch.Tensor | None, scale: float, first: bool) -> None:
+        """Put `grad` * `scale` into the i-th slot: overwrite it with the step's first
+        gradient (so the buffer never needs zeroing), add later ones (accumulation). A None
+        gradient on first arrival zeroes the slot. One fused pass, as torch DDP's mul_out."""
         view = self.grad_view(i)
-        grad = param.grad
         if grad is None:
-            view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
+            if first:
+                view.zero_()
+        elif first:
+            torch.mul(grad, scale, out=view)
         else:
-            return
-        param.grad = view
+            view.add_(grad, alpha=scale)
 
     def mark_ready(self, param: nn.Parameter) -> bool:
         """Record that `param`'s gradient is final; True once every gradient here is."""

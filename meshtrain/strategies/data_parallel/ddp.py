@@ -46,6 +46,7 @@ class DDP:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buckets: list[Bucket] = build_buckets(self.params[::-1], bucket_mb * 2**20)
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._scale = 1.0 / comm.mesh.size(axis)
         self._used: set[int] = set()
         self._next_launch = 0
         self._sync = True
@@ -75,9 +76,11 @@ class DDP:
             self._sync = previous
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        first = id(param) not in self._used
         self._used.add(id(param))
         bucket, i = self._slot[id(param)]
-        bucket.absorb(i, param)
+        bucket.absorb(i, param.grad, self._scale, first)
+        param.grad = None  # the bucket holds it now; the next one is autograd's to allocate
         if not self._sync:
             return
         self.events.append(("ready", bucket.index, time.perf_counter()))
@@ -89,7 +92,7 @@ class DDP:
             bucket = self.buckets[self._next_launch]
             if not (final or bucket.all_ready):
                 return
-            bucket.handle = self.comm.all_reduce(bucket.buffer, self.axis, op="avg",
+            bucket.handle = self.comm.all_reduce(bucket.buffer, self.axis, op="sum",
                                                  tag="grad", async_op=True)
             self.events.append(("launch", bucket.index, time.perf_counter()))
             self._next_launch += 1
@@ -102,7 +105,7 @@ class DDP:
         for p in self.params:
             if id(p) not in self._used:  # no gradient here: its slice must be zero
                 bucket, i = self._slot[id(p)]
-                bucket.absorb(i, p)
+                bucket.absorb(i, None, self._scale, first=True)
         self._launch_in_order(final=True)
         used = [id(p) in self._used for p in self.params]
         stats = torch.tensor([float(local_loss), *used], device=local_loss.device)
@@ -113,8 +116,8 @@ class DDP:
         stats_handle.wait()
         self.events.append(("synced", -1, time.perf_counter()))
         for p, users in zip(self.params, stats[1:].tolist()):
-            if users == 0:
-                p.grad = None
+            bucket, i = self._slot[id(p)]
+            p.grad = bucket.grad_view(i) if users else None
         return stats[0].item() / self.comm.mesh.size(self.axis)
 
     # ---- accounting ---------------------------------------------------------------------
