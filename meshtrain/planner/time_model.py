@@ -150,11 +150,15 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     span = p.tp * p.dp
     coll = lambda kind, nbytes: cluster.collective_time(kind, nbytes, p.dp, span)
     stats = 0.0
+    # the step's statistics: the loss, and meshtrain's DDP adds a used-flag per parameter
+    # tensor (~13 per block)
+    stats_bytes = 4 * (1 + 13 * math.ceil(spec.layers / p.pp))
     if p.zero <= 1:
         # DDP all-reduces its gradient buckets (Plan.bucket_mb each, filled from the last
-        # layer backwards), each at its own size on the measured curve.
+        # layer backwards), each at its own size on the measured curve; the statistics ride
+        # in the last bucket.
         full, size, last_size = bucket_sizes(grad_bytes, p.bucket_mb * 2**20)
-        last = coll("all_reduce", last_size)
+        last = coll("all_reduce", last_size + stats_bytes)
         t_dp = full * coll("all_reduce", size) + last
     elif p.zero == 2:
         # the updated parameters' all-gather follows the optimizer step: no backward left
@@ -168,9 +172,8 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
         unit = spec.largest_layer_params / p.tp * setup.param_bytes
         last = (coll("all_gather", unit)
                 + coll("reduce_scatter", bucket_sizes(grad_bytes, p.bucket_mb * 2**20)[2]))
-    if p.dp > 1:  # the step's statistics (loss; meshtrain's DDP adds a used-flag per
-        # parameter tensor, ~13 per block): one small all-reduce behind the gradients
-        stats = coll("all_reduce", 4 * (2 + 13 * math.ceil(spec.layers / p.pp)))
+    if p.dp > 1 and p.zero >= 2:  # the statistics: one small all-reduce behind the gradients
+        stats = coll("all_reduce", stats_bytes)
     # Overlap: DDP buckets overlap the all-reduce with the last micro-batch's backward (2/3
     # of its compute; Li et al. 2020, PyTorch DDP §3.2.3), ZeRO-2 its reduce-scatters with
     # every micro-batch's backward, except the last bucket, which is ready only when

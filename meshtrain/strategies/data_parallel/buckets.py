@@ -8,7 +8,8 @@ when the last gradient arrived), `launch`-ed elsewhere into `handle`, `wait`, `r
 
 Buckets are filled in reverse order of the parameters' registration: backward produces the
 last layers' gradients first, so the first bucket is ready earliest and its communication
-overlaps the rest of backward.
+overlaps the rest of backward. A bucket may carry `extra` elements after its gradients: a
+small payload (DDP's step statistics) that travels in the same collective for free.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from torch import nn
 class Bucket:
     """One flat gradient buffer, the parameters whose gradients live in it, a ready set."""
 
-    def __init__(self, index: int, params: list[nn.Parameter]) -> None:
+    def __init__(self, index: int, params: list[nn.Parameter], extra: int = 0) -> None:
         self.index = index
         self.params = params
         self.offsets: list[int] = []
@@ -28,7 +29,9 @@ class Bucket:
             self.offsets.append(numel)
             numel += p.numel()
         first = params[0]
-        self.buffer = torch.zeros(numel, dtype=first.dtype, device=first.device)
+        self.buffer = torch.zeros(numel + extra, dtype=first.dtype, device=first.device)
+        self.gradient_numel = numel
+        self.extra = self.buffer[numel:]  # the payload after the gradients (may be empty)
         # each parameter's slot, made once: building a view costs ~7 us, twice per parameter
         # per step otherwise
         self.views = [self.buffer[o:o + p.numel()].view_as(p)
@@ -75,11 +78,13 @@ class Bucket:
         self.handle = None
 
 
-def build_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket]:
+def build_buckets(params: list[nn.Parameter], bucket_bytes: float,
+                  last_extra: int = 0) -> list[Bucket]:
     """Group `params` (in the order given) into buckets of about `bucket_bytes` each.
 
     A bucket closes once it reaches the cap; a parameter larger than the cap gets a bucket
-    of its own. Parameters of different dtype or device never share a bucket."""
+    of its own. Parameters of different dtype or device never share a bucket. The last
+    bucket gets `last_extra` payload elements."""
     buckets: list[Bucket] = []
     current: list[nn.Parameter] = []
     size = 0
@@ -94,4 +99,7 @@ def build_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucke
             current, size = [], 0
     if current:
         buckets.append(Bucket(len(buckets), current))
+    if last_extra:
+        last = buckets[-1]
+        buckets[-1] = Bucket(last.index, last.params, extra=last_extra)
     return buckets

@@ -1,11 +1,18 @@
 """DDP: one process per device, bucketed all-reduce overlapped with backward, no master.
 
 Every data-parallel rank holds the whole model. At start, parameters are broadcast from dp
-rank 0 so that all replicas begin identical. During backward, a hook on each parameter
-moves its gradient into its bucket and marks it ready; the moment a bucket's last gradient
-is ready its all-reduce
-(average over dp) is launched asynchronously, so communication overlaps the rest of
-backward. `finish_gradient_sync` launches what is left and waits.
+rank 0 so that all replicas begin identical. During backward, a hook on each parameter moves
+its gradient, divided by the dp size, into its bucket and marks it ready; the moment a
+bucket's last gradient is ready its all-reduce (a sum: the average, pre-divided) is launched
+asynchronously, so communication overlaps the rest of backward. `finish_gradient_sync`
+launches what is left, waits, and makes each .grad a view of its averaged slot.
+
+[Note: the last bucket]
+The last bucket holds the first layers, whose gradients backward produces last: it could
+only ever be launched as backward ends. So its parameters get no hooks (a Python call per
+parameter saved) and are moved in by `finish_gradient_sync`, and it carries the step's
+statistics (the loss, which parameters were used) as an extra payload: one collective per
+step fewer. A model that fits in one bucket thus runs with no hooks at all.
 
 [Note: launch order]
 c10d requires every rank to issue collectives in the same order, but hooks can fire in a
@@ -13,11 +20,10 @@ slightly different order from bucket order. Buckets are therefore launched stric
 order: a ready bucket waits until every bucket before it has been launched.
 
 [Note: parameters without a gradient]
-A parameter unused in a step gets no hook call; its bucket is launched at the end (its slice
-is zero). A parameter unused on *every* rank gets `.grad = None` before the optimizer step,
-so the optimizer skips it exactly as it would in one process. Which parameters were used is
-agreed on in `finish_gradient_sync`, by the one small all-reduce per step that also carries
-the loss; it is queued behind the buckets and waited for with them.
+A parameter unused in a step never gets a gradient; its slot is zeroed at the end. One
+unused on *every* rank gets `.grad = None` before the optimizer step, so the optimizer skips
+it exactly as it would in one process. Every rank learns which parameters any rank used
+from the statistics that ride in the last bucket.
 """
 from __future__ import annotations
 
@@ -44,7 +50,9 @@ class DDP:
         self.model, self.comm, self.axis = model, comm, axis
         broadcast_module(model, comm, axis)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets: list[Bucket] = build_buckets(self.params[::-1], bucket_mb * 2**20)
+        # the last bucket's payload: this rank's loss, then one "used" flag per parameter
+        self.buckets: list[Bucket] = build_buckets(self.params[::-1], bucket_mb * 2**20,
+                                                   last_extra=1 + len(self.params))
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._scale = 1.0 / comm.mesh.size(axis)
         self._used: set[int] = set()
@@ -52,7 +60,7 @@ class DDP:
         self._sync = True
         self.events: list[tuple[str, int, float]] = []  # (what, bucket, time): the overlap log
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for p in self.params]
+                       for b in self.buckets[:-1] for p in b.params]
         self.zero_grad()
 
     # ---- the step -----------------------------------------------------------------------
@@ -85,10 +93,11 @@ class DDP:
             return
         self.events.append(("ready", bucket.index, time.perf_counter()))
         if bucket.mark_ready(param):
-            self._launch_in_order(final=False)
+            self._launch_in_order(until=len(self.buckets) - 1)
 
-    def _launch_in_order(self, final: bool) -> None:
-        while self._next_launch < len(self.buckets):
+    def _launch_in_order(self, until: int, final: bool = False) -> None:
+        """Launch, in index order, the buckets before `until` that are ready (all if final)."""
+        while self._next_launch < until:
             bucket = self.buckets[self._next_launch]
             if not (final or bucket.all_ready):
                 return
@@ -98,32 +107,36 @@ class DDP:
             self._next_launch += 1
 
     def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
-        """After the last backward: launch the buckets still waiting and the step's statistics
-        (this rank's loss, which parameters it used), wait for all; return the global mean loss.
-        """
+        """After the last backward: move in the last bucket's gradients and the step's
+        statistics, launch every bucket not yet launched, wait for all; return the global
+        mean loss."""
         self.events.append(("backward_end", -1, time.perf_counter()))
+        last = self.buckets[-1]
+        for i, p in enumerate(last.params):  # no hooks here: see [Note: the last bucket]
+            if p.grad is not None:
+                self._used.add(id(p))
+                last.absorb(i, p.grad, self._scale, first=True)
+                p.grad = None
         for p in self.params:
-            if id(p) not in self._used:  # no gradient here: its slice must be zero
+            if id(p) not in self._used:  # no gradient on this rank: its slot must be zero
                 bucket, i = self._slot[id(p)]
                 bucket.absorb(i, None, self._scale, first=True)
-        self._launch_in_order(final=True)
-        used = [id(p) in self._used for p in self.params]
-        stats = torch.tensor([float(local_loss), *used], device=local_loss.device)
-        stats_handle = self.comm.all_reduce(stats, self.axis, op="sum", tag="step",
-                                            async_op=True)
+        last.extra[0] = float(local_loss)
+        last.extra[1:] = torch.tensor([id(p) in self._used for p in self.params])
+        self._launch_in_order(until=len(self.buckets), final=True)
         for bucket in self.buckets:
             bucket.wait()
-        stats_handle.wait()
         self.events.append(("synced", -1, time.perf_counter()))
-        for p, users in zip(self.params, stats[1:].tolist()):
+        users = last.extra[1:].tolist()  # summed: how many ranks used each parameter
+        for p, used_by in zip(self.params, users):
             bucket, i = self._slot[id(p)]
-            p.grad = bucket.grad_view(i) if users else None
-        return stats[0].item() / self.comm.mesh.size(self.axis)
+            p.grad = bucket.grad_view(i) if used_by else None
+        return last.extra[0].item() / self.comm.mesh.size(self.axis)
 
     # ---- accounting ---------------------------------------------------------------------
     @property
     def gradient_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
+        return sum(b.gradient_numel * b.buffer.element_size() for b in self.buckets)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
