@@ -81,10 +81,6 @@ def _write_latest(run_dir, name: str) -> None:
     os.replace(tmp, pointer)  # atomic: `latest` always names a complete checkpoint
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def train_rank(config: RunConfig) -> dict:
     """Train per `config` on this rank; returns the run summary (same on every rank)."""
     from meshtrain.launch import init_distributed
@@ -103,7 +99,7 @@ def train_rank(config: RunConfig) -> dict:
                            trainer.dp_rank, trainer.dp_size)
     val = eval_batches(corpus.val, max(1, config.batch_size // 2), model_config.seq_len,
                        config.eval_batches)
-    is_main = _rank() == 0
+    is_main = trainer.mesh.rank == 0
     metrics = _Metrics(Path(config.run_dir) / "metrics.jsonl", enabled=is_main)
 
     start, first = 0, {}
@@ -121,8 +117,9 @@ def train_rank(config: RunConfig) -> dict:
     loss, t_start = float("nan"), time.perf_counter()
     step_times, step_bytes = [], []
     for step in range(start, config.steps):
+        lr = learning_rate(config, step)
         for group in trainer.optimizer.param_groups:
-            group["lr"] = learning_rate(config, step)
+            group["lr"] = lr
         before = trainer.comm.stats.total()
         t0 = time.perf_counter()
         loss = trainer.step(*sampler.batch(step))
@@ -131,7 +128,7 @@ def train_rank(config: RunConfig) -> dict:
         sent = trainer.comm.stats.total().sent - before.sent
         step_bytes.append(sent)
         first.setdefault("train_loss", loss)
-        metrics.write({"step": step + 1, "loss": loss, "lr": learning_rate(config, step),
+        metrics.write({"step": step + 1, "loss": loss, "lr": lr,
                        "step_s": dt, "tokens_per_s": tokens_per_step / dt, "bytes_sent": sent})
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
@@ -162,7 +159,7 @@ def train_rank(config: RunConfig) -> dict:
 def _checkpoint(trainer: Trainer, config: RunConfig, step: int, first: dict) -> None:
     name = f"step_{step:08d}"
     trainer.save(Path(config.run_dir) / "checkpoints" / name, extra={"first": first})
-    if _rank() == 0:
+    if trainer.mesh.rank == 0:
         _write_latest(config.run_dir, name)
         for old in sorted((Path(config.run_dir) / "checkpoints").glob("step_*"))[:-2]:
             shutil.rmtree(old, ignore_errors=True)  # keep the last two
