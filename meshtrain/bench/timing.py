@@ -12,21 +12,25 @@ import time
 from typing import Callable
 
 
-def time_each_step(step: Callable[[], object], steps: int,
-                   sync: Callable[[], None]) -> list[float]:
-    """Seconds of each of `steps` steps, the ranks lined up before each."""
+def time_each_step(step: Callable[[], object], steps: int, sync: Callable[[], None],
+                   wait_for_all: bool = True) -> list[float]:
+    """Seconds of each of `steps` steps, the ranks lined up before each; with `wait_for_all`
+    a step ends when the slowest rank finishes it (a barrier after it, counted), otherwise
+    when this rank does (for timing a collective itself: a trailing barrier would double a
+    small one)."""
     times = []
     for _ in range(steps):
         sync()
         t0 = time.perf_counter()
         step()
-        sync()
+        if wait_for_all:
+            sync()
         times.append(time.perf_counter() - t0)
     return times
 
 
 def alternate(contenders: dict[str, Callable[[], object]], steps: int, reps: int, warmup: int,
-              sync: Callable[[], None]) -> dict[str, list[float]]:
+              sync: Callable[[], None], wait_for_all: bool = True) -> dict[str, list[float]]:
     """Seconds of every timed step of each contender, measured in alternation."""
     for step in contenders.values():
         for _ in range(warmup):
@@ -35,7 +39,7 @@ def alternate(contenders: dict[str, Callable[[], object]], steps: int, reps: int
     names = list(contenders)
     for rep in range(reps):
         for name in (names if rep % 2 == 0 else names[::-1]):
-            times[name] += time_each_step(contenders[name], steps, sync)
+            times[name] += time_each_step(contenders[name], steps, sync, wait_for_all)
     return times
 
 

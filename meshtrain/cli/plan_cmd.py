@@ -49,7 +49,8 @@ def add_parser(subparsers) -> None:
                    "and collective bandwidths on local ranks; save a profile")
     o.add_argument("--verify", action="store_true", help="run the top plans the Trainer "
                    "supports on local ranks; compare predicted and measured")
-    o.add_argument("--nproc", type=int, default=2, help="ranks for --calibrate")
+    o.add_argument("--nproc", type=int, default=4, help="largest number of local ranks "
+                   "--calibrate measures (it measures 1, 2 and this; --verify needs 4)")
     p.set_defaults(run=run)
 
 

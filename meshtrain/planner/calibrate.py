@@ -9,6 +9,13 @@ bus bandwidth with the same ring factors the time model divides by (from 256 byt
 of a step's statistics, to 16 MiB, near the 25 MiB DDP bucket); and AdamW's update rate
 (parameters/s, PyTorch's CPU AdamW, tensor by tensor) on the reference GPT's parameters.
 
+Timing on a noisy machine: within a launch every quantity is measured once per repetition,
+in alternation, for a few seconds, and each is the median of its repetitions; each world
+size is launched in several rounds interleaved with the others (1, 2, 4, 1, 2, 4, ...) and
+the profile keeps the mean over rounds. The 2-core VM this was built on switches between
+a fast and a slow phase (matmul 156 vs 127 GFLOP/s, phases of 5-20 s): one launch can sit
+wholly in either, the rounds sample both.
+
 Runtime memory: then, per world size, the Trainer trains the reference GPT (DDP, AdamW,
 fp32) at two micro-batch sizes, each in fresh processes, exactly as `--verify` runs a plan;
 what each rank's resident memory grows by beyond the tensors the planner derives (exact
@@ -20,35 +27,29 @@ not return). A line through the two points gives (fixed bytes, bytes per activat
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
 import time
 
 SIZES = (256, 16 * 2**10, 256 * 2**10, 2 * 2**20, 16 * 2**20)   # bytes per collective
+ROUNDS = 4                  # launches per world size, interleaved with the other worlds'
+BUDGET_S = 3.0              # seconds of alternated repetitions per launch
+MIN_REPS = 5
 MEMORY_BATCHES = (2, 8)     # micro-batches of the runtime-memory calibration
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 REFERENCE_GPT = dict(vocab_size=256, seq_len=128, n_layer=2, n_head=4, d_model=256)
 
 
-def _timed(fn, reps: int, sync=None) -> float:
-    """Median seconds of `fn()` over `reps` runs after one warm-up; `sync` aligns ranks."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if sync:
-            sync()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure_rank(sizes=SIZES, reps: int = 5) -> dict:
-    """Run on every rank of a launched world: this rank's measurements."""
+def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
+    """Run on every rank of a launched world: this rank's measurements, each the median of
+    repetitions taken in alternation (bench.timing) for about `budget_s` seconds, so a slow
+    phase of the machine hits every quantity alike."""
     import torch
     import torch.distributed as dist
 
+    from meshtrain.bench.timing import alternate
     from meshtrain.core.comm import Comm
     from meshtrain.core.mesh import Mesh
     from meshtrain.core.plan import Plan
@@ -59,55 +60,69 @@ def measure_rank(sizes=SIZES, reps: int = 5) -> dict:
     torch.set_num_threads(1)
     world = dist.get_world_size() if dist.is_initialized() else 1
     comm = Comm(Mesh.build(Plan(dp=world)))
-    sync = (lambda: comm.barrier()) if world > 1 else None
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
-    matmul = 2 * n**3 / _timed(lambda: a @ b, reps * 4, sync)
-
     torch.manual_seed(0)
     config = GPTConfig(**REFERENCE_GPT)
     model = GPT(config)
     x = torch.randint(0, config.vocab_size, (8, config.seq_len))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    big = torch.empty(32 * 2**20 // 4)
+    dst = torch.empty_like(big)
 
     def train_step():
         model.zero_grad(set_to_none=False)
         model.loss(model(x), x).backward()
-    model_rate = step_flops(from_gpt_config(config), 8) / _timed(train_step, reps, sync)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    train_step()
-    n_params = sum(p.numel() for p in model.parameters())
-    optimizer_rate = n_params / _timed(opt.step, reps, sync)
+    train_step()   # the gradients AdamW's step needs
+    work = {"matmul": (lambda: a @ b, 2 * n**3), "gpt": (train_step, step_flops(from_gpt_config(config), 8)),
+            "optimizer": (opt.step, sum(p.numel() for p in model.parameters())),
+            "copy": (lambda: dst.copy_(big), 2 * big.numel() * 4)}
+    factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world,
+              "reduce_scatter": (world - 1) / world, "broadcast": 1.0}
+    for kind in KINDS if world > 1 else ():
+        for size in sizes:
+            full = torch.ones(size // 4)
+            shard = torch.ones(size // 4 // world)
+            run = {"all_reduce": lambda f=full: comm.all_reduce(f, "dp", tag="calibrate"),
+                   "all_gather": lambda f=full, s=shard: comm.all_gather(f[:s.numel() * world], s, "dp", tag="calibrate"),
+                   "reduce_scatter": lambda f=full, s=shard: comm.reduce_scatter(s, f[:s.numel() * world], "dp", tag="calibrate"),
+                   "broadcast": lambda f=full: comm.broadcast(f, 0, "dp", tag="calibrate")}[kind]
+            work[f"{kind}:{size}"] = (run, factor[kind] * size)   # bus bytes (ring factors)
 
-    big = torch.empty(32 * 2**20 // 4)
-    dst = torch.empty_like(big)
-    mem_bw = 2 * big.numel() * 4 / _timed(lambda: dst.copy_(big), reps, sync)
+    sync = comm.barrier if world > 1 else (lambda: None)
+    start = time.perf_counter()
+    for fn, _ in work.values():   # warm-up pass, which also sizes the repetitions
+        sync()
+        fn()
+    reps = _agree(max(MIN_REPS, math.ceil(budget_s / (time.perf_counter() - start))), world)
+    times = alternate({name: fn for name, (fn, _) in work.items()}, 1, reps, 0, sync,
+                      wait_for_all=False)
+    rate = {name: amount / statistics.median(times[name]) for name, (_, amount) in work.items()}
+    collectives = {kind: {"sizes": list(sizes), "busbw": [rate[f"{kind}:{s}"] for s in sizes]}
+                   for kind in KINDS if world > 1}
+    return {"world": world, "matmul_flops": rate["matmul"], "model_flops": rate["gpt"],
+            "mem_bw": rate["copy"], "optimizer_rate": rate["optimizer"], "reps": reps,
+            "collectives": collectives}
 
-    collectives = {}
-    if world > 1:
-        factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world,
-                  "reduce_scatter": (world - 1) / world, "broadcast": 1.0}
-        for kind in KINDS:
-            busbw = []
-            for size in sizes:
-                full = torch.ones(size // 4)
-                shard = torch.ones(size // 4 // world)
-                run = {"all_reduce": lambda: comm.all_reduce(full, "dp", tag="calibrate"),
-                       "all_gather": lambda: comm.all_gather(full[:shard.numel() * world], shard, "dp", tag="calibrate"),
-                       "reduce_scatter": lambda: comm.reduce_scatter(shard, full[:shard.numel() * world], "dp", tag="calibrate"),
-                       "broadcast": lambda: comm.broadcast(full, 0, "dp", tag="calibrate")}[kind]
-                t = _timed(run, reps, sync)
-                busbw.append(factor[kind] * size / t)
-            collectives[kind] = {"sizes": list(sizes), "busbw": busbw}
-    return {"world": world, "matmul_flops": matmul, "model_flops": model_rate, "mem_bw": mem_bw,
-            "optimizer_rate": optimizer_rate,
-            "collectives": collectives, "comm_bytes_sent": comm.stats.total(tag="calibrate").sent}
+
+def _agree(value: int, world: int) -> int:
+    """The largest of the ranks' values, so that every rank runs the same collectives."""
+    if world == 1:
+        return value
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([value])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+RATES = ("matmul_flops", "model_flops", "mem_bw", "optimizer_rate")
 
 
 def _combine(results: list[dict]) -> dict:
-    """One entry per world: the slowest rank's rates (the step waits for it)."""
-    entry = {key: min(r[key] for r in results)
-             for key in ("matmul_flops", "model_flops", "mem_bw", "optimizer_rate")}
+    """One launch's entry: the slowest rank's rates (the step waits for it)."""
+    entry = {key: min(r[key] for r in results) for key in RATES}
     entry["collectives"] = {}
     for kind, curve in results[0]["collectives"].items():
         per_rank = [r["collectives"][kind]["busbw"] for r in results]
@@ -116,19 +131,49 @@ def _combine(results: list[dict]) -> dict:
     return entry
 
 
-def calibrate(worlds=(1, 2, 4), reps: int = 5) -> dict:
+def _mean_of_rounds(entries: list[dict]) -> dict:
+    """One world's entry from its rounds: each rate, and each point of each curve, the mean
+    over the rounds. Each round is already a median (no single outlier moves it); the rounds
+    fall in the machine's fast or slow phases, and the mean sits between them where a median
+    of few rounds would pick one phase."""
+    entry = {key: statistics.fmean(e[key] for e in entries) for key in RATES}
+    entry["collectives"] = {
+        kind: {"sizes": curve["sizes"],
+               "busbw": [statistics.fmean(col) for col in
+                         zip(*(e["collectives"][kind]["busbw"] for e in entries))]}
+        for kind, curve in entries[0]["collectives"].items()}
+    entry["per_round"] = {key: [e[key] for e in entries] for key in RATES}
+    return entry
+
+
+def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S,
+              progress: bool = True) -> dict:
+    """Measure every world size in `rounds` rounds (1, 2, 4, 1, 2, 4, ...): this machine's
+    speed drifts between phases lasting seconds (a 2-core cloud VM here: +-10%), and rounds
+    spread each world's samples over the whole calibration instead of one phase."""
+    from tqdm import tqdm
+
     from meshtrain.launch import launch
 
     profile = {"created": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu_count": os.cpu_count(),
                "host_mem": _host_mem(), "worlds": {}}
+    per_world: dict[int, list[dict]] = {w: [] for w in worlds}
+    bar = tqdm(total=rounds * len(worlds) + len(worlds) * len(MEMORY_BATCHES), unit="run",
+               desc="calibrating", disable=not progress, file=sys.stderr)
+    for _ in range(rounds):
+        for w in worlds:
+            per_world[w].append(_combine(launch(measure_rank, nproc=w,
+                                                kwargs={"budget_s": budget_s})))
+            bar.update()
     for w in worlds:
-        results = launch(measure_rank, nproc=w, kwargs={"reps": reps})
-        profile["worlds"][str(w)] = _combine(results)
-        profile["worlds"][str(w)]["runtime_memory"] = measure_runtime_memory(w)
+        entry = _mean_of_rounds(per_world[w])
+        entry["runtime_memory"] = measure_runtime_memory(w, on_run=bar.update)
+        profile["worlds"][str(w)] = entry
+    bar.close()
     return profile
 
 
-def measure_runtime_memory(world: int, batches=MEMORY_BATCHES) -> dict:
+def measure_runtime_memory(world: int, batches=MEMORY_BATCHES, on_run=lambda: None) -> dict:
     """(fixed, per activation byte) of the runtime memory at `world` ranks; see the module
     docstring. Each batch size runs in fresh ranks: a heap already grown by an earlier run
     would hide the next run's growth."""
@@ -138,7 +183,8 @@ def measure_runtime_memory(world: int, batches=MEMORY_BATCHES) -> dict:
     points = []
     for b in batches:
         results = launch(verify_rank, nproc=world, args=(REFERENCE_GPT, {"dp": world}, b),
-                         kwargs={"steps": 3, "warmup": 2, "alloc": False})
+                         kwargs={"steps": 1, "alloc": False})
+        on_run()
         acts = max(r["activations"] for r in results)
         tensors = max(r["model_states"] for r in results) + acts + _transient(b)
         points.append((acts, max(r["peak_growth"] for r in results) - tensors))
@@ -190,7 +236,8 @@ def describe(profile: dict) -> str:
 def calibrate_command(args) -> int:
     from meshtrain.planner.profile import save_profile
     worlds = sorted({1, 2, max(1, args.nproc)} | ({4} if args.nproc >= 4 else set()))
-    print(f"calibrating on {worlds} local rank(s)...", file=sys.stderr)
+    print(f"calibrating on {worlds} local rank(s), {ROUNDS} rounds of about {BUDGET_S:g} s "
+          f"each, then the runtime memory...", file=sys.stderr)
     profile = calibrate(tuple(worlds))
     path = save_profile(profile, args.profile)
     print(describe(profile))

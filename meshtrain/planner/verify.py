@@ -9,16 +9,21 @@ storages), the bytes autograd saved for backward, its step time, and two peaks:
   part of the memory model (states, activations, backward's transients);
 - peak RSS: the growth of the rank's anonymous resident memory (heap, arenas, thread
   stacks; library code pages left out), polled every millisecond from just before the model
-  is built to the end of the timed steps: what the OS must provide. The planner predicts it
-  as peak alloc plus the runtime memory calibrated on this machine. Beside them: the planner's predictions from
-the calibrated profile (`--calibrate`) of the same world size. Today the Trainer runs DDP in
-fp32; each strategy joins `PLANS` as it lands.
+  is built to the end of the warm-up steps, which reach it (the first step creates the
+  gradients and optimizer states; later steps reuse the heap): what the OS must provide.
+  The planner predicts it as peak alloc plus the runtime memory calibrated on this machine.
+The step time is the median of the timed steps after the warm-up, run with the poller
+stopped. Beside them: the planner's predictions from the calibrated profile (`--calibrate`)
+of the same world size. Today the Trainer runs DDP in fp32; each strategy joins `PLANS` as
+it lands.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
-import time
+import tempfile
+from contextlib import contextmanager
 
 # (world, per-rank batch, micro-batches): DDP at several world sizes and batch sizes.
 PLANS = ((1, 8, 1), (1, 16, 2), (2, 8, 1), (2, 16, 2), (4, 4, 1), (4, 8, 1))
@@ -33,6 +38,7 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     import torch
     import torch.distributed as dist
 
+    from meshtrain.bench.timing import time_each_step
     from meshtrain.core.plan import Plan
     from meshtrain.models.gpt import GPT, GPTConfig
     from meshtrain.train.trainer import Trainer
@@ -47,19 +53,19 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     gen = torch.Generator().manual_seed(1 + trainer.dp_rank)
     tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=gen)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    times = []
+    sync = dist.barrier if dist.is_initialized() else (lambda: None)
     meter.start()
-    for _ in range(warmup + steps):
-        if dist.is_initialized():
-            dist.barrier()
-        t0 = time.perf_counter()
+    for _ in range(warmup):   # the first steps build gradients, optimizer states, heap
+        sync()
         trainer.step(x, y)
-        times.append(time.perf_counter() - t0)
+    # the timed steps run with the poller stopped: on oversubscribed cores its thread slows
+    # the step (4 ranks on 2 cores: +24%)
     peak = meter.stop()
+    times = time_each_step(lambda: trainer.step(x, y), steps, sync, wait_for_all=False)
     report = trainer.memory_report()
     # after the RSS window: the profiler's own records would inflate the resident memory
     peak_alloc = report.model_states + allocated_peak(lambda: trainer.step(x, y)) if alloc else 0
-    return {"step": statistics.median(times[warmup:]), "peak_growth": peak,
+    return {"step": statistics.median(times), "peak_growth": peak,
             "peak_alloc": peak_alloc, **report.to_dict()}
 
 
@@ -69,7 +75,8 @@ def allocated_peak(fn) -> int:
     with profile_memory), which see every tensor and kernel workspace the allocator serves."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_profiler_banner(), profile(activities=[ProfilerActivity.CPU],
+                                             profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     live = peak = 0
@@ -77,6 +84,25 @@ def allocated_peak(fn) -> int:
         live += e.nbytes()
         peak = max(peak, live)
     return peak
+
+
+@contextmanager
+def _without_profiler_banner():
+    """The profiler (kineto) writes "USDT: ... profiler_start/stop" lines on the process's C
+    stderr each time it runs; drop those, pass anything else through."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            for line in captured.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith(("USDT:", "STAGE:")):
+                    sys.stderr.write(line)
 
 
 class AnonPeak:
@@ -182,8 +208,14 @@ def summary(rows: list[dict]) -> tuple[bool, str]:
 
 
 def verify_command(args) -> int:
-    from meshtrain.planner.profile import load_profile
+    from meshtrain.planner.hardware import HardwareError
+    from meshtrain.planner.profile import load_profile, profile_path
     profile = load_profile(args.profile)
+    missing = sorted({w for w, _, _ in PLANS} - {int(w) for w in profile["worlds"]})
+    if missing:
+        raise HardwareError(f"the profile {profile_path(args.profile)} has no measurements at "
+                            f"{missing} ranks, which --verify runs; calibrate them with "
+                            f"`meshtrain plan --calibrate --nproc {max(missing)}`")
     print(f"verifying {len(PLANS)} DDP plans of meshtrain's GPT {MODEL} (fp32, AdamW) "
           f"against the profile of {profile['created']}", file=sys.stderr)
     print(HEADER)
@@ -192,7 +224,8 @@ def verify_command(args) -> int:
     print("\n" + text)
     print("peak alloc = live tensor bytes at the step's peak (model states + the profiler's allocator "
           "events), exact; peak RSS = growth of each rank's anonymous resident memory from just "
-          "before the model is built to the end of the timed steps. The Trainer runs DDP only "
+          "before the model is built to the end of the warm-up steps; step = median of the timed "
+          "steps after them. The Trainer runs DDP only "
           "today (pp, tp, ZeRO, bf16 not yet): those plans are not verified.")
     if args.json:
         import json

@@ -69,3 +69,18 @@ def test_report_has_predicted_and_measured_columns(rows_and_text):
     assert "pred / meas" in verify.HEADER and "peak RSS MB" in verify.HEADER
     ok, summary = verify.summary(rows)
     assert "model_states: worst error" in summary
+
+
+def test_calibration_ranks_agree_on_repetitions_and_measure_every_collective():
+    from meshtrain.planner.calibrate import KINDS, MIN_REPS, measure_rank
+    from meshtrain.testing import run_ranks
+
+    sizes = (256, 4096)
+    results = run_ranks(2, measure_rank, sizes, 0.01, timeout=120)
+    # the ranks must run the same collectives the same number of times, or they would hang
+    assert results[0]["reps"] == results[1]["reps"] >= MIN_REPS
+    for r in results:
+        assert set(r["collectives"]) == set(KINDS)
+        for curve in r["collectives"].values():
+            assert curve["sizes"] == list(sizes) and all(b > 0 for b in curve["busbw"])
+        assert r["model_flops"] > 0 and r["optimizer_rate"] > 0 and r["mem_bw"] > 0

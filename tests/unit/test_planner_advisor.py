@@ -174,3 +174,16 @@ def test_cli_bad_input_is_a_clear_error(capsys, argv, words):
     rc, out, err = _cli(capsys, *argv)
     assert rc == 2 and re.search(words, err), err
     assert "Traceback" not in err and out == ""
+
+
+def test_cli_verify_refuses_a_profile_without_the_worlds_it_runs(capsys, tmp_path):
+    # refused before any plan runs: no minute of training lost to a missing calibration
+    missing = tmp_path / "none.json"
+    rc, _, err = _cli(capsys, "--verify", "--profile", str(missing))
+    assert rc == 2 and "run `meshtrain plan --calibrate` first" in err
+    partial = tmp_path / "p.json"
+    partial.write_text(json.dumps({"created": "t", "cpu_count": 2, "host_mem": 8e9,
+                                   "worlds": {"1": {}, "2": {}}}))
+    rc, out, err = _cli(capsys, "--verify", "--profile", str(partial))
+    assert rc == 2 and "no measurements at [4] ranks" in err and "--nproc 4" in err
+    assert out == ""
