@@ -16,14 +16,15 @@ the profile keeps the mean over rounds. The 2-core VM this was built on switches
 a fast and a slow phase (matmul 156 vs 127 GFLOP/s, phases of 5-20 s): one launch can sit
 wholly in either, the rounds sample both.
 
-Runtime memory: then, per world size, the Trainer trains the reference GPT (DDP, AdamW,
+Runtime memory: in each round, per world size, the Trainer trains the reference GPT (DDP, AdamW,
 fp32) at two micro-batch sizes, each in fresh processes, exactly as `--verify` runs a plan;
 what each rank's resident memory grows by beyond the tensors the planner derives (exact
 model states and saved activations from the Trainer's accounting, plus the planner's
 backward transients) is the runtime's working memory: a fixed part (the first step's
 thread pools, oneDNN and gloo buffers, glibc arenas) and a part that grows with the
 activations (the allocator keeps the freed forward/backward temporaries as heap it does
-not return). A line through the two points gives (fixed bytes, bytes per activation byte).
+not return). A line through the two points (each the median over rounds) gives (fixed
+bytes, bytes per activation byte).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import time
 
 SIZES = (256, 16 * 2**10, 256 * 2**10, 2 * 2**20, 16 * 2**20)   # bytes per collective
 ROUNDS = 4                  # launches per world size, interleaved with the other worlds'
-BUDGET_S = 3.0              # seconds of alternated repetitions per launch
+BUDGET_S = 2.0              # seconds of alternated repetitions per launch
 MIN_REPS = 5
 MEMORY_BATCHES = (2, 8)     # micro-batches of the runtime-memory calibration
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -150,49 +151,57 @@ def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S
               progress: bool = True) -> dict:
     """Measure every world size in `rounds` rounds (1, 2, 4, 1, 2, 4, ...): this machine's
     speed drifts between phases lasting seconds (a 2-core cloud VM here: +-10%), and rounds
-    spread each world's samples over the whole calibration instead of one phase."""
+    spread each world's samples over the whole calibration instead of one phase. Each round
+    also measures the runtime-memory points."""
     from tqdm import tqdm
 
     from meshtrain.launch import launch
 
     profile = {"created": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu_count": os.cpu_count(),
                "host_mem": _host_mem(), "worlds": {}}
-    per_world: dict[int, list[dict]] = {w: [] for w in worlds}
-    bar = tqdm(total=rounds * len(worlds) + len(worlds) * len(MEMORY_BATCHES), unit="run",
+    rates: dict[int, list[dict]] = {w: [] for w in worlds}
+    memory: dict[int, list[list[tuple[float, float]]]] = {w: [] for w in worlds}
+    bar = tqdm(total=rounds * len(worlds) * (1 + len(MEMORY_BATCHES)), unit="run",
                desc="calibrating", disable=not progress, file=sys.stderr)
     for _ in range(rounds):
         for w in worlds:
-            per_world[w].append(_combine(launch(measure_rank, nproc=w,
-                                                kwargs={"budget_s": budget_s})))
+            rates[w].append(_combine(launch(measure_rank, nproc=w, kwargs={"budget_s": budget_s})))
             bar.update()
-    for w in worlds:
-        entry = _mean_of_rounds(per_world[w])
-        entry["runtime_memory"] = measure_runtime_memory(w, on_run=bar.update)
-        profile["worlds"][str(w)] = entry
+            memory[w].append([runtime_memory_point(w, b) for b in MEMORY_BATCHES])
+            bar.update(len(MEMORY_BATCHES))
     bar.close()
+    for w in worlds:
+        entry = _mean_of_rounds(rates[w])
+        entry["runtime_memory"] = fit_runtime_memory(memory[w])
+        profile["worlds"][str(w)] = entry
     return profile
 
 
-def measure_runtime_memory(world: int, batches=MEMORY_BATCHES, on_run=lambda: None) -> dict:
-    """(fixed, per activation byte) of the runtime memory at `world` ranks; see the module
-    docstring. Each batch size runs in fresh ranks: a heap already grown by an earlier run
-    would hide the next run's growth."""
+def runtime_memory_point(world: int, batch: int) -> tuple[float, float]:
+    """(activation bytes, runtime memory) of the reference GPT at `batch` on `world` ranks,
+    in fresh ranks (a heap already grown by an earlier run would hide this run's growth),
+    run exactly as `--verify` runs a plan; see the module docstring."""
     from meshtrain.launch import launch
     from meshtrain.planner.verify import verify_rank
 
-    points = []
-    for b in batches:
-        results = launch(verify_rank, nproc=world, args=(REFERENCE_GPT, {"dp": world}, b),
-                         kwargs={"steps": 1, "alloc": False})
-        on_run()
-        acts = max(r["activations"] for r in results)
-        tensors = max(r["model_states"] for r in results) + acts + _transient(b)
-        points.append((acts, max(r["peak_growth"] for r in results) - tensors))
+    results = launch(verify_rank, nproc=world, args=(REFERENCE_GPT, {"dp": world}, batch),
+                     kwargs={"steps": 2, "alloc": False})
+    acts = max(r["activations"] for r in results)
+    tensors = max(r["model_states"] for r in results) + acts + _transient(batch)
+    return acts, max(r["peak_growth"] for r in results) - tensors
+
+
+def fit_runtime_memory(rounds: list[list[tuple[float, float]]]) -> dict:
+    """(fixed, per activation byte): a line through the first and last batch's points, each
+    the median over the rounds (one run's heap growth varies by a few MB)."""
+    points = [(statistics.median(a for a, _ in col), statistics.median(o for _, o in col))
+              for col in zip(*rounds)]
     (a0, o0), (a1, o1) = points[0], points[-1]
     per_act = max(0.0, (o1 - o0) / (a1 - a0)) if a1 != a0 else 0.0
     fixed = max(0.0, o0 - per_act * a0)
     return {"fixed": fixed, "per_activation_byte": per_act,
-            "points": [{"activations": a, "overhead": o} for a, o in points]}
+            "points": [{"activations": a, "overhead": o} for a, o in points],
+            "per_round": [[o for _, o in r] for r in rounds]}
 
 
 def _transient(micro_batch: int) -> float:
@@ -237,7 +246,7 @@ def calibrate_command(args) -> int:
     from meshtrain.planner.profile import save_profile
     worlds = sorted({1, 2, max(1, args.nproc)} | ({4} if args.nproc >= 4 else set()))
     print(f"calibrating on {worlds} local rank(s), {ROUNDS} rounds of about {BUDGET_S:g} s "
-          f"each, then the runtime memory...", file=sys.stderr)
+          f"each, with the runtime memory (about two minutes)...", file=sys.stderr)
     profile = calibrate(tuple(worlds))
     path = save_profile(profile, args.profile)
     print(describe(profile))

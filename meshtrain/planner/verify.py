@@ -8,17 +8,17 @@ storages), the bytes autograd saved for backward, its step time, and two peaks:
   over one more step recorded by torch.profiler (profile_memory); it checks the derived
   part of the memory model (states, activations, backward's transients);
 - peak RSS: the growth of the rank's anonymous resident memory (heap, arenas, thread
-  stacks; library code pages left out), polled every millisecond from just before the model
-  is built to the end of the warm-up steps, which reach it (the first step creates the
-  gradients and optimizer states; later steps reuse the heap): what the OS must provide.
-  The planner predicts it as peak alloc plus the runtime memory calibrated on this machine.
-The step time is the median of the timed steps after the warm-up, run with the poller
-stopped. Beside them: the planner's predictions from the calibrated profile (`--calibrate`)
-of the same world size. Today the Trainer runs DDP in fp32; each strategy joins `PLANS` as
-it lands.
+  stacks; library code pages left out) from just before the model is built to the end of
+  the timed steps, from the kernel's high-water mark (`ResidentPeak`): what the OS must
+  provide. The planner predicts it as peak alloc plus the runtime memory calibrated on
+  this machine.
+The step time is the median of the timed steps after the warm-up. Beside them: the
+planner's predictions from the calibrated profile (`--calibrate`) of the same world size.
+Today the Trainer runs DDP in fp32; each strategy joins `PLANS` as it lands.
 """
 from __future__ import annotations
 
+import io
 import os
 import statistics
 import sys
@@ -28,6 +28,7 @@ from contextlib import contextmanager
 # (world, per-rank batch, micro-batches): DDP at several world sizes and batch sizes.
 PLANS = ((1, 8, 1), (1, 16, 2), (2, 8, 1), (2, 16, 2), (4, 4, 1), (4, 8, 1))
 MODEL = dict(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256)   # "small"
+ROUNDS = 3      # runs of each plan, interleaved with the other plans'
 LIMITS = {"model_states": 0.05, "peak_alloc": 0.15, "peak_rss": 0.15, "step": 0.30}  # the issue's
 
 
@@ -44,7 +45,8 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     from meshtrain.train.trainer import Trainer
 
     torch.set_num_threads(1)
-    meter = AnonPeak()
+    meter = ResidentPeak()
+    meter.start()
     torch.manual_seed(0)
     config = GPTConfig(**model)
     trainer = Trainer(GPT(config), Plan(**plan),
@@ -54,14 +56,11 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=gen)
     x, y = tokens[:, :-1], tokens[:, 1:]
     sync = dist.barrier if dist.is_initialized() else (lambda: None)
-    meter.start()
     for _ in range(warmup):   # the first steps build gradients, optimizer states, heap
         sync()
         trainer.step(x, y)
-    # the timed steps run with the poller stopped: on oversubscribed cores its thread slows
-    # the step (4 ranks on 2 cores: +24%)
-    peak = meter.stop()
     times = time_each_step(lambda: trainer.step(x, y), steps, sync, wait_for_all=False)
+    peak = meter.stop()
     report = trainer.memory_report()
     # after the RSS window: the profiler's own records would inflate the resident memory
     peak_alloc = report.model_states + allocated_peak(lambda: trainer.step(x, y)) if alloc else 0
@@ -105,37 +104,40 @@ def _without_profiler_banner():
                     sys.stderr.write(line)
 
 
-class AnonPeak:
+class ResidentPeak:
     """Peak growth of this process's anonymous resident memory (heap: tensors and the
-    allocator's arenas), polled every millisecond from /proc/self/status. Unlike the peak
-    RSS it leaves out library code pages that the first steps touch."""
+    allocator's arenas) over a window, from the kernel's own high-water mark, which sees
+    every page however briefly it was resident (a poller sampling /proc misses short peaks,
+    and on oversubscribed cores its thread slows the step it watches).
 
-    def __init__(self) -> None:
-        import threading
-        self.base = self._anon()
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    @staticmethod
-    def _anon() -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-        return 0
-
-    def _poll(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, self._anon())
+    Linux: writing 5 to /proc/self/clear_refs resets VmHWM (the peak resident set) to the
+    current resident set. At the end, the peak resident set less the file-backed and shared
+    pages resident then (library code the first steps touched, which stays) is the peak of
+    the anonymous part."""
 
     def start(self) -> None:
-        self._thread.start()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError as exc:
+            raise OSError(f"cannot reset this process's peak resident memory through "
+                          f"/proc/self/clear_refs ({exc}): --verify measures peak memory on "
+                          f"Linux only") from None
+        self.base = self._status()["RssAnon"]
 
     def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return max(self.peak, self._anon()) - self.base
+        s = self._status()
+        return max(0, s["VmHWM"] - s["RssFile"] - s.get("RssShmem", 0) - self.base)
+
+    @staticmethod
+    def _status() -> dict[str, int]:
+        fields = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                    fields[key] = int(value.split()[0]) * 1024
+        return fields
 
 
 def predict(profile: dict, world: int, batch: int, m: int, model: dict = MODEL):
@@ -157,25 +159,44 @@ def _err(pred: float, meas: float) -> float:
     return (pred - meas) / meas if meas else float("inf")
 
 
-def verify(profile: dict, plans=PLANS, steps: int = 8, out=sys.stdout, model: dict = MODEL,
-           warmup: int = 2) -> list[dict]:
+def verify(profile: dict, plans=PLANS, steps: int = 5, out=sys.stdout, model: dict = MODEL,
+           warmup: int = 2, rounds: int = ROUNDS, progress: bool = False) -> list[dict]:
+    """Run every plan `rounds` times, the rounds interleaved (all plans, then all again), so
+    that a slow phase of the machine lands on one round of a plan, not on all of them; the
+    step time and resident peak are medians over rounds (each round: the median step of
+    the median rank, the peak of the highest rank). The exact quantities (model states,
+    activations, allocated peak) come from the first round."""
+    from tqdm import tqdm
+
     from meshtrain.launch import launch
 
+    runs: dict[tuple, list[list[dict]]] = {plan: [] for plan in plans}
+    with tqdm(total=rounds * len(plans), unit="run", desc="verifying", disable=not progress,
+              file=sys.stderr) as bar:
+        for r in range(rounds):
+            for plan in plans:
+                world, batch, m = plan
+                runs[plan].append(launch(verify_rank, nproc=world,
+                                         args=(model, {"dp": world, "microbatches": m}, batch,
+                                               steps, warmup, r == 0)))
+                bar.update()
     rows = []
-    for world, batch, m in plans:
-        results = launch(verify_rank, nproc=world,
-                         args=(model, {"dp": world, "microbatches": m}, batch, steps, warmup))
+    for (world, batch, m), results in runs.items():
+        first = results[0]
+        step_rounds = [statistics.median(rank["step"] for rank in ranks) for ranks in results]
+        rss_rounds = [max(rank["peak_growth"] for rank in ranks) for ranks in results]
+        measured = {"model_states": max(r["model_states"] for r in first),
+                    "activations": max(r["activations"] for r in first),
+                    "peak_alloc": max(r["peak_alloc"] for r in first),
+                    "peak_rss": statistics.median(rss_rounds),
+                    "step": statistics.median(step_rounds)}
         ev = predict(profile, world, batch, m, model)
-        measured = {"model_states": max(r["model_states"] for r in results),
-                    "activations": max(r["activations"] for r in results),
-                    "peak_alloc": max(r["peak_alloc"] for r in results),
-                    "peak_rss": max(r["peak_growth"] for r in results),
-                    "step": statistics.median(r["step"] for r in results)}
         predicted = {"model_states": ev.mem.model_states, "activations": ev.mem.activations,
                      "peak_alloc": ev.mem.allocated, "peak_rss": ev.mem.total,
                      "step": ev.time.total}
         rows.append({"plan": f"DDP dp={world} batch {batch}/rank m={m}", "world": world,
                      "predicted": predicted, "measured": measured,
+                     "rounds": {"step": step_rounds, "peak_rss": rss_rounds},
                      "error": {k: _err(predicted[k], measured[k]) for k in predicted}})
         print(_row(rows[-1]), file=out, flush=True)
     return rows
@@ -216,16 +237,18 @@ def verify_command(args) -> int:
         raise HardwareError(f"the profile {profile_path(args.profile)} has no measurements at "
                             f"{missing} ranks, which --verify runs; calibrate them with "
                             f"`meshtrain plan --calibrate --nproc {max(missing)}`")
-    print(f"verifying {len(PLANS)} DDP plans of meshtrain's GPT {MODEL} (fp32, AdamW) "
-          f"against the profile of {profile['created']}", file=sys.stderr)
+    print(f"verifying {len(PLANS)} DDP plans of meshtrain's GPT {MODEL} (fp32, AdamW), "
+          f"{ROUNDS} rounds, against the profile of {profile['created']}", file=sys.stderr)
+    table = io.StringIO()
+    rows = verify(profile, out=table, progress=True)
     print(HEADER)
-    rows = verify(profile)
+    print(table.getvalue(), end="")
     ok, text = summary(rows)
     print("\n" + text)
     print("peak alloc = live tensor bytes at the step's peak (model states + the profiler's allocator "
           "events), exact; peak RSS = growth of each rank's anonymous resident memory from just "
-          "before the model is built to the end of the warm-up steps; step = median of the timed "
-          "steps after them. The Trainer runs DDP only "
+          "before the model is built to the end of the timed steps (the kernel's high-water mark); "
+          "step = median of the timed steps after the warm-up. The Trainer runs DDP only "
           "today (pp, tp, ZeRO, bf16 not yet): those plans are not verified.")
     if args.json:
         import json

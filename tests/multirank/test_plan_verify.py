@@ -27,7 +27,7 @@ PROFILE = {"created": "test", "cpu_count": 2, "host_mem": 8e9,
 def rows_and_text():
     out = io.StringIO()
     start = time.perf_counter()
-    rows = verify.verify(PROFILE, plans=PLANS, steps=2, warmup=1, model=TINY, out=out)
+    rows = verify.verify(PROFILE, plans=PLANS, steps=2, warmup=1, model=TINY, out=out, rounds=2)
     print(f"\nverify of {len(PLANS)} tiny plans: {time.perf_counter() - start:.1f} s")
     return rows, out.getvalue()
 
@@ -56,6 +56,10 @@ def test_time_and_resident_memory_are_measured(rows_and_text):
     for r in rows:
         for key in ("step", "peak_rss", "activations"):
             assert r["measured"][key] > 0 and r["predicted"][key] > 0, key
+        # each plan ran once per round; the quoted values are the rounds' medians
+        for key in ("step", "peak_rss"):
+            assert len(r["rounds"][key]) == 2
+            assert r["measured"][key] == pytest.approx(sum(r["rounds"][key]) / 2)
 
 
 def test_report_has_predicted_and_measured_columns(rows_and_text):

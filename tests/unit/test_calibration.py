@@ -47,3 +47,20 @@ def test_timing_counts_the_trailing_barrier_only_when_waiting_for_all():
     alone = time_each_step(step, 2, sync, wait_for_all=False)
     assert calls == ["sync", "step"] * 2
     assert max(alone) < 0.05
+
+
+def test_runtime_memory_is_a_line_through_the_median_points():
+    from meshtrain.planner.calibrate import fit_runtime_memory
+    MB = 1e6
+    # three rounds of (activations, overhead) at two batch sizes; one round's heap grew more
+    rounds = [[(10 * MB, 6 * MB), (40 * MB, 24 * MB)],
+              [(10 * MB, 7 * MB), (40 * MB, 27 * MB)],
+              [(10 * MB, 9 * MB), (40 * MB, 22 * MB)]]
+    fit = fit_runtime_memory(rounds)
+    # medians (10, 7) and (40, 24): slope 17/30, intercept 7 - 10 * 17/30
+    assert fit["per_activation_byte"] == pytest.approx(17 / 30)
+    assert fit["fixed"] == pytest.approx(7 * MB - 10 * MB * 17 / 30)
+    assert fit["per_round"] == [[6 * MB, 24 * MB], [7 * MB, 27 * MB], [9 * MB, 22 * MB]]
+    # memory never shrinks as activations grow: a falling line is clamped to flat
+    flat = fit_runtime_memory([[(10 * MB, 8 * MB), (40 * MB, 5 * MB)]])
+    assert flat["per_activation_byte"] == 0.0 and flat["fixed"] == 8 * MB
