@@ -95,7 +95,7 @@ def ring_half_elements(numel: int, n: int, rank: int) -> int:
     return numel - ring_chunk_sizes(numel, n)[(rank + 1) % n]
 
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
 
 class _Done:
@@ -121,7 +121,8 @@ class Comm:
     # ---- collectives --------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, axis: str, op: str = "sum", tag: str = "",
                    async_op: bool = False):
-        """Reduce `tensor` in place over `axis` ("sum" or "avg"); every member gets the result."""
+        """Reduce `tensor` in place over `axis` ("sum", "avg" or "max"); every member gets the
+        result."""
         if not self._active(axis):
             return _Done() if async_op else None
         n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)

@@ -55,6 +55,7 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
     from meshtrain.core.mesh import Mesh
     from meshtrain.core.plan import Plan
     from meshtrain.models.gpt import GPT, GPTConfig
+    from meshtrain.planner.hardware import ring_factor
     from meshtrain.planner.model_spec import from_gpt_config
     from meshtrain.planner.time_model import step_flops
 
@@ -79,8 +80,6 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
     work = {"matmul": (lambda: a @ b, 2 * n**3), "gpt": (train_step, step_flops(from_gpt_config(config), 8)),
             "optimizer": (opt.step, sum(p.numel() for p in model.parameters())),
             "copy": (lambda: dst.copy_(big), 2 * big.numel() * 4)}
-    factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world,
-              "reduce_scatter": (world - 1) / world, "broadcast": 1.0}
     for kind in KINDS if world > 1 else ():
         for size in sizes:
             full = torch.ones(size // 4)
@@ -89,14 +88,17 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
                    "all_gather": lambda f=full, s=shard: comm.all_gather(f[:s.numel() * world], s, "dp", tag="calibrate"),
                    "reduce_scatter": lambda f=full, s=shard: comm.reduce_scatter(s, f[:s.numel() * world], "dp", tag="calibrate"),
                    "broadcast": lambda f=full: comm.broadcast(f, 0, "dp", tag="calibrate")}[kind]
-            work[f"{kind}:{size}"] = (run, factor[kind] * size)   # bus bytes (ring factors)
+            work[f"{kind}:{size}"] = (run, ring_factor(kind, world) * size)   # bus bytes
 
     sync = comm.barrier if world > 1 else (lambda: None)
     start = time.perf_counter()
     for fn, _ in work.values():   # warm-up pass, which also sizes the repetitions
         sync()
         fn()
-    reps = _agree(max(MIN_REPS, math.ceil(budget_s / (time.perf_counter() - start))), world)
+    # every rank must run the same collectives: all take the largest count any rank asks for
+    reps = torch.tensor([max(MIN_REPS, math.ceil(budget_s / (time.perf_counter() - start)))])
+    comm.all_reduce(reps, "dp", op="max", tag="calibrate")
+    reps = int(reps.item())
     times = alternate({name: fn for name, (fn, _) in work.items()}, 1, reps, 0, sync,
                       wait_for_all=False)
     rate = {name: amount / statistics.median(times[name]) for name, (_, amount) in work.items()}
@@ -105,17 +107,6 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
     return {"world": world, "matmul_flops": rate["matmul"], "model_flops": rate["gpt"],
             "mem_bw": rate["copy"], "optimizer_rate": rate["optimizer"], "reps": reps,
             "collectives": collectives}
-
-
-def _agree(value: int, world: int) -> int:
-    """The largest of the ranks' values, so that every rank runs the same collectives."""
-    if world == 1:
-        return value
-    import torch
-    import torch.distributed as dist
-    t = torch.tensor([value])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 RATES = ("matmul_flops", "model_flops", "mem_bw", "optimizer_rate")

@@ -20,6 +20,15 @@ class HardwareError(ValueError):
     """Unknown preset or an impossible cluster: the message names it and the fix."""
 
 
+def ring_factor(kind: str, n: int) -> float:
+    """Bytes each rank moves per byte of buffer in a ring collective over `n` ranks (Thakur
+    et al. 2005): all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n, broadcast and
+    point-to-point 1. Calibration turns measured times into bus bandwidth with it, and the
+    time model divides by that bandwidth with it again."""
+    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+            "all_gather": (n - 1) / n, "broadcast": 1.0, "p2p": 1.0}[kind]
+
+
 @dataclass(frozen=True)
 class GPU:
     name: str
@@ -155,8 +164,7 @@ class Cluster:
         """
         if n <= 1 or nbytes <= 0:
             return 0.0
-        factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-                  "all_gather": (n - 1) / n, "broadcast": 1.0, "p2p": 1.0}[kind]
+        factor = ring_factor(kind, n)
         curve = self.curves.get(kind)
         if curve is not None:
             return curve.latency + factor * nbytes / curve.at(nbytes)

@@ -54,13 +54,17 @@ def dp_cases(sizes):
 
 
 def c10d_collectives(mesh: Mesh, k: int = 6) -> dict:
-    """all_reduce (avg), all_gather, reduce_scatter, broadcast via Comm, in float32."""
+    """all_reduce (avg, max), all_gather, reduce_scatter, broadcast via Comm, in float32."""
     n, r = mesh.size("dp"), mesh.axis_rank("dp")
     comm = Comm(mesh)
     f32 = torch.float32
     t = rank_data(n * k, r, f32)
     comm.all_reduce(t, "dp", op="avg", tag="avg")
     torch.testing.assert_close(t, sum(rank_data(n * k, j, f32) for j in range(n)) / n)
+    m = rank_data(n * k, r, f32)
+    comm.all_reduce(m, "dp", op="max", tag="max")
+    torch.testing.assert_close(m, torch.stack([rank_data(n * k, j, f32) for j in range(n)]).amax(0),
+                               **exact)
 
     gathered = torch.empty(n * k, dtype=f32)
     comm.all_gather(gathered, rank_data(k, r, f32), "dp", tag="ag")
@@ -125,8 +129,9 @@ def check_collective_counters(results, n: int, k: int = 6) -> None:
     for rank, res in enumerate(results):
         half = (n - 1) * k * esize   # (N-1)/N of the full n*k tensor
         c = res["collectives"]
-        assert c["dp/all_reduce[avg]"] == {
-            "calls": 1, "sent": 2 * half, "received": 2 * half}
+        for op in ("avg", "max"):
+            assert c[f"dp/all_reduce[{op}]"] == {
+                "calls": 1, "sent": 2 * half, "received": 2 * half}
         assert c["dp/all_gather[ag]"] == {"calls": 1, "sent": half, "received": half}
         assert c["dp/reduce_scatter[rs]"] == {"calls": 1, "sent": half, "received": half}
         assert ring_half_elements(n * k, n, rank) * esize == half
