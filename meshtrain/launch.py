@@ -12,6 +12,12 @@ finished result: if every rank has written one, `launch` returns them and warns 
 abort. A rank that fails earlier makes `launch` raise `LaunchError` with that rank's
 traceback; the elastic agent then stops the other workers, so none is left hanging.
 
+[Note: what is unpickled here]
+Only what this process tree made: the arguments travel to the workers it starts (the
+elastic agent's multiprocessing), and the results come back through files in a private
+temporary directory (mkdtemp: mode 0700, a fresh random name) that only these workers write.
+Nothing from a user's files or the network is ever unpickled.
+
 [Note: the first failure is often an echo]
 When `fn` raises on one rank, its peers' next collective fails with "connection closed" and
 can exit before it does; the agent then reports only the echo and terminates the rank that
@@ -20,6 +26,7 @@ first (as results are), and `LaunchError` lists those before the agent's failure
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -35,7 +42,17 @@ from meshtrain.core.processes import (forkserver_context, function_ref, resolve_
 
 
 class LaunchError(RuntimeError):
-    """A rank failed; the message names it and carries its traceback."""
+    """A rank failed; the message names it and carries its traceback.
+
+    `raised` maps each rank whose function raised to {"type", "message", "traceback"},
+    earliest first, so that a caller can answer a known error in one line."""
+
+    def __init__(self, text: str, raised: dict[int, dict] | None = None) -> None:
+        super().__init__(text)
+        self.raised = raised or {}
+
+    def first_raised(self) -> dict | None:
+        return next(iter(self.raised.values()), None)
 
 
 def init_distributed(timeout_s: float = 600.0):
@@ -77,8 +94,10 @@ def _worker(ref, payload: bytes, result_dir: str):
         rank = int(os.environ["RANK"])
         try:
             result = fn(*args, **kwargs)
-        except BaseException:  # see [Note: the first failure is often an echo]
-            (Path(result_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        except BaseException as exc:  # see [Note: the first failure is often an echo]
+            (Path(result_dir) / f"rank{rank}.err").write_text(json.dumps({
+                "type": type(exc).__name__, "message": str(exc),
+                "traceback": traceback.format_exc()}))
             raise
         tmp = Path(result_dir) / f"rank{rank}.tmp"
         tmp.write_bytes(pickle.dumps(result))
@@ -120,7 +139,7 @@ def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
                           f"gloo teardown abort); results kept:\n{_failure_text(failure)}",
                           RuntimeWarning, stacklevel=2)
         return results
-    raise LaunchError(_failure_text(failure, raised)) from None
+    raise LaunchError(_failure_text(failure, raised), raised) from None
 
 
 _MISSING = object()
@@ -134,16 +153,16 @@ def _read_results(folder: Path, nproc: int) -> list:
     return out
 
 
-def _read_raised(folder: Path) -> dict[int, str]:
-    """Tracebacks of the ranks whose `fn` raised, earliest first."""
+def _read_raised(folder: Path) -> dict[int, dict]:
+    """What the ranks whose `fn` raised wrote (type, message, traceback), earliest first."""
     files = sorted(folder.glob("rank*.err"), key=lambda f: f.stat().st_mtime_ns)
-    return {int(f.stem[len("rank"):]): f.read_text() for f in files}
+    return {int(f.stem[len("rank"):]): json.loads(f.read_text()) for f in files}
 
 
-def _failure_text(err, raised: dict[int, str] | None = None) -> str:
+def _failure_text(err, raised: dict[int, dict] | None = None) -> str:
     raised = raised or {}
-    lines = [f"rank {rank} failed (raised in the launched function):\n{text}"
-             for rank, text in raised.items()]
+    lines = [f"rank {rank} failed (raised in the launched function):\n{info['traceback']}"
+             for rank, info in raised.items()]
     # earliest first: a rank's error is often the echo of a peer that failed before it
     for rank, failure in sorted(err.failures.items(), key=lambda kv: kv[1].timestamp):
         if rank in raised:

@@ -12,6 +12,9 @@ Failure handling (a rank that fails must never leave the others hanging):
   result is kept and a warning says what happened;
 - nothing finished by `timeout`: every rank is killed and the laggards are named.
 
+Arguments and results are pickled only between this process and the ranks it forks
+(a multiprocessing queue): nothing read from disk or the network is unpickled here.
+
 `fn` must be importable by name (a top-level function of an importable module): the child
 imports it after taking the parent's `sys.path`, so pytest test modules work.
 """

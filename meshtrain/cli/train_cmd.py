@@ -88,7 +88,8 @@ def build_config(args):
 def run(args) -> int:
     from meshtrain.launch import LaunchError, launch
     from meshtrain.models.gpt import gpt_config
-    from meshtrain.train.run import train_rank
+    from meshtrain.train import checkpoint
+    from meshtrain.train.run import latest_checkpoint, train_rank
     from meshtrain.train.trainer import refuse_unbuilt
 
     try:
@@ -99,28 +100,43 @@ def run(args) -> int:
         if plan.dp and config.batch_size % plan.dp:
             raise PlanError(f"global batch {config.batch_size} does not split over dp="
                             f"{plan.dp} ranks; use --batch a multiple of {plan.dp}")
+        if config.resume:   # refuse a bad checkpoint here, before any rank starts
+            ckpt = latest_checkpoint(config.run_dir)
+            if ckpt is not None:
+                checkpoint.inspect(ckpt)
+    except checkpoint.CheckpointError as exc:
+        return _refused(exc, config.run_dir)
     except (PlanError, ValueError, FileNotFoundError) as exc:
         print(f"meshtrain train: {exc}", file=sys.stderr)
         return 2
     Path(config.run_dir, "checkpoints").mkdir(parents=True, exist_ok=True)
     if _under_torchrun():
-        if int(os.environ["RANK"]) == 0:
-            config.save()
-        summary = train_rank(config)
+        try:
+            summary = train_rank(config)
+        except checkpoint.CheckpointError as exc:
+            return _refused(exc, config.run_dir)
         if int(os.environ["RANK"]) == 0:
             print_summary(summary)
         return 0
-    config.save()
     print(f"meshtrain train: {plan.describe()} on {plan.world_size} local rank(s), run folder "
           f"{config.run_dir}", file=sys.stderr)
     try:
         summary = launch(train_rank, nproc=plan.world_size, args=(config,))[0]
     except LaunchError as exc:
+        first = exc.first_raised()
+        if first and first["type"] in ("CheckpointError", "UnsafeCheckpoint"):
+            return _refused(first["message"], config.run_dir)
         print(f"meshtrain train: a rank failed; the run folder {config.run_dir} keeps the last "
               f"checkpoint (continue with --resume {config.run_dir}).\n{exc}", file=sys.stderr)
         return 1
     print_summary(summary)
     return 0
+
+
+def _refused(message, run_dir) -> int:
+    """A checkpoint that cannot be loaded: one line, nothing written to the run folder."""
+    print(f"meshtrain train: cannot resume {run_dir}: {message}", file=sys.stderr)
+    return 1
 
 
 def _mib(n) -> str:

@@ -14,7 +14,7 @@ A group of one rank communicates nothing and is charged nothing.
 """
 from __future__ import annotations
 
-import pickle
+import json
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -176,16 +176,29 @@ class Comm:
             dist.barrier(group=self.mesh.group(axis))
 
     def gather_objects(self, obj, tag: str = "") -> list:
-        """Every rank's picklable `obj`, in rank order, on every rank (for reports, not for
-        training data). Charged under the axis "world" with the pickled size."""
+        """Every rank's JSON-serialisable `obj`, in rank order, on every rank (for reports,
+        not for training data). JSON, not pickle: what a peer sends is data, never code.
+        Two all-gathers over the whole world (the sizes, then the padded texts), charged
+        under the axis "world" as ring all-gathers."""
         if not (dist.is_available() and dist.is_initialized()) or self.mesh.world_size == 1:
-            return [obj]
-        out = [None] * self.mesh.world_size
-        dist.all_gather_object(out, obj)
-        nbytes = len(pickle.dumps(obj))
-        self.stats.record("world", "all_gather_object", tag, (self.mesh.world_size - 1) * nbytes,
-                          sum(len(pickle.dumps(o)) for o in out) - nbytes)
-        return out
+            return [json.loads(json.dumps(obj))]
+        n, rank, device = self.mesh.world_size, self.mesh.rank, self.mesh.device
+        data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
+        sizes = torch.zeros(n, dtype=torch.int64, device=device)
+        self._gather_world(sizes, torch.tensor([data.numel()], device=device), tag, rank)
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+        padded[:data.numel()] = data
+        texts = torch.zeros(n * longest, dtype=torch.uint8, device=device)
+        self._gather_world(texts, padded, tag, rank)
+        rows = texts.view(n, longest).cpu()
+        return [json.loads(bytes(rows[r, :int(sizes[r])].tolist())) for r in range(n)]
+
+    def _gather_world(self, output: torch.Tensor, input: torch.Tensor, tag: str,
+                      rank: int) -> None:
+        nbytes = ring_half_elements(output.numel(), self.mesh.world_size, rank) * output.element_size()
+        self.stats.record("world", "all_gather", tag, nbytes, nbytes)
+        dist.all_gather_single(output, input)
 
     # ---- point to point -----------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, axis: str, tag: str = ""):

@@ -12,6 +12,12 @@ Every rank writes into `<path>.partial`; after a barrier, rank 0 writes meshtrai
 and renames the folder to `<path>` (moving an older one aside first). A crash at any point
 leaves either the previous checkpoint or the new one, never a half-written one under `path`;
 a folder without meshtrain.json is refused on load.
+
+[Note: loading runs no code]
+Every read goes through `checkpoint_reader`: DCP's `.metadata` and the state dict's
+non-tensor values are unpickled by restricted unpicklers (tensors were already read
+weights-only), and meshtrain.json is JSON. A file that would call or import anything else is
+refused with `UnsafeCheckpoint` before anything from it runs.
 """
 from __future__ import annotations
 
@@ -28,11 +34,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from meshtrain.train.checkpoint_reader import (CheckpointError, SafeFileSystemReader,
+                                               SafeLoadPlanner, UnsafeCheckpoint,
+                                               check_checkpoint_files)
+
 META = "meshtrain.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded: missing, corrupted, or from another model."""
 
 
 def _distributed() -> bool:
@@ -89,10 +95,23 @@ def read_meta(path) -> dict:
         raise CheckpointError(f"{path} is not a complete meshtrain checkpoint ({META} is "
                               "missing: an interrupted save?); use an earlier checkpoint")
     try:
-        return json.loads(meta_file.read_text())
+        meta = json.loads(meta_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{meta_file} is corrupted ({exc}); use an earlier "
                               "checkpoint") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_file} is corrupted (not a JSON object); use an earlier "
+                              "checkpoint")
+    return meta
+
+
+def inspect(path) -> dict:
+    """Check, in this process alone and cheaply, what can be checked before any rank loads:
+    meshtrain.json, and everything DCP would unpickle, read the restricted way. Returns
+    meshtrain.json."""
+    meta = read_meta(path)
+    check_checkpoint_files(path)
+    return meta
 
 
 def check_shapes(meta: dict, model: nn.Module, path) -> None:
@@ -113,7 +132,7 @@ def check_shapes(meta: dict, model: nn.Module, path) -> None:
 
 
 def load(path, model: nn.Module, optimizer) -> dict:
-    meta = read_meta(path)
+    meta = inspect(path)   # a refused .metadata stops here, before DCP reads anything
     check_shapes(meta, model, path)
     with_optimizer = meta.get("has_optimizer_state", True)
     if with_optimizer:
@@ -128,11 +147,15 @@ def load(path, model: nn.Module, optimizer) -> dict:
         state = {"model": get_model_state_dict(model)}
     try:
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)),
+                     planner=SafeLoadPlanner(path), no_dist=not _distributed())
     # DCP's own errors are long and deep: name the file and the fix. Its CheckpointException
     # (what a corrupted shard raises) derives from BaseException, not Exception.
     except (Exception, dcp.CheckpointException) as exc:
-        raise CheckpointError(f"checkpoint {path} could not be read ({_root_cause(exc)}); it "
+        cause = _unwrap(exc)
+        if isinstance(cause, CheckpointError):   # ours, raised inside DCP: already clear
+            raise type(cause)(str(cause)) from None
+        raise CheckpointError(f"checkpoint {path} could not be read ({_describe(cause)}); it "
                               "is corrupted or incomplete: use an earlier checkpoint") from None
     if with_optimizer:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
@@ -150,10 +173,16 @@ def _single_process_quiet():
         yield
 
 
-def _root_cause(exc: BaseException) -> str:
-    """One line: the first rank's own exception, unwrapped from DCP's CheckpointException
-    (whose text is a traceback per rank)."""
+def _unwrap(exc: BaseException) -> BaseException:
+    """The first rank's own exception, unwrapped from DCP's CheckpointException (whose text
+    is a traceback per rank)."""
     if isinstance(exc, dcp.CheckpointException) and exc.failures:
-        exc = next(iter(exc.failures.values()))[0]
+        failure = next(iter(exc.failures.values()))
+        return failure[0] if isinstance(failure, tuple) else failure
+    return exc
+
+
+def _describe(exc: BaseException) -> str:
+    """One line: the exception's type and the first line of its text."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -27,6 +28,7 @@ from meshtrain.core.plan import Plan
 from meshtrain.data.corpus import check_fits, load_corpus
 from meshtrain.data.sampler import BatchSampler, eval_batches
 from meshtrain.models.gpt import GPT, gpt_config
+from meshtrain.train.checkpoint import CheckpointError
 from meshtrain.train.trainer import Trainer
 
 
@@ -55,11 +57,18 @@ class RunConfig:
 
     @classmethod
     def load(cls, run_dir) -> "RunConfig":
+        """The run in `run_dir`, wherever that folder is now: a run folder that was moved or
+        copied reads and writes only itself (the `run_dir` it was saved with is ignored)."""
         path = Path(run_dir) / "config.json"
         if not path.exists():
             raise FileNotFoundError(f"{run_dir} is not a meshtrain run folder (no config.json); "
                                     "pass the folder a previous `meshtrain train` printed")
-        return cls(**json.loads(path.read_text()))
+        try:
+            saved = json.loads(path.read_text())
+            return cls(**dict(saved, run_dir=str(run_dir)))
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
+            raise ValueError(f"{path} is not a valid run configuration ({exc}); pass the "
+                             "folder a previous `meshtrain train` printed") from None
 
 
 def learning_rate(config: RunConfig, step: int) -> float:
@@ -68,10 +77,15 @@ def learning_rate(config: RunConfig, step: int) -> float:
 
 
 def latest_checkpoint(run_dir) -> Path | None:
+    """The checkpoint `checkpoints/latest` names, inside `run_dir` (None before the first)."""
     pointer = Path(run_dir) / "checkpoints" / "latest"
     if not pointer.exists():
         return None
-    return Path(run_dir) / "checkpoints" / pointer.read_text().strip()
+    name = pointer.read_text().strip()
+    if not re.fullmatch(r"step_\d{8}", name):   # a name, never a path out of the run folder
+        raise CheckpointError(f"{pointer} names {name[:80]!r}, not a checkpoint of this run "
+                              "(step_XXXXXXXX); the run folder is damaged")
+    return Path(run_dir) / "checkpoints" / name
 
 
 def _write_latest(run_dir, name: str) -> None:
@@ -108,6 +122,8 @@ def train_rank(config: RunConfig) -> dict:
         extra = trainer.load(ckpt)
         start, first = trainer.steps_done, extra.get("first", {})
         metrics.truncate_after(start)  # steps past the checkpoint are redone
+    if is_main:   # only now: a refused checkpoint leaves the run folder as it was
+        config.save()
     if not first:
         first = {"val_loss": trainer.evaluate(val)}
         metrics.write({"step": 0, "val_loss": first["val_loss"]})

@@ -1,5 +1,9 @@
-"""`meshtrain train` end to end: torchrun across two node agents, resume, bad input."""
+"""`meshtrain train` end to end: torchrun across two node agents, resume (also of a copied
+run folder), a crafted checkpoint refused in one line, bad input."""
 import json
+import os
+import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -78,3 +82,55 @@ def test_bad_input_is_refused_with_a_clear_message(args, message, tmp_path, caps
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
+
+
+def tree(folder) -> dict[str, bytes]:
+    """Every file under `folder` and its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+    """A 2-rank run stopped after 3 of 6 steps (a checkpoint every step)."""
+    run = tmp_path_factory.mktemp("three") / "run"
+    out = meshtrain("train", "--nproc", "2", "--steps", "3", "--run-dir", str(run), *SMALL,
+                    "--ckpt-every", "1")
+    assert out.returncode == 0, out.stderr
+    return run
+
+
+def test_a_copied_run_resumes_where_it_is(one_process, three_steps, tmp_path):
+    copy = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(three_steps, copy)
+    original = tree(three_steps)
+    resumed = meshtrain("train", "--resume", str(copy), "--steps", "6", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    assert losses(copy) == losses(one_process)
+    assert (copy / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+    assert json.loads((copy / "config.json").read_text())["run_dir"] == str(copy)
+    assert tree(three_steps) == original   # the original is untouched
+
+
+def test_a_crafted_checkpoint_is_refused_in_one_line(three_steps, tmp_path):
+    run, marker = tmp_path / "run", tmp_path / "marker"
+    shutil.copytree(three_steps, run)
+    for metadata in run.glob("checkpoints/step_*/.metadata"):
+        metadata.write_bytes(pickle.dumps(_System(f"touch {marker}")))
+    before = tree(run)
+    out = meshtrain("train", "--resume", str(run), "--steps", "6", "--no-progress")
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"meshtrain train: cannot resume {run}: ")
+    assert "refers to posix.system" in lines[0] and "Refused" in lines[0]
+    assert not marker.exists()
+    assert tree(run) == before
+
+
+class _System:
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)

@@ -201,3 +201,23 @@ def check_mesh_axes(results, shape) -> None:
         expected_keys = {f"{a}/{op}" for a in AXES if sizes[a] > 1
                          for op in ("all_reduce[sum]", "broadcast[bc]")}
         assert set(res["stats"]) == expected_keys
+
+
+def gather_reports():
+    """Each rank reports a JSON object of its own length; every rank gets all of them."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    comm = Comm(Mesh.build(Plan(dp=n)))
+    report = {"rank": r, "values": list(range(r * 3)), "name": "é" * r}
+    return comm.gather_objects(report, tag="report"), comm.stats.snapshot()
+
+
+def test_gather_objects_moves_json_and_charges_two_ring_all_gathers():
+    n = 3
+    expected = [{"rank": r, "values": list(range(r * 3)), "name": "é" * r} for r in range(n)]
+    longest = max(len(__import__("json").dumps(e).encode()) for e in expected)
+    for rank, (reports, stats) in enumerate(run_ranks(n, gather_reports)):
+        assert reports == expected
+        sizes_bytes = ring_half_elements(n, n, rank) * 8
+        text_bytes = ring_half_elements(n * longest, n, rank)
+        assert stats == {"world/all_gather[report]": {
+            "calls": 2, "sent": sizes_bytes + text_bytes, "received": sizes_bytes + text_bytes}}
