@@ -1,11 +1,14 @@
-"""Checkpoints: torch.distributed.checkpoint (sharded, reshardable), written atomically.
+"""Checkpoints: torch.distributed.checkpoint, written atomically, readable by any plan.
 
 Layout of a checkpoint folder:
     meshtrain.json     plan, step and extras, and every parameter's name and shape
     *.distcp, .metadata   torch.distributed.checkpoint's own files (model + optimizer)
 
-Keys are the model's own parameter names (fully qualified), so a checkpoint does not depend
-on the plan that wrote it: it loads under any other plan.
+What is saved is the consolidated, one-process state (train/state.py): the model's own
+state-dict keys at full shapes, and the optimizer's state keyed by parameter name. So a
+checkpoint does not depend on the plan that wrote it: it loads under any other plan, each
+rank reading the whole state and keeping its part. Every rank hands DCP the same state; DCP
+writes each tensor once, spreading the writes over the ranks.
 
 [Note: atomic save]
 Every rank writes into `<path>.partial`; after a barrier, rank 0 writes meshtrain.json last
@@ -28,15 +31,14 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
 
 from meshtrain.train.checkpoint_reader import (CheckpointError, SafeFileSystemReader,
                                                SafeLoadPlanner, UnsafeCheckpoint,
                                                check_checkpoint_files)
+from meshtrain.train.state import StateLayout
 
 META = "meshtrain.json"
 
@@ -54,26 +56,26 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(path, model: nn.Module, optimizer, plan, extra: dict) -> None:
+def save(path, model_state: dict[str, torch.Tensor], optimizer_state: dict | None, plan,
+         extra: dict) -> None:
+    """Write the consolidated state (every rank passes the same); `optimizer_state` is None
+    before the first optimizer step."""
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
-    has_optimizer_state = bool(optimizer.state)  # False before the first optimizer step
-    if has_optimizer_state:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-    else:  # get_state_dict would fill the empty optimizer with placeholder state (a step)
-        state = {"model": get_model_state_dict(model)}
+    state = {"model": model_state}
+    if optimizer_state is not None:
+        state["optim"] = optimizer_state
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed())
     _barrier()
     if _rank() == 0:
-        meta = {"format": 1, "plan": plan.to_dict(), "extra": extra,
-                "has_optimizer_state": has_optimizer_state,
-                "shapes": {k: list(v.shape) for k, v in model.state_dict().items()}}
+        meta = {"format": 2, "plan": plan.to_dict(), "extra": extra,
+                "has_optimizer_state": optimizer_state is not None,
+                "shapes": {k: list(v.shape) for k, v in model_state.items()}}
         tmp = partial / (META + ".tmp")
         tmp.write_text(json.dumps(meta, indent=1))
         os.replace(tmp, partial / META)
@@ -114,10 +116,10 @@ def inspect(path) -> dict:
     return meta
 
 
-def check_shapes(meta: dict, model: nn.Module, path) -> None:
+def check_shapes(meta: dict, layout: StateLayout, path) -> None:
     """Refuse, by name, a checkpoint whose parameters do not match the model's."""
     saved = meta.get("shapes", {})
-    ours = {k: list(v.shape) for k, v in model.state_dict().items()}
+    ours = {k: list(v) for k, v in layout.shapes.items()}
     missing = sorted(set(ours) - set(saved))
     unexpected = sorted(set(saved) - set(ours))
     changed = [f"{k}: checkpoint {saved[k]} vs model {ours[k]}"
@@ -131,24 +133,16 @@ def check_shapes(meta: dict, model: nn.Module, path) -> None:
                               "build the model with the configuration it was saved with")
 
 
-def load(path, model: nn.Module, optimizer) -> dict:
+def load(path, layout: StateLayout) -> tuple[dict, dict | None, dict]:
+    """The consolidated state saved at `path`: (model state by state-dict key, optimizer
+    state by parameter name or None, extras). Every rank reads all of it."""
     meta = inspect(path)   # a refused .metadata stops here, before DCP reads anything
-    check_shapes(meta, model, path)
-    with_optimizer = meta.get("has_optimizer_state", True)
-    if with_optimizer:
-        # get_state_dict creates a fresh optimizer's state (the slots to load into) only when
-        # no parameter holds a gradient, else it silently leaves the optimizer unloaded.
-        # The caller starts its next step with fresh gradients anyway.
-        for p in model.parameters():
-            p.grad = None
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-    else:  # saved before the first step: the optimizer starts fresh, as it did then
-        state = {"model": get_model_state_dict(model)}
+    check_shapes(meta, layout, path)
+    planner = SafeLoadPlanner(path)
     try:
         with _single_process_quiet():
-            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)),
-                     planner=SafeLoadPlanner(path), no_dist=not _distributed())
+            dcp.load({}, storage_reader=SafeFileSystemReader(str(path)), planner=planner,
+                     no_dist=not _distributed())
     # DCP's own errors are long and deep: name the file and the fix. Its CheckpointException
     # (what a corrupted shard raises) derives from BaseException, not Exception.
     except (Exception, dcp.CheckpointException) as exc:
@@ -157,12 +151,8 @@ def load(path, model: nn.Module, optimizer) -> dict:
             raise type(cause)(str(cause)) from None
         raise CheckpointError(f"checkpoint {path} could not be read ({_describe(cause)}); it "
                               "is corrupted or incomplete: use an earlier checkpoint") from None
-    if with_optimizer:
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-    else:
-        set_model_state_dict(model, state["model"])
-    return meta.get("extra", {})
+    state = planner.original_state_dict   # rebuilt from the checkpoint's own metadata
+    return state["model"], state.get("optim"), meta.get("extra", {})
 
 
 @contextmanager

@@ -23,7 +23,10 @@ import pickle
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader
+# DCP's planner that builds the state dict from the checkpoint's own metadata (what
+# torch.distributed.checkpoint.format_utils uses to read a checkpoint whole)
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta)
 
@@ -94,9 +97,10 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, with non-tensor values read by torch's weights-only
-    unpickler instead of a full `torch.load`."""
+class SafeLoadPlanner(_EmptyStateDictLoadPlanner):
+    """Reads a checkpoint whole (the state dict is rebuilt from its metadata: every tensor
+    at its saved shape), with non-tensor values read by torch's weights-only unpickler
+    instead of DCP's full `torch.load`."""
 
     def __init__(self, path) -> None:
         super().__init__()

@@ -3,26 +3,28 @@
     trainer = Trainer(model, Plan(dp=2), optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-4))
     loss = trainer.step(inputs, targets)   # this rank's dp shard; returns the global mean loss
 
-Strategies are applied to the model in place, in a fixed order, by plain functions; the
-Trainer only sequences them. Today the stack is DDP along the dp axis (with Plan(dp=1) it is
-one process: every collective is a no-op). A Plan asking for a strategy not built yet is
-refused by name before anything is built.
+The model goes through five slots in a fixed order (strategies/slots.py), each a plain
+function of the plan; the Trainer only sequences them, so every plan, 3D included, is the
+same five calls with different choices. A Plan asking for a strategy not built yet is refused
+by name before anything is built.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+import math
 from typing import Callable
 
 import torch
 from torch import nn
 
 from meshtrain.core.comm import Comm
-from meshtrain.core.memory import (ActivationMeter, MemoryReport, optimizer_state_tensors,
-                                   peak_process_bytes, storage_bytes)
+from meshtrain.core.memory import ActivationMeter, MemoryReport, peak_process_bytes
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import Plan, PlanError
+from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchLoop, NoSharding,
+                                        Stages, StepDriver, WholeModel)
 from meshtrain.strategies.data_parallel.ddp import DDP
 from meshtrain.train import checkpoint
+from meshtrain.train.state import StateLayout
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -44,23 +46,71 @@ def refuse_unbuilt(plan: Plan) -> None:
             raise PlanError(f"{message}; use a data-parallel plan such as Plan(dp=N)")
 
 
+def check_max_grad_norm(max_grad_norm) -> None:
+    if max_grad_norm is None:
+        return
+    if (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+            or not math.isfinite(max_grad_norm) or max_grad_norm <= 0):
+        raise PlanError(f"max_grad_norm={max_grad_norm!r}: must be a positive number (the "
+                        "largest global gradient norm), or None for no clipping")
+
+
+# ---- the five slots, each a plain function of the plan ---------------------------------------
+def shard_layers(model: nn.Module, plan: Plan, comm: Comm, tp_plan: dict | None) -> LayerSharding:
+    """Slot 1: shard each layer's matrices over tp, in place, keeping parameter names."""
+    if tp_plan is not None and plan.tp == 1:
+        raise PlanError("tp_plan is given but Plan.tp=1: set tp > 1 to shard layers, or "
+                        "drop tp_plan")
+    return NoSharding()
+
+
+def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout) -> Stages:
+    """Slot 2: keep only this rank's pipeline stages (chunks) of the model."""
+    return WholeModel(model, layout.canonical)
+
+
+def sync_gradients(stages: Stages, plan: Plan, comm: Comm) -> GradientSync:
+    """Slots 3 and 4: how dp replicas agree on gradients, and who owns the optimizer.
+    Parameters in `stages.shared` must be laid out identically on every stage holding them."""
+    return DDP(stages.named_parameters(), [b for _, b in stages.named_buffers()], comm,
+               bucket_mb=plan.bucket_mb)
+
+
+def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_fn: Callable,
+                activations: ActivationMeter | None) -> StepDriver:
+    """Slot 5: the order of forwards, backwards and communication in a step."""
+    return MicrobatchLoop(model, loss_fn, plan.microbatches, comm.mesh.device, activations)
+
+
 class Trainer:
     def __init__(self, model: nn.Module, plan: Plan, optimizer: OptimizerFactory,
-                 loss_fn: Callable | None = None, measure_activations: bool = False) -> None:
+                 loss_fn: Callable | None = None, tp_plan: dict | None = None,
+                 max_grad_norm: float | None = None, measure_activations: bool = False) -> None:
         refuse_unbuilt(plan)
-        self.plan = plan
-        self.mesh = Mesh.build(plan)
-        self.comm = Comm(self.mesh)
-        self.model = model.to(self.mesh.device)
+        check_max_grad_norm(max_grad_norm)
         if loss_fn is None and not hasattr(model, "loss"):
             raise TypeError(f"{type(model).__name__} has no .loss(output, targets): pass "
                             "loss_fn=, e.g. torch.nn.functional.cross_entropy")
+        self.plan, self.max_grad_norm = plan, max_grad_norm
+        self.mesh = Mesh.build(plan)
+        self.comm = Comm(self.mesh)
+        self.model = model.to(self.mesh.device)
         self.loss_fn = loss_fn or model.loss
-        # DDP before the optimizer: the optimizer must see the gradients DDP owns.
-        self.data_parallel = DDP(self.model, self.comm, bucket_mb=plan.bucket_mb)
-        self.optimizer = optimizer(list(self.model.parameters()))
-        self.activations = ActivationMeter(self.model.parameters()) if measure_activations else None
+        self.layout = StateLayout.of(self.model)   # names and shapes, before any slot
+        # 1. tensor parallel first: stages and gradient sync then see the shards
+        self.sharding = shard_layers(self.model, plan, self.comm, tp_plan)
+        # 2. pipeline stages: the data-parallel sync covers only what this stage keeps
+        self.stages = keep_stages(self.model, plan, self.comm, self.layout)
+        # 3-4. gradient sync before the optimizer: the optimizer must see what the sync owns
+        self.data_parallel = sync_gradients(self.stages, plan, self.comm)
+        self.optimizer = self.data_parallel.build_optimizer(optimizer)
+        self.activations = (ActivationMeter(p for _, p in self.stages.named_parameters())
+                            if measure_activations else None)
+        # 5. the step driver
+        self.driver = drive_steps(self.model, self.stages, plan, self.comm, self.loss_fn,
+                                  self.activations)
         self.steps_done = 0
+        self.last_grad_norm: float | None = None
 
     # ---- who am I -----------------------------------------------------------------------
     @property
@@ -75,73 +125,108 @@ class Trainer:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on this rank's shard of the global batch.
 
-        The shard is split into `plan.microbatches` micro-batches whose gradients accumulate
-        without communication until the last. Returns the global mean loss (same on all ranks).
-        """
-        micro_inputs = split_microbatches(inputs, self.plan.microbatches)
-        micro_targets = split_microbatches(targets, self.plan.microbatches)
-        ddp = self.data_parallel
-        ddp.zero_grad()
-        loss_sum = torch.zeros((), device=self.mesh.device)
-        last = len(micro_inputs) - 1
-        for i, (x, y) in enumerate(zip(micro_inputs, micro_targets)):
-            x, y = x.to(self.mesh.device), y.to(self.mesh.device)
-            with (ddp.no_sync() if i < last else nullcontext()):
-                loss = self._forward_loss(x, y) / len(micro_inputs)
-                loss.backward()
-            loss_sum += loss.detach()
-        mean_loss = ddp.finish_gradient_sync(loss_sum)
-        self.optimizer.step()
+        The shard is split into `plan.microbatches` micro-batches; their gradients are
+        synchronised over dp once, and the returned loss is the global mean (the same on
+        every rank)."""
+        sync = self.data_parallel
+        sync.zero_grad()
+        local_loss = self.driver.run(inputs, targets, sync)
+        loss = self.driver.global_loss(sync.finish_gradient_sync(local_loss))
+        self._sum_gradients_across_axes()
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = self.clip_gradients(self.max_grad_norm)
+        sync.step()
         self.steps_done += 1
-        return mean_loss
+        return loss
 
-    def _forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.activations is None:
-            return self.loss_fn(self.model(x), y)
-        with self.activations.measure():
-            return self.loss_fn(self.model(x), y)
+    def _sum_gradients_across_axes(self) -> None:
+        """Gradients the dp sync leaves partial along another axis: a weight tied across
+        pipeline stages (summed over the stages holding it), a LayerNorm under sequence
+        parallel (summed over tp)."""
+        reduced = self.data_parallel.reduced_gradient
+        self.stages.sum_shared_gradients(reduced)
+        self.sharding.sum_partial_gradients(reduced)
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Scale the gradients so that their global norm (over every axis) is at most
+        `max_norm`, as torch.nn.utils.clip_grad_norm_ does in one process; returns the norm."""
+        counted = lambda name: self.sharding.counts(name) and self.stages.counts(name)
+        square_sum = self.data_parallel.gradient_square_sum(counted)
+        for axis in ("tp", "pp", "dp"):
+            self.comm.all_reduce(square_sum, axis, tag="grad-norm")
+        norm = square_sum.sqrt().float()
+        self.data_parallel.scale_gradients(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm.item()
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
-        """Mean loss over `batches` (the same on every rank; no gradient, no communication)."""
+        """Mean loss over `batches` (the same on every rank; no gradient)."""
         self.model.eval()
         try:
-            losses = [float(self.loss_fn(self.model(x.to(self.mesh.device)),
-                                         y.to(self.mesh.device))) for x, y in batches]
+            losses = [self.driver.evaluate(x, y) for x, y in batches]
         finally:
             self.model.train()
         return sum(losses) / max(1, len(losses))
 
     # ---- state --------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Consolidated model state with the model's own key names (as model.state_dict())."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """Consolidated model state with the model's own key names (as model.state_dict()).
+        Collective: every rank calls it, and every rank gets the whole state."""
+        local = dict(self.data_parallel.local_parameters())
+        local.update({n: b.detach() for n, b in self.stages.named_buffers()})
+        full = {n: self.sharding.full(n, t).clone() for n, t in local.items()}
+        return self.layout.expand(self.stages.merge(full))
+
+    def full_optimizer_state(self) -> dict:
+        """The optimizer's state as one process would hold it, keyed by parameter name:
+        {"state": {name: {key: tensor}}, "param_groups": [{..., "params": [names]}]}.
+        Collective."""
+        state, groups = self.data_parallel.local_optimizer_state()
+        full = {name: {k: self.sharding.full(name, v) if _param_shaped(v) else v
+                       for k, v in per_param.items()}
+                for name, per_param in state.items()}
+        return {"state": self.stages.merge(full), "param_groups": groups}
+
+    def load_full_state(self, model_state: dict[str, torch.Tensor],
+                        optimizer_state: dict | None) -> None:
+        """Take this rank's part of a consolidated state (as `full_state_dict` and
+        `full_optimizer_state` give it); no communication."""
+        params = {n: self.sharding.local(n, model_state[n])
+                  for n, _ in self.stages.named_parameters()}
+        with torch.no_grad():
+            for n, b in self.stages.named_buffers():
+                b.copy_(model_state[n])
+        local_optim = None
+        if optimizer_state is not None:
+            state = {n: {k: self.sharding.local(n, v) if _param_shaped(v) else v
+                         for k, v in s.items()}
+                     for n, s in optimizer_state["state"].items() if n in params}
+            local_optim = (state, optimizer_state["param_groups"])
+        self.data_parallel.load_local(params, local_optim)
 
     def save(self, path, extra: dict | None = None) -> None:
-        """Sharded checkpoint (torch.distributed.checkpoint), written atomically."""
-        checkpoint.save(path, self.model, self.optimizer, self.plan,
+        """Checkpoint (torch.distributed.checkpoint) of the consolidated state, written
+        atomically, each tensor by one rank; loadable under any plan."""
+        optimizer_state = self.full_optimizer_state()
+        checkpoint.save(path, self.full_state_dict(),
+                        optimizer_state if optimizer_state["state"] else None, self.plan,
                         dict(extra or {}, steps_done=self.steps_done))
 
     def load(self, path) -> dict:
         """Restore model and optimizer from `path` (saved under any plan); returns its extras."""
-        extra = checkpoint.load(path, self.model, self.optimizer)
+        model_state, optimizer_state, extra = checkpoint.load(path, self.layout)
+        self.load_full_state(model_state, optimizer_state)
         self.steps_done = int(extra.get("steps_done", 0))
-        self.data_parallel.zero_grad()  # loading touched .grad: start the next step clean
         return extra
 
     def memory_report(self) -> MemoryReport:
+        parameters, gradients, optimizer_states = self.data_parallel.memory()
         return MemoryReport(
-            parameters=storage_bytes(self.model.parameters()),
-            gradients=self.data_parallel.gradient_bytes,
-            optimizer_states=storage_bytes(optimizer_state_tensors(self.optimizer)),
+            parameters=parameters, gradients=gradients, optimizer_states=optimizer_states,
             activations=self.activations.last_bytes if self.activations else None,
             peak_process=peak_process_bytes())
 
 
-def split_microbatches(batch: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
-    """Split along dim 0 into equal micro-batches; refuse a split that is not exact."""
-    if batch.shape[0] % microbatches:
-        raise PlanError(f"this rank's batch of {batch.shape[0]} does not split into "
-                        f"microbatches={microbatches}; use a per-rank batch that is a multiple "
-                        f"of {microbatches}")
-    return list(batch.chunk(microbatches))
+def _param_shaped(value) -> bool:
+    """An optimizer state that has one element per parameter element (not a 0-dim count)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0

@@ -30,27 +30,35 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 from torch import nn
 
 from meshtrain.core.comm import Comm
+from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
 from meshtrain.strategies.data_parallel.buckets import Bucket, build_buckets
+from meshtrain.core.optim_state import load_state_by_name, param_groups_by_name, state_by_name
 
 
-def broadcast_module(module: nn.Module, comm: Comm, axis: str = "dp") -> None:
-    """Make every replica along `axis` equal to axis rank 0's (parameters and buffers)."""
-    for tensor in list(module.parameters()) + list(module.buffers()):
+def broadcast_tensors(tensors, comm: Comm, axis: str = "dp") -> None:
+    """Make every replica along `axis` equal to axis rank 0's."""
+    for tensor in tensors:
         comm.broadcast(tensor.data, src=0, axis=axis, tag="init")
 
 
 class DDP:
-    """Gradient synchronisation for a model replicated along the mesh's dp axis."""
+    """Gradient synchronisation for parameters replicated along the mesh's dp axis, and the
+    optimizer over them (slots 3 and 4: see strategies/slots.py, GradientSync)."""
 
-    def __init__(self, model: nn.Module, comm: Comm, bucket_mb: float, axis: str = "dp") -> None:
-        self.model, self.comm, self.axis = model, comm, axis
-        broadcast_module(model, comm, axis)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]],
+                 buffers: list[torch.Tensor], comm: Comm, bucket_mb: float,
+                 axis: str = "dp") -> None:
+        self.comm, self.axis = comm, axis
+        broadcast_tensors([p for _, p in named_params] + list(buffers), comm, axis)
+        self.named = {n: p for n, p in named_params if p.requires_grad}
+        self._name_of = {id(p): n for n, p in self.named.items()}
+        self.params = list(self.named.values())
         # the last bucket's payload: this rank's loss, then one "used" flag per parameter
         self.buckets: list[Bucket] = build_buckets(self.params[::-1], bucket_mb * 2**20,
                                                    last_extra=1 + len(self.params))
@@ -128,7 +136,56 @@ class DDP:
             p.grad = bucket.grad_view(i) if used_by else None
         return last.extra[0].item() / self.comm.mesh.size(self.axis)
 
+    # ---- the optimizer (slot 4) ------------------------------------------------------------
+    def build_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+                        ) -> torch.optim.Optimizer:
+        """The user's optimizer over every parameter: DDP keeps whole replicas."""
+        self.optimizer = factory(self.params)
+        return self.optimizer
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    # ---- after the sync: other axes, clipping ---------------------------------------------
+    def reduced_gradient(self, name: str) -> torch.Tensor | None:
+        return self.named[name].grad
+
+    def gradient_square_sum(self, counted: Callable[[str], bool]) -> torch.Tensor:
+        """Every replica holds every averaged gradient: dp rank 0 alone counts them."""
+        total = torch.zeros((), dtype=torch.float64, device=self.comm.mesh.device)
+        if self.comm.mesh.axis_rank(self.axis) == 0:
+            for name, p in self.named.items():
+                if p.grad is not None and counted(name):
+                    total += p.grad.double().square().sum()
+        return total
+
+    def scale_gradients(self, factor: torch.Tensor) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(factor.to(p.grad.dtype))
+
+    # ---- state ----------------------------------------------------------------------------
+    def local_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.named.items()}
+
+    def local_optimizer_state(self) -> tuple[dict[str, dict], list[dict]]:
+        return (state_by_name(self.optimizer, self._name_of),
+                param_groups_by_name(self.optimizer, self._name_of))
+
+    @torch.no_grad()
+    def load_local(self, params: dict[str, torch.Tensor],
+                   optimizer_state: tuple[dict[str, dict], list[dict]] | None) -> None:
+        for name, p in self.named.items():
+            p.copy_(params[name])
+        self.zero_grad()
+        if optimizer_state is not None:
+            load_state_by_name(self.optimizer, self.named, *optimizer_state)
+
     # ---- accounting ---------------------------------------------------------------------
+    def memory(self) -> tuple[int, int, int]:
+        return (storage_bytes(self.params), self.gradient_bytes,
+                storage_bytes(optimizer_state_tensors(self.optimizer)))
+
     @property
     def gradient_bytes(self) -> int:
         return sum(b.gradient_numel * b.buffer.element_size() for b in self.buckets)

@@ -1,0 +1,209 @@
+"""The five slots a Plan fills (ARCHITECTURE.md, "How a Plan becomes a training step"), as
+the protocols every strategy implements, and the choice each slot makes when its axis has
+size one. The Trainer calls them in this order, whatever the plan:
+
+    1. shard layers     LayerSharding    tp   none | tensor parallel
+    2. keep stages      Stages           pp   the whole model | pipeline stages
+    3. sync gradients   GradientSync     dp   DDP | ZeRO | parameter server
+    4. own optimizer    (GradientSync)   dp   per parameter | flat shards | on the server
+    5. drive the step   StepDriver       pp   micro-batch loop | pipeline schedule
+
+Every slot speaks in parameter names (the one-process model's, see train/state.py), so that
+a strategy never needs to know which others surround it.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Protocol
+
+import torch
+from torch import nn
+
+from meshtrain.core.plan import PlanError
+
+
+class LayerSharding(Protocol):
+    """Slot 1: which slice of each tensor this rank holds along tp."""
+
+    def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The whole tensor `name` (a parameter, or a state shaped like it) from every tp
+        rank's slice. Collective over tp: every tp rank calls it for the same names."""
+
+    def local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the whole tensor `name` (no communication)."""
+
+    def counts(self, name: str) -> bool:
+        """Whether this rank counts `name` in a sum over tp ranks (a replicated tensor is
+        counted on one tp rank only)."""
+
+    def sum_partial_gradients(self, reduced: Callable[[str], torch.Tensor | None]) -> None:
+        """After the dp sync: sum over tp the gradients each tp rank holds only a part of
+        (LayerNorms under sequence parallel), in place in the views `reduced(name)` gives."""
+
+
+class Stages(Protocol):
+    """Slot 2: which layers this rank runs along pp."""
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters this rank holds, by canonical name, in model order."""
+
+    def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """The buffers this rank holds, by canonical name."""
+
+    def merge(self, local: dict[str, object]) -> dict[str, object]:
+        """Every stage's entries (name -> tensor or dict of tensors), on every rank.
+        Collective over pp."""
+
+    def counts(self, name: str) -> bool:
+        """Whether this rank counts `name` in a sum over stages (a weight tied across
+        stages is counted on its first holder only)."""
+
+    shared: dict[str, list[int]]
+    """Parameters held by several stages (tied weights): name -> the pp ranks holding it.
+    The gradient sync lays these out identically on every holder."""
+
+    def sum_shared_gradients(self, reduced: Callable[[str], torch.Tensor | None]) -> None:
+        """After the dp sync: sum each shared parameter's gradient over the stages holding
+        it, in place in the views `reduced(name)` gives, identically on every holder."""
+
+
+class GradientSync(Protocol):
+    """Slots 3 and 4: how data-parallel replicas agree on gradients, and the optimizer that
+    owns the update. The step driver calls, per step: `zero_grad`, then each micro-batch's
+    backward (all but each stage's last inside `no_sync`), then `finish_gradient_sync`, then
+    `step`."""
+
+    def build_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+                        ) -> torch.optim.Optimizer: ...
+
+    def zero_grad(self) -> None: ...
+
+    def no_sync(self) -> ContextManager: ...
+
+    def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
+        """Launch what is left, wait; return the mean of `local_loss` over dp."""
+
+    def reduced_gradient(self, name: str) -> torch.Tensor | None:
+        """After `finish_gradient_sync`: this rank's part of the dp-reduced gradient of
+        `name` (a view, to be summed in place over another axis), laid out identically on
+        every rank that holds `name` at the same dp coordinate; None if it has none."""
+
+    def gradient_square_sum(self, counted: Callable[[str], bool]) -> torch.Tensor:
+        """Sum of squares of the gradient elements this rank owns along dp, over the
+        parameters `counted` admits (float64, 0-dim)."""
+
+    def scale_gradients(self, factor: torch.Tensor) -> None: ...
+
+    def step(self) -> None:
+        """The optimizer step, and whatever makes the parameters whole again after it."""
+
+    def local_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by name, whole along dp (a collective where they are
+        sharded)."""
+
+    def local_optimizer_state(self) -> tuple[dict[str, dict], list[dict]]:
+        """(state by parameter name, param groups by name), whole along dp."""
+
+    def load_local(self, params: dict[str, torch.Tensor],
+                   optimizer_state: tuple[dict[str, dict], list[dict]] | None) -> None: ...
+
+    def memory(self) -> tuple[int, int, int]:
+        """Bytes this rank holds of (parameters, gradients, optimizer states)."""
+
+
+class StepDriver(Protocol):
+    """Slot 5: the order of forwards, backwards and communication in one step."""
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor,
+            sync: GradientSync) -> torch.Tensor:
+        """Forward and backward every micro-batch; this rank's loss sum (0 where no loss
+        is computed), already divided by the number of micro-batches."""
+
+    def global_loss(self, dp_mean: float) -> float:
+        """The loss every rank returns, from the dp mean of this rank's loss."""
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """The mean loss of one batch, without gradients, the same on every rank."""
+
+
+# ---- each slot's choice when its axis has size one -------------------------------------------
+class NoSharding:
+    """Slot 1 with tp = 1: every rank holds whole tensors."""
+
+    def sum_partial_gradients(self, reduced) -> None:
+        pass
+
+    def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        return local
+
+    def local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return full
+
+    def counts(self, name: str) -> bool:
+        return True
+
+
+class WholeModel:
+    """Slot 2 with pp = 1: this rank runs every layer."""
+
+    shared: dict[str, list[int]] = {}
+
+    def __init__(self, model: nn.Module, canonical: dict[str, str]) -> None:
+        self.model = model
+        self._canonical = canonical
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(self._canonical[n], p) for n, p in self.model.named_parameters()]
+
+    def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return [(self._canonical[n], b) for n, b in self.model.named_buffers()]
+
+    def merge(self, local: dict[str, object]) -> dict[str, object]:
+        return local
+
+    def counts(self, name: str) -> bool:
+        return True
+
+    def sum_shared_gradients(self, reduced) -> None:
+        pass   # tied weights within one stage: autograd already summed their gradients
+
+
+class MicrobatchLoop:
+    """Slot 5 with pp = 1: the micro-batches one after another, gradients accumulating
+    without communication until the last (gradient accumulation)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, microbatches: int,
+                 device: torch.device, activations=None) -> None:
+        self.model, self.loss_fn, self.microbatches = model, loss_fn, microbatches
+        self.device, self.activations = device, activations
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor,
+            sync: GradientSync) -> torch.Tensor:
+        micro_inputs = split_microbatches(inputs, self.microbatches)
+        micro_targets = split_microbatches(targets, self.microbatches)
+        loss_sum = torch.zeros((), device=self.device)
+        last = len(micro_inputs) - 1
+        for i, (x, y) in enumerate(zip(micro_inputs, micro_targets)):
+            x, y = x.to(self.device), y.to(self.device)
+            with (sync.no_sync() if i < last else nullcontext()):
+                with (self.activations.measure() if self.activations else nullcontext()):
+                    loss = self.loss_fn(self.model(x), y) / len(micro_inputs)
+                loss.backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def global_loss(self, dp_mean: float) -> float:
+        return dp_mean
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        return float(self.loss_fn(self.model(inputs.to(self.device)), targets.to(self.device)))
+
+
+def split_microbatches(batch: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
+    """Split along dim 0 into equal micro-batches; refuse a split that is not exact."""
+    if batch.shape[0] % microbatches:
+        raise PlanError(f"this rank's batch of {batch.shape[0]} does not split into "
+                        f"microbatches={microbatches}; use a per-rank batch that is a multiple "
+                        f"of {microbatches}")
+    return list(batch.chunk(microbatches))

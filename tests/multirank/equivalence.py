@@ -1,0 +1,128 @@
+"""The first test of every strategy: training under a plan reproduces one process.
+
+The reference is plain PyTorch in one process (no meshtrain at all): the same model, seed,
+optimizer and global batches. A plan's run returns, from every rank, the per-step losses, the
+consolidated model and optimizer states and the gradient norms, which must equal the
+reference's within fp32 round-off.
+
+Two models:
+- the tiny GPT (`gpt`), whose sizes divide evenly;
+- `tied_sequential`: an nn.Sequential whose sizes divide no dp size in 2..8 and whose first
+  and last layers share a weight (a tied embedding and output layer), the awkward case for
+  flat shards, for pipeline stages and for tensor parallel alike.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import meshtrain as mt
+from meshtrain.data.sampler import BatchSampler
+from meshtrain.models.gpt import GPT
+from tests.multirank.ddp_cases import CONFIG, GLOBAL_BATCH, data
+
+TIED_VOCAB, TIED_WIDTH, TIED_HIDDEN, TIED_SEQ = 37, 13, 29, 16
+
+
+def gpt() -> nn.Module:
+    return GPT(CONFIG)
+
+
+def tied_sequential() -> nn.Sequential:
+    """Embedding(37, 13) -> Linear(13, 29) -> GELU -> Linear(29, 13) -> LayerNorm(13) ->
+    Linear(13, 37) sharing the embedding's weight: (B, T) int64 -> (B, T, 37)."""
+    embed = nn.Embedding(TIED_VOCAB, TIED_WIDTH)
+    head = nn.Linear(TIED_WIDTH, TIED_VOCAB, bias=False)
+    head.weight = embed.weight
+    return nn.Sequential(embed, nn.Linear(TIED_WIDTH, TIED_HIDDEN), nn.GELU(),
+                         nn.Linear(TIED_HIDDEN, TIED_WIDTH), nn.LayerNorm(TIED_WIDTH), head)
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every token: logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+MODELS = {"gpt": (gpt, None, CONFIG.vocab_size, CONFIG.seq_len),
+          "tied": (tied_sequential, token_loss, TIED_VOCAB, TIED_SEQ)}
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+OPTIMIZERS = {"sgd": sgd, "adamw": adamw}
+
+
+def batches(model: str, steps: int, dp_rank: int = 0, dp_size: int = 1):
+    """This dp rank's (inputs, targets) of each step's global batch."""
+    _, _, vocab, seq = MODELS[model]
+    tokens = data() % vocab
+    sampler = BatchSampler(tokens, GLOBAL_BATCH, seq, seed=0, dp_rank=dp_rank, dp_size=dp_size)
+    return [sampler.batch(s) for s in range(steps)]
+
+
+def reference(model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
+              max_grad_norm: float | None = None, dtype=None) -> dict:
+    """Plain PyTorch, one process: the numbers every plan must reproduce."""
+    build, loss_fn, _, _ = MODELS[model]
+    torch.manual_seed(0)
+    net = build()
+    if dtype is not None:
+        net = net.to(dtype)
+    loss_fn = loss_fn or net.loss
+    opt = OPTIMIZERS[optimizer](net.parameters())
+    names = {id(p): n for n, p in net.named_parameters()}
+    losses, norms = [], []
+    for x, y in batches(model, steps):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(net(x), y)
+        loss.backward()
+        if max_grad_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), max_grad_norm).item())
+        opt.step()
+        losses.append(loss.item())
+    state = {names[id(p)]: {k: v.clone() if isinstance(v, torch.Tensor) else v
+                            for k, v in s.items()} for p, s in opt.state.items()}
+    return {"losses": losses, "state": {k: v.clone() for k, v in net.state_dict().items()},
+            "optimizer": state, "norms": norms}
+
+
+def train(plan: mt.Plan, model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
+          max_grad_norm: float | None = None, **trainer_kw) -> dict:
+    """The same training under `plan`, on this rank; returns what `reference` returns."""
+    build, loss_fn, _, _ = MODELS[model]
+    torch.manual_seed(0)
+    trainer = mt.Trainer(build(), plan, optimizer=OPTIMIZERS[optimizer], loss_fn=loss_fn,
+                         max_grad_norm=max_grad_norm, **trainer_kw)
+    losses, norms = [], []
+    for x, y in batches(model, steps, trainer.dp_rank, trainer.dp_size):
+        losses.append(trainer.step(x, y))
+        if max_grad_norm is not None:
+            norms.append(trainer.last_grad_norm)
+    return {"losses": losses, "state": trainer.full_state_dict(),
+            "optimizer": trainer.full_optimizer_state()["state"], "norms": norms}
+
+
+def assert_equivalent(result: dict, ref: dict, atol: float = 1e-5, what: str = "") -> None:
+    """Losses, every parameter, every optimizer state and the norms within `atol`."""
+    close = dict(rtol=0, atol=atol)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]),
+                               **close, msg=lambda m: f"{what} losses: {m}")
+    assert sorted(result["state"]) == sorted(ref["state"]), what
+    for name, value in ref["state"].items():
+        torch.testing.assert_close(result["state"][name], value, **close,
+                                   msg=lambda m: f"{what} {name}: {m}")
+    assert sorted(result["optimizer"]) == sorted(ref["optimizer"]), what
+    for name, states in ref["optimizer"].items():
+        for key, value in states.items():
+            torch.testing.assert_close(torch.as_tensor(result["optimizer"][name][key]),
+                                       torch.as_tensor(value), **close,
+                                       msg=lambda m: f"{what} {name}.{key}: {m}")
+    torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(ref["norms"]),
+                               rtol=1e-5, atol=0, msg=lambda m: f"{what} norms: {m}")
