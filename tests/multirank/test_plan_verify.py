@@ -11,7 +11,7 @@ import pytest
 from meshtrain.planner import verify
 
 TINY = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=32)
-PLANS = ((1, 4, 1), (2, 4, 2))
+PLANS = (({"dp": 1}, 4), ({"dp": 2, "microbatches": 2}, 4))
 
 # A synthetic profile: predictions need rates to exist, not to be right (no timed asserts).
 _CURVE = {"sizes": [256, 2**20], "busbw": [1e6, 1e9]}
