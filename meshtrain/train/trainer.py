@@ -23,6 +23,7 @@ from meshtrain.core.plan import Plan, PlanError
 from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchLoop, NoSharding,
                                         Stages, StepDriver, WholeModel)
 from meshtrain.strategies.data_parallel.ddp import DDP
+from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.train import checkpoint
 from meshtrain.train.state import StateLayout
 
@@ -35,11 +36,9 @@ def refuse_unbuilt(plan: Plan) -> None:
         (plan.pp > 1, f"pipeline parallel (pp={plan.pp}): pipeline schedules are not "
                       "available yet"),
         (plan.tp > 1, f"tensor parallel (tp={plan.tp}) is not available yet"),
-        (plan.zero > 0, f"ZeRO (zero={plan.zero}) is not available yet"),
+        (plan.zero == 3, "ZeRO-3 (zero=3) is not available yet (ZeRO-1 and -2 are)"),
         (plan.dp_mode != "ddp", f"dp_mode={plan.dp_mode!r} is not available yet "
                                 "(only 'ddp' is)"),
-        (plan.precision != "fp32", f"precision={plan.precision!r} is not available yet "
-                                   "(only 'fp32' is)"),
     ]
     for applies, message in unbuilt:
         if applies:
@@ -72,8 +71,10 @@ def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout) -
 def sync_gradients(stages: Stages, plan: Plan, comm: Comm) -> GradientSync:
     """Slots 3 and 4: how dp replicas agree on gradients, and who owns the optimizer.
     Parameters in `stages.shared` must be laid out identically on every stage holding them."""
-    return DDP(stages.named_parameters(), [b for _, b in stages.named_buffers()], comm,
-               bucket_mb=plan.bucket_mb)
+    params, buffers = stages.named_parameters(), [b for _, b in stages.named_buffers()]
+    if plan.zero in (1, 2):
+        return ZeRO(params, buffers, comm, plan, shared=list(stages.shared))
+    return DDP(params, buffers, comm, bucket_mb=plan.bucket_mb, precision=plan.precision)
 
 
 def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_fn: Callable,
@@ -96,6 +97,8 @@ class Trainer:
         self.comm = Comm(self.mesh)
         self.model = model.to(self.mesh.device)
         self.loss_fn = loss_fn or model.loss
+        if plan.precision != "fp32":   # the loss in fp32 whatever the compute precision
+            self.loss_fn = _loss_in_fp32(self.loss_fn)
         self.layout = StateLayout.of(self.model)   # names and shapes, before any slot
         # 1. tensor parallel first: stages and gradient sync then see the shards
         self.sharding = shard_layers(self.model, plan, self.comm, tp_plan)
@@ -225,6 +228,12 @@ class Trainer:
             parameters=parameters, gradients=gradients, optimizer_states=optimizer_states,
             activations=self.activations.last_bytes if self.activations else None,
             peak_process=peak_process_bytes())
+
+
+def _loss_in_fp32(loss_fn: Callable) -> Callable:
+    def loss(output, targets):
+        return loss_fn(output.float(), targets)
+    return loss
 
 
 def _param_shaped(value) -> bool:

@@ -20,9 +20,10 @@ from torch import nn
 import meshtrain as mt
 from meshtrain.data.sampler import BatchSampler
 from meshtrain.models.gpt import GPT
-from tests.multirank.ddp_cases import CONFIG, GLOBAL_BATCH, data
+from tests.multirank.ddp_cases import CONFIG, data
 
 TIED_VOCAB, TIED_WIDTH, TIED_HIDDEN, TIED_SEQ = 37, 13, 29, 16
+GLOBAL_BATCH = 48   # splits over dp = 1, 2, 3, 4 and then into 1, 2, 4 micro-batches
 
 
 def gpt() -> nn.Module:
@@ -46,6 +47,12 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 MODELS = {"gpt": (gpt, None, CONFIG.vocab_size, CONFIG.seq_len),
           "tied": (tied_sequential, token_loss, TIED_VOCAB, TIED_SEQ)}
+
+
+def world_size() -> int:
+    """Ranks in this run: 1 in a plain process."""
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def sgd(params):
@@ -93,6 +100,31 @@ def reference(model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
             "optimizer": state, "norms": norms}
 
 
+def reference_bf16(model: str = "gpt", optimizer: str = "sgd", steps: int = 10) -> dict:
+    """Mixed precision in one process, plain PyTorch: bf16 parameters and gradients, fp32
+    master weights the optimizer steps, the loss taken in fp32."""
+    build, loss_fn, _, _ = MODELS[model]
+    torch.manual_seed(0)
+    net = build()
+    loss_fn = loss_fn or net.loss
+    names = [n for n, _ in net.named_parameters()]
+    masters = [nn.Parameter(p.detach().clone()) for p in net.parameters()]
+    net.to(torch.bfloat16)
+    opt = OPTIMIZERS[optimizer](masters)
+    losses = []
+    for x, y in batches(model, steps):
+        loss = loss_fn(net(x).float(), y)
+        loss.backward()
+        for m, p in zip(masters, net.parameters()):
+            m.grad, p.grad = p.grad.float(), None
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, net.parameters()):
+                p.copy_(m)
+        losses.append(loss.item())
+    return {"losses": losses, "state": {n: m.detach().clone() for n, m in zip(names, masters)}}
+
+
 def train(plan: mt.Plan, model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
           max_grad_norm: float | None = None, **trainer_kw) -> dict:
     """The same training under `plan`, on this rank; returns what `reference` returns."""
@@ -126,3 +158,83 @@ def assert_equivalent(result: dict, ref: dict, atol: float = 1e-5, what: str = "
                                        msg=lambda m: f"{what} {name}.{key}: {m}")
     torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(ref["norms"]),
                                rtol=1e-5, atol=0, msg=lambda m: f"{what} norms: {m}")
+
+
+def train_torch_ddp(model: str = "gpt", optimizer: str = "adamw", steps: int = 10,
+                    microbatches: int = 1) -> dict:
+    """The peer: torch's own DistributedDataParallel on this rank's share of the same
+    batches (no_sync for all but the last micro-batch); returns what `reference` returns."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    build, loss_fn, _, _ = MODELS[model]
+    torch.manual_seed(0)
+    net = build()
+    loss_fn = loss_fn or net.loss
+    ddp = DistributedDataParallel(net)
+    opt = OPTIMIZERS[optimizer](ddp.parameters())
+    names = {id(p): n for n, p in net.named_parameters()}
+    losses = []
+    for x, y in batches(model, steps, dist.get_rank(), dist.get_world_size()):
+        opt.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for i, (xm, ym) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
+            last = i == microbatches - 1
+            with (ddp.no_sync() if not last else _nothing()):
+                loss = loss_fn(ddp(xm), ym) / microbatches
+                loss.backward()
+            total += loss.detach()
+        dist.all_reduce(total)
+        opt.step()
+        losses.append(total.item() / dist.get_world_size())
+    state = {names[id(p)]: {k: v.clone() if isinstance(v, torch.Tensor) else v
+                            for k, v in s.items()} for p, s in opt.state.items()}
+    return {"losses": losses, "state": {k: v.clone() for k, v in net.state_dict().items()},
+            "optimizer": state, "norms": []}
+
+
+def drift(result: dict, ref: dict) -> float:
+    """The largest absolute difference from the reference over losses and parameters."""
+    worst = max(abs(a - b) for a, b in zip(result["losses"], ref["losses"]))
+    for name, value in ref["state"].items():
+        worst = max(worst, (result["state"][name] - value).abs().max().item())
+    return worst
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def train_torch_fsdp(model: str = "gpt", optimizer: str = "adamw", steps: int = 10,
+                     microbatches: int = 1) -> dict:
+    """The peer that reduces gradients every micro-batch, as ZeRO-2 does: torch's FSDP2
+    (`fully_shard` on each layer and the root); returns what `reference` returns."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    build, loss_fn, _, _ = MODELS[model]
+    torch.manual_seed(0)
+    net = build()
+    loss_fn = loss_fn or net.loss
+    if hasattr(net, "layers"):   # the GPT: a unit per layer; the tied model: the root alone
+        for layer in net.layers():
+            fully_shard(layer)
+    fully_shard(net)
+    opt = OPTIMIZERS[optimizer](net.parameters())
+    losses = []
+    for x, y in batches(model, steps, dist.get_rank(), dist.get_world_size()):
+        opt.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            loss = loss_fn(net(xm), ym) / microbatches
+            loss.backward()
+            total += loss.detach()
+        dist.all_reduce(total)
+        opt.step()
+        losses.append(total.item() / dist.get_world_size())
+    full = {n: v.full_tensor().detach().clone() for n, v in net.state_dict().items()}
+    return {"losses": losses, "state": full, "optimizer": {}, "norms": []}

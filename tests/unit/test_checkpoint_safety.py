@@ -9,7 +9,6 @@ import subprocess
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import meshtrain as mt
 from meshtrain.data.sampler import BatchSampler
@@ -97,7 +96,7 @@ def save_with_value(path, value) -> None:
     trainer = make_trainer(0)
     trainer.step(*batches(1)[0])
     trainer.save(path)   # meshtrain.json from a genuine save
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    model_sd, optim_sd = trainer.full_state_dict(), trainer.full_optimizer_state()
     optim_sd["param_groups"][0]["lr"] = value
     for f in list(path.glob("*.distcp")) + [path / ".metadata"]:
         f.unlink()

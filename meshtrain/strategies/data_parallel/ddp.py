@@ -15,10 +15,13 @@ one collective per step fewer. Its parameters keep their hooks all the same: mov
 gradient into the bucket the moment it exists keeps one copy of the gradients in memory,
 not two (measured: leaving them to the end cost 4 bytes per parameter of peak memory).
 
-[Note: launch order]
-c10d requires every rank to issue collectives in the same order, but hooks can fire in a
-slightly different order from bucket order. Buckets are therefore launched strictly in index
-order: a ready bucket waits until every bucket before it has been launched.
+The hooks, buckets and launch order are shared with ZeRO (gradient_buckets.py).
+
+[Note: bf16]
+With Plan(precision="bf16") parameters and buckets are bf16; a bucket is reduced as a
+reduce-scatter whose sums are taken in fp32 (Comm.reduce_scatter's all-to-all), rounded once
+to bf16, then all-gathered: the bytes of a bf16 all-reduce, without N-1 bf16 roundings. The
+optimizer steps fp32 master weights (precision.py).
 
 [Note: parameters without a gradient]
 A parameter unused in a step never gets a gradient; its slot is zeroed at the end. One
@@ -28,7 +31,6 @@ from the statistics that ride in the last bucket.
 """
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from typing import Callable
 
@@ -37,8 +39,10 @@ from torch import nn
 
 from meshtrain.core.comm import Comm
 from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
-from meshtrain.strategies.data_parallel.buckets import Bucket, build_buckets
 from meshtrain.core.optim_state import load_state_by_name, param_groups_by_name, state_by_name
+from meshtrain.strategies.data_parallel.buckets import Bucket, build_buckets
+from meshtrain.strategies.data_parallel.gradient_buckets import GradientBuckets
+from meshtrain.strategies.data_parallel.precision import COMPUTE_DTYPES, MasterWeights
 
 
 def broadcast_tensors(tensors, comm: Comm, axis: str = "dp") -> None:
@@ -47,104 +51,95 @@ def broadcast_tensors(tensors, comm: Comm, axis: str = "dp") -> None:
         comm.broadcast(tensor.data, src=0, axis=axis, tag="init")
 
 
+@torch.no_grad()
+def cast_to(precision: str, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
+    """Make the model compute in `precision` (floating parameters and buffers)."""
+    dtype = COMPUTE_DTYPES[precision]
+    for t in [*params, *buffers]:
+        if t.is_floating_point() and t.dtype != dtype:
+            t.data = t.data.to(dtype)
+
+
 class DDP:
     """Gradient synchronisation for parameters replicated along the mesh's dp axis, and the
     optimizer over them (slots 3 and 4: see strategies/slots.py, GradientSync)."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, bucket_mb: float,
-                 axis: str = "dp") -> None:
+                 precision: str = "fp32", axis: str = "dp") -> None:
         self.comm, self.axis = comm, axis
         broadcast_tensors([p for _, p in named_params] + list(buffers), comm, axis)
         self.named = {n: p for n, p in named_params if p.requires_grad}
         self._name_of = {id(p): n for n, p in self.named.items()}
         self.params = list(self.named.values())
+        self.masters = MasterWeights(self.params, precision)   # before the cast: fp32 values
+        cast_to(precision, self.params, list(buffers))
+        n = comm.mesh.size(axis)
+        self.mixed = precision != "fp32"
         # the last bucket's payload: this rank's loss, then one "used" flag per parameter
-        self.buckets: list[Bucket] = build_buckets(self.params[::-1], bucket_mb * 2**20,
-                                                   last_extra=1 + len(self.params))
-        self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._scale = 1.0 / comm.mesh.size(axis)
-        self._used: set[int] = set()
-        self._next_launch = 0
-        self._sync = True
-        self.events: list[tuple[str, int, float]] = []  # (what, bucket, time): the overlap log
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for p in self.params]
+        # (fp32 payload; in bf16 the statistics travel in their own small all-reduce)
+        buckets = build_buckets(self.params[::-1], bucket_mb * 2**20,
+                                last_extra=0 if self.mixed else 1 + len(self.params),
+                                pad_to=n if self.mixed else 1)
+        self.grads = GradientBuckets(self.params, buckets, self._launch, scale=1.0 / n,
+                                     hold_last=not self.mixed)
+        self.buckets = buckets
         self.zero_grad()
+
+    @property
+    def events(self) -> list[tuple[str, int, float]]:
+        return self.grads.events
 
     # ---- the step -----------------------------------------------------------------------
     def zero_grad(self) -> None:
         """Start a step: no gradients yet (each lands in its bucket as backward makes it)."""
-        for p in self.params:
-            p.grad = None
-        for b in self.buckets:
-            b.reset()
-        self._used.clear()
-        self._next_launch = 0
-        self.events.clear()
+        self.grads.start_step()
 
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally (earlier micro-batches): no communication."""
-        previous, self._sync = self._sync, False
+        previous, self.grads.syncing = self.grads.syncing, False
         try:
             yield
         finally:
-            self._sync = previous
+            self.grads.syncing = previous
 
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
-        first = id(param) not in self._used
-        self._used.add(id(param))
-        bucket, i = self._slot[id(param)]
-        bucket.absorb(i, param.grad, self._scale, first)
-        param.grad = None  # the bucket holds it now; the next one is autograd's to allocate
-        if not self._sync or bucket is self.buckets[-1]:
-            return
-        self.events.append(("ready", bucket.index, time.perf_counter()))
-        if bucket.mark_ready(param):
-            self._launch_in_order(until=len(self.buckets) - 1)
-
-    def _launch_in_order(self, until: int, final: bool = False) -> None:
-        """Launch, in index order, the buckets before `until` that are ready (all if final)."""
-        while self._next_launch < until:
-            bucket = self.buckets[self._next_launch]
-            if not (final or bucket.all_ready):
-                return
-            bucket.handle = self.comm.all_reduce(bucket.buffer, self.axis, op="sum",
-                                                 tag="grad", async_op=True)
-            self.events.append(("launch", bucket.index, time.perf_counter()))
-            self._next_launch += 1
+    def _launch(self, bucket: Bucket):
+        if not self.mixed:
+            return self.comm.all_reduce(bucket.buffer, self.axis, op="sum", tag="grad",
+                                        async_op=True)
+        return _ReduceThenGather(self.comm, bucket.buffer, self.axis)
 
     def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
-        """After the last backward: put the step's statistics in the last bucket, launch
-        every bucket not yet launched, wait for all; return the global mean loss."""
-        self.events.append(("backward_end", -1, time.perf_counter()))
-        last = self.buckets[-1]
-        for p in self.params:
-            if id(p) not in self._used:  # no gradient on this rank: its slot must be zero
-                bucket, i = self._slot[id(p)]
-                bucket.absorb(i, None, self._scale, first=True)
-        last.extra[0] = float(local_loss)
-        last.extra[1:] = torch.tensor([id(p) in self._used for p in self.params])
-        self._launch_in_order(until=len(self.buckets), final=True)
-        for bucket in self.buckets:
-            bucket.wait()
-        self.events.append(("synced", -1, time.perf_counter()))
-        users = last.extra[1:].tolist()  # summed: how many ranks used each parameter
+        """After the last backward: launch every bucket not yet launched (the statistics
+        riding in the last), wait for all; return the global mean loss."""
+        stats = torch.cat([local_loss.reshape(1).float(), self.grads.used_flags()])
+        if not self.mixed:
+            self.buckets[-1].extra.copy_(stats)
+        self.grads.flush()
+        if self.mixed:
+            self.comm.all_reduce(stats, self.axis, tag="step")
+        self.grads.wait()
+        if not self.mixed:
+            stats = self.buckets[-1].extra
+        users = stats[1:].tolist()  # summed: how many ranks used each parameter
         for p, used_by in zip(self.params, users):
-            bucket, i = self._slot[id(p)]
+            bucket, i = self.grads.slot(p)
             p.grad = bucket.grad_view(i) if used_by else None
-        return last.extra[0].item() / self.comm.mesh.size(self.axis)
+        return stats[0].item() / self.comm.mesh.size(self.axis)
 
     # ---- the optimizer (slot 4) ------------------------------------------------------------
     def build_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
                         ) -> torch.optim.Optimizer:
-        """The user's optimizer over every parameter: DDP keeps whole replicas."""
-        self.optimizer = factory(self.params)
+        """The user's optimizer over every parameter (their fp32 masters in bf16): DDP keeps
+        whole replicas."""
+        self.optimizer = factory(self.masters.masters)
         return self.optimizer
 
     def step(self) -> None:
+        self.masters.set_grads([p.grad for p in self.params])
         self.optimizer.step()
+        self.masters.write_back()
 
     # ---- after the sync: other axes, clipping ---------------------------------------------
     def reduced_gradient(self, name: str) -> torch.Tensor | None:
@@ -165,32 +160,60 @@ class DDP:
                 p.grad.mul_(factor.to(p.grad.dtype))
 
     # ---- state ----------------------------------------------------------------------------
+    def _master_of(self) -> dict[int, str]:
+        return {id(m): self._name_of[id(p)] for m, p in zip(self.masters.masters, self.params)}
+
     def local_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.named.items()}
+        """The parameters' exact values: the fp32 masters under bf16."""
+        return {self._name_of[id(p)]: m.detach()
+                for m, p in zip(self.masters.masters, self.params)}
 
     def local_optimizer_state(self) -> tuple[dict[str, dict], list[dict]]:
-        return (state_by_name(self.optimizer, self._name_of),
-                param_groups_by_name(self.optimizer, self._name_of))
+        names = self._master_of()
+        return (state_by_name(self.optimizer, names),
+                param_groups_by_name(self.optimizer, names))
 
     @torch.no_grad()
     def load_local(self, params: dict[str, torch.Tensor],
                    optimizer_state: tuple[dict[str, dict], list[dict]] | None) -> None:
-        for name, p in self.named.items():
-            p.copy_(params[name])
+        self.masters.load([params[self._name_of[id(p)]] for p in self.params])
         self.zero_grad()
         if optimizer_state is not None:
-            load_state_by_name(self.optimizer, self.named, *optimizer_state)
+            masters = {self._name_of[id(p)]: m for m, p in zip(self.masters.masters, self.params)}
+            load_state_by_name(self.optimizer, masters, *optimizer_state)
 
     # ---- accounting ---------------------------------------------------------------------
     def memory(self) -> tuple[int, int, int]:
-        return (storage_bytes(self.params), self.gradient_bytes,
-                storage_bytes(optimizer_state_tensors(self.optimizer)))
+        optimizer = storage_bytes(optimizer_state_tensors(self.optimizer))
+        if self.masters.mixed:
+            optimizer += storage_bytes(self.masters.masters)
+        return storage_bytes(self.params), self.gradient_bytes, optimizer
 
     @property
     def gradient_bytes(self) -> int:
-        return sum(b.gradient_numel * b.buffer.element_size() for b in self.buckets)
+        """The buckets (with their padding, in bf16), less the statistics' payload."""
+        payload = 0 if self.mixed else (1 + len(self.params)) * self.buckets[-1].dtype.itemsize
+        return sum(b.nbytes for b in self.buckets) - payload
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        self.grads.remove_hooks()
+
+
+class _ReduceThenGather:
+    """bf16 all-reduce of a padded bucket as two halves: reduce-scatter with fp32 sums, then
+    all-gather of the rounded bf16 sums (see [Note: bf16])."""
+
+    def __init__(self, comm: Comm, buffer: torch.Tensor, axis: str) -> None:
+        self.comm, self.buffer, self.axis = comm, buffer, axis
+        n, r = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
+        self.mine = buffer.view(n, -1)[r]
+        self.summed = torch.empty_like(self.mine, dtype=torch.float32)
+        self.work = comm.reduce_scatter(self.summed, buffer, axis, tag="grad", async_op=True)
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        self.work.wait()
+        self.work = None
+        self.mine.copy_(self.summed)   # one rounding of the fp32 sum
+        self.comm.all_gather(self.buffer, self.mine.clone(), self.axis, tag="grad")

@@ -1,0 +1,123 @@
+"""Gradients flowing into buckets during backward, each bucket launched the moment it is full:
+the machinery DDP and ZeRO share (they differ only in what a launch does).
+
+A hook on each parameter moves its gradient, pre-scaled (by 1/N for a mean over N ranks),
+into its bucket slot and frees autograd's copy; when a bucket's last gradient is in, the
+owner's `launch(bucket)` starts its collective asynchronously, so communication overlaps the
+rest of backward.
+
+[Note: rounds]
+A round is what one launch of every bucket carries. For DDP and ZeRO-1 it is the whole step:
+micro-batches before the last accumulate in the buckets inside `no_sync`, without
+communicating. For ZeRO-2 it is one micro-batch: each micro-batch's buckets are reduced at
+once and freed, so that only a gradient shard outlives backward. The first gradient a slot
+receives in a round overwrites it (no memset); a slot that received none is zeroed before
+its bucket is launched.
+
+[Note: launch order]
+c10d requires every rank to issue collectives in the same order, but hooks can fire in a
+slightly different order from bucket order. Buckets are therefore launched strictly in index
+order: a ready bucket waits until every bucket before it has been launched.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from meshtrain.strategies.data_parallel.buckets import Bucket
+
+
+class GradientBuckets:
+    """Hooks that fill `buckets` from backward and launch them in order through `launch`.
+
+    `hold_last`: the last bucket is never launched from a hook (DDP puts the step's
+    statistics in it at the end). `launch_in_no_sync`: ZeRO-2 launches during `no_sync` too
+    (its rounds are micro-batches)."""
+
+    def __init__(self, params: list[nn.Parameter], buckets: list[Bucket],
+                 launch: Callable[[Bucket], object], scale: float, hold_last: bool = False,
+                 launch_in_no_sync: bool = False) -> None:
+        self.params, self.buckets, self._launch = params, buckets, launch
+        self.scale, self.hold_last, self.launch_in_no_sync = scale, hold_last, launch_in_no_sync
+        self._slot = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
+        self.used_in_step: set[int] = set()     # parameters that got a gradient this step
+        self._in_round: set[int] = set()        # ... this round (see [Note: rounds])
+        self._next_launch = 0
+        self.syncing = True
+        self.events: list[tuple[str, int, float]] = []  # (what, bucket, time): the overlap log
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for p in params]
+
+    def start_step(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.used_in_step.clear()
+        self.events.clear()
+        self.start_round()
+
+    def start_round(self) -> None:
+        for b in self.buckets:
+            b.reset()
+        self._in_round.clear()
+        self._next_launch = 0
+
+    def slot(self, param: nn.Parameter) -> tuple[Bucket, int]:
+        return self._slot[id(param)]
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        first = id(param) not in self._in_round
+        self._in_round.add(id(param))
+        self.used_in_step.add(id(param))
+        bucket, i = self._slot[id(param)]
+        if bucket.buffer is None:
+            bucket.allocate()
+        bucket.absorb(i, param.grad, self.scale, first)
+        param.grad = None  # the bucket holds it now; the next one is autograd's to allocate
+        if not (self.syncing or self.launch_in_no_sync):
+            return
+        if self.hold_last and bucket is self.buckets[-1]:
+            return
+        self.events.append(("ready", bucket.index, time.perf_counter()))
+        if bucket.mark_ready(param):
+            self._launch_ready(until=len(self.buckets) - (1 if self.hold_last else 0))
+
+    def _launch_ready(self, until: int) -> None:
+        """Launch, in index order, the buckets before `until` that are ready."""
+        while self._next_launch < until and self.buckets[self._next_launch].all_ready:
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        bucket = self.buckets[self._next_launch]
+        bucket.handle = self._launch(bucket)
+        self.events.append(("launch", bucket.index, time.perf_counter()))
+        self._next_launch += 1
+
+    def flush(self) -> None:
+        """End of a round: zero the slots that got nothing, launch every bucket not yet
+        launched (in order)."""
+        self.events.append(("backward_end", -1, time.perf_counter()))
+        for bucket in self.buckets[self._next_launch:]:
+            if bucket.buffer is None:
+                bucket.allocate()
+            for i, p in enumerate(bucket.params):
+                if id(p) not in self._in_round:
+                    bucket.absorb(i, None, self.scale, first=True)
+        while self._next_launch < len(self.buckets):
+            self._launch_next()
+
+    def wait(self) -> None:
+        for bucket in self.buckets:
+            bucket.wait()
+        self.events.append(("synced", -1, time.perf_counter()))
+
+    def used_flags(self) -> torch.Tensor:
+        """1.0 for each parameter that got a gradient this step, in `params` order."""
+        return torch.tensor([float(id(p) in self.used_in_step) for p in self.params])
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

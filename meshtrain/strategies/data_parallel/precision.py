@@ -1,0 +1,52 @@
+"""Mixed precision (`Plan(precision="bf16")`): what the model computes with against what the
+optimizer steps.
+
+In bf16 the model's parameters and gradients are bf16 (2 + 2 bytes per parameter, and half
+the bytes on the wire) while the optimizer steps fp32 master weights with fp32 states: K = 12
+bytes per parameter for Adam (ZeRO, Rajbhandari et al. 2020, §3.1 / Table 1). In fp32 the
+parameters are their own masters: nothing is copied.
+
+`MasterWeights` pairs each compute tensor (a parameter, or a flat shard of parameters) with
+the tensor the optimizer owns: give it the reduced gradients before the optimizer step, and
+it writes the updated masters back into the compute tensors after.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class MasterWeights:
+    def __init__(self, compute: list[torch.Tensor], precision: str,
+                 initial: list[torch.Tensor] | None = None) -> None:
+        """`initial`: the masters' fp32 starting values, where the compute tensors were
+        already made bf16 (default: the compute tensors' own values)."""
+        self.compute = compute
+        self.mixed = precision != "fp32"
+        # fp32: the optimizer steps the compute tensors themselves (a parameter as it is, a
+        # flat shard wrapped as a Parameter sharing its storage)
+        self.masters = [nn.Parameter(v.detach().float().clone()) if self.mixed
+                        else t if isinstance(t, nn.Parameter) else nn.Parameter(t.detach())
+                        for t, v in zip(compute, initial or compute)]
+
+    def set_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """The gradients the optimizer sees (fp32; a None skips that master)."""
+        for master, grad in zip(self.masters, grads):
+            master.grad = None if grad is None else (grad.float() if self.mixed else grad)
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """After the optimizer step: the compute tensors take the updated masters."""
+        if self.mixed:
+            for master, tensor in zip(self.masters, self.compute):
+                tensor.copy_(master)
+                master.grad = None   # the fp32 copies of the gradients were transient
+
+    @torch.no_grad()
+    def load(self, values: list[torch.Tensor]) -> None:
+        for master, tensor, value in zip(self.masters, self.compute, values):
+            master.copy_(value)
+            if self.mixed:
+                tensor.copy_(value)

@@ -1,0 +1,289 @@
+"""ZeRO-1 and ZeRO-2 (Rajbhandari et al. 2020): every data-parallel rank keeps the whole
+model but owns 1/N of the optimizer states (ZeRO-1, P_os) and of the gradients (ZeRO-2,
+P_os+g), as flat padded shards (flat.py).
+
+An all-reduce is a reduce-scatter followed by an all-gather; ZeRO moves the same bytes as
+DDP but puts the optimizer step between the two halves, on the shard alone:
+
+    backward   gradients land in buckets (the hooks DDP uses, gradient_buckets.py); each
+               full bucket is reduce-scattered at once, overlapping the rest of backward:
+               rank r receives the dp-average of its k elements of the bucket
+    step       the optimizer steps rank r's shard (fp32 masters under bf16)
+    after      each bucket's parameters are all-gathered from the updated shards
+
+ZeRO-1 keeps full gradient buckets (reduced once per step, after the last micro-batch);
+ZeRO-2 keeps only its gradient shard: a bucket's buffer exists only while it is filled and
+in flight, and is reduced every micro-batch (see gradient_buckets.py, [Note: rounds]).
+
+Memory per rank between steps (Ψ padded to whole buckets of N*k; fp32 AdamW; + 4 bytes per
+bucket for the optimizer's step counter): ZeRO-1 4Ψ + 4Ψ + 8Ψ/N, ZeRO-2 4Ψ + 4Ψ/N + 8Ψ/N;
+bf16: 2Ψ + 2Ψ + 12Ψ/N and 2Ψ + 2Ψ/N + 12Ψ/N (K = 12: master weights and two moments).
+
+[Note: parameters nobody used]
+A parameter that got no gradient on any rank in a step is skipped by a one-process
+optimizer (its .grad is None). A flat shard is stepped whole, so its elements, and their
+optimizer states, are put back after the step. (The shard's step counter still advances: an
+Adam parameter skipped in some steps gets the shard's bias correction, as in every
+flat-parameter implementation.)
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch import nn
+
+from meshtrain.core.comm import Comm
+from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
+from meshtrain.core.plan import Plan
+from meshtrain.strategies.data_parallel.buckets import Bucket, build_buckets
+from meshtrain.strategies.data_parallel.ddp import broadcast_tensors, cast_to
+from meshtrain.strategies.data_parallel.gradient_buckets import GradientBuckets
+from meshtrain.strategies.data_parallel.precision import COMPUTE_DTYPES, MasterWeights
+from meshtrain.strategies.zero.flat import FlatLayout, flatten_into_buckets, parameter_groups
+
+
+class ZeRO:
+    """Slots 3 and 4 for Plan(zero=1 | 2): sharded gradient sync and a sharded optimizer."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]],
+                 buffers: list[torch.Tensor], comm: Comm, plan: Plan,
+                 shared: list[str] = (), axis: str = "dp") -> None:
+        self.comm, self.axis, self.stage = comm, axis, plan.zero
+        self.n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
+        broadcast_tensors([p for _, p in named_params] + list(buffers), comm, axis)
+        self.named = {n: p for n, p in named_params if p.requires_grad}
+        self.params = list(self.named.values())
+        names = {id(p): n for n, p in self.named.items()}
+        compute = COMPUTE_DTYPES[plan.precision]
+        groups = parameter_groups(self.params, [self.named[s] for s in shared if s in self.named])
+        self.buckets = build_buckets([], plan.bucket_mb * 2**20, pad_to=self.n, dtype=compute,
+                                     lazy=self.stage == 2, groups=groups)
+        self.layout = FlatLayout(self.buckets, names, self.n, rank)
+        fp32 = flatten_into_buckets(self.buckets, torch.float32)
+        self.data = fp32 if compute == torch.float32 else flatten_into_buckets(self.buckets, compute)
+        cast_to(plan.precision, [], list(buffers))
+        self.masters = MasterWeights(self.layout.my_shards(self.data), plan.precision,
+                                     initial=self.layout.my_shards(fp32))
+        del fp32
+        # ZeRO-1: the gradient shard is this rank's chunk of its (persistent) bucket;
+        # ZeRO-2: a tensor of its own, the only gradients kept between micro-batches
+        self.grad_shards = ([b.buffer.view(self.n, -1)[rank] for b in self.buckets]
+                            if self.stage == 1 else
+                            [torch.zeros(self.layout.shard_size(b.index), dtype=compute,
+                                         device=b.device) for b in self.buckets])
+        self.grads = GradientBuckets(self.params, self.buckets, self._launch,
+                                     scale=1.0 / self.n, launch_in_no_sync=self.stage == 2)
+        self._rounds = 0
+        self._skipped: list[str] = []
+        self.zero_grad()
+
+    @property
+    def events(self) -> list[tuple[str, int, float]]:
+        return self.grads.events
+
+    # ---- the step (slot 3) ------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        self.grads.start_step()
+        self._rounds = 0
+
+    @contextmanager
+    def no_sync(self):
+        """ZeRO-1: accumulate in the buckets without communicating. ZeRO-2: each micro-batch
+        is its own round, reduced into the gradient shard as it ends."""
+        previous, self.grads.syncing = self.grads.syncing, False
+        try:
+            yield
+        finally:
+            self.grads.syncing = previous
+            if self.stage == 2:
+                self._end_round()
+
+    def _end_round(self) -> None:
+        self.grads.flush()
+        self.grads.wait()
+        self.grads.start_round()
+        self._rounds += 1
+
+    def _launch(self, bucket: Bucket):
+        target = self.grad_shards[bucket.index]
+        return _ReduceScatter(self.comm, bucket, target, self.axis,
+                              accumulate=self.stage == 2 and self._rounds > 0,
+                              release=self.stage == 2)
+
+    def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
+        """Reduce what is left, and the step's statistics (loss, used flags) in one small
+        all-reduce behind the gradients; returns the dp-mean loss."""
+        self.grads.flush()
+        stats = torch.cat([local_loss.reshape(1).float(), self.grads.used_flags()])
+        self.comm.all_reduce(stats, self.axis, tag="step")
+        self.grads.wait()
+        self._rounds += 1
+        used_by = stats[1:].tolist()
+        self._skipped = [n for (n, p), users in zip(self.named.items(), used_by) if not users]
+        return stats[0].item() / self.n
+
+    # ---- the optimizer (slot 4) ---------------------------------------------------------------
+    def build_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+                        ) -> torch.optim.Optimizer:
+        """The user's optimizer over this rank's shards only (one flat tensor per bucket):
+        any optimizer whose state is per element works unchanged."""
+        self.optimizer = factory(self.masters.masters)
+        if len(self.optimizer.param_groups) != 1:
+            raise ValueError("ZeRO steps flat shards that cut through parameters: the "
+                             "optimizer must put them all in one parameter group")
+        return self.optimizer
+
+    def step(self) -> None:
+        self.masters.set_grads(self.grad_shards)
+        with self._keep_skipped():
+            self.optimizer.step()
+        self.masters.write_back()
+        shards = self.layout.my_shards(self.data)
+        handles = [self.comm.all_gather(flat, shard.clone(), self.axis, tag="param",
+                                        async_op=True)
+                   for flat, shard in zip(self.data, shards)]
+        for h in handles:
+            h.wait()
+
+    @contextmanager
+    def _keep_skipped(self):
+        """See [Note: parameters nobody used]."""
+        if not self._skipped:
+            yield
+            return
+        kept = []
+        for name in self._skipped:
+            piece = self.layout.by_name[name]
+            master = self.masters.masters[piece.bucket]
+            lo, hi = self.layout.owned(piece)
+            tensors = [master] + [t for t in self.optimizer.state.get(master, {}).values()
+                                  if isinstance(t, torch.Tensor) and t.shape == master.shape]
+            kept += [(t, lo, hi, t.detach()[lo:hi].clone()) for t in tensors]
+        yield
+        with torch.no_grad():
+            for t, lo, hi, value in kept:
+                t[lo:hi] = value
+
+    # ---- after the sync: other axes, clipping -------------------------------------------------
+    def reduced_gradient(self, name: str) -> torch.Tensor | None:
+        return self.layout.shard_view(self.grad_shards, name)
+
+    def gradient_square_sum(self, counted: Callable[[str], bool]) -> torch.Tensor:
+        """Each rank counts its own shard of every counted parameter."""
+        total = torch.zeros((), dtype=torch.float64, device=self.comm.mesh.device)
+        for name in self.named:
+            if counted(name):
+                total += self.reduced_gradient(name).double().square().sum()
+        return total
+
+    def scale_gradients(self, factor: torch.Tensor) -> None:
+        for g in self.grad_shards:
+            g.mul_(factor.to(g.dtype))
+
+    # ---- state --------------------------------------------------------------------------------
+    def local_parameters(self) -> dict[str, torch.Tensor]:
+        """Whole parameters by name: the exact values (the fp32 masters, gathered, in bf16)."""
+        if not self.masters.mixed:
+            return {n: p.detach() for n, p in self.named.items()}
+        return self.layout.split(self.layout.gather([m.detach() for m in self.masters.masters],
+                                                    self.comm, self.axis))
+
+    def local_optimizer_state(self) -> tuple[dict[str, dict], list[dict]]:
+        """Per-parameter states, whole along dp: per-element states gathered and cut per
+        parameter, a 0-dim state (Adam's step) copied to each."""
+        per_key: dict[str, list] = {}
+        for i, master in enumerate(self.masters.masters):
+            for key, value in self.optimizer.state.get(master, {}).items():
+                per_key.setdefault(key, [None] * len(self.buckets))[i] = value
+        state: dict[str, dict] = {n: {} for n in self.named}
+        for key, values in per_key.items():
+            if all(isinstance(v, torch.Tensor) and v.shape == m.shape
+                   for v, m in zip(values, self.masters.masters)):
+                for name, t in self.layout.split(self.layout.gather(values, self.comm,
+                                                                    self.axis)).items():
+                    state[name][key] = t.clone()
+            else:
+                for piece in self.layout.pieces:
+                    value = values[piece.bucket]
+                    state[piece.name][key] = value.clone() if isinstance(value, torch.Tensor) else value
+        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        return ({n: s for n, s in state.items() if s},
+                [{**group, "params": list(self.named)}])
+
+    @torch.no_grad()
+    def load_local(self, params: dict[str, torch.Tensor],
+                   optimizer_state: tuple[dict[str, dict], list[dict]] | None) -> None:
+        for name, p in self.named.items():
+            p.copy_(params[name])
+        fp32 = self.layout.join(params, torch.float32, self.comm.mesh.device)
+        self.masters.load(self.layout.my_shards(fp32))
+        self.zero_grad()
+        if optimizer_state is not None:
+            self._load_optimizer(*optimizer_state)
+
+    def _load_optimizer(self, state: dict[str, dict], groups: list[dict]) -> None:
+        keys = {k for s in state.values() for k in s}
+        out: dict[int, dict] = {i: {} for i in range(len(self.buckets))}
+        for key in sorted(keys):
+            first = next(s[key] for s in state.values() if key in s)
+            if isinstance(first, torch.Tensor) and first.dim() > 0:
+                full = {n: state.get(n, {}).get(key, torch.zeros(p.shape)) for n, p in self.named.items()}
+                shards = self.layout.my_shards(self.layout.join(full, torch.float32,
+                                                                self.comm.mesh.device))
+                for i, shard in enumerate(shards):
+                    out[i][key] = shard.clone()
+            else:   # one value per bucket: its first parameter's (all equal when ZeRO saved)
+                for i in range(len(self.buckets)):
+                    name = next(p.name for p in self.layout.pieces if p.bucket == i)
+                    value = state.get(name, {}).get(key, first)
+                    out[i][key] = value.clone() if isinstance(value, torch.Tensor) else value
+        saved = next((g for g in groups if set(g["params"]) & set(self.named)), groups[0])
+        hyper = {k: v for k, v in saved.items() if k != "params"}
+        self.optimizer.load_state_dict({
+            "state": {i: s for i, s in out.items() if s},
+            "param_groups": [{**hyper, "params": list(range(len(self.buckets)))}]})
+
+    # ---- accounting ---------------------------------------------------------------------------
+    def memory(self) -> tuple[int, int, int]:
+        gradients = storage_bytes([b.buffer for b in self.buckets if b.buffer is not None])
+        if self.stage == 2:
+            gradients += storage_bytes(self.grad_shards)
+        optimizer = storage_bytes(optimizer_state_tensors(self.optimizer))
+        if self.masters.mixed:
+            optimizer += storage_bytes(self.masters.masters)
+        return storage_bytes(self.data), gradients, optimizer
+
+    @property
+    def padded_numel(self) -> int:
+        """Ψ padded: the total length of the buckets (a multiple of N each)."""
+        return sum(self.layout.lengths)
+
+    def remove_hooks(self) -> None:
+        self.grads.remove_hooks()
+
+
+class _ReduceScatter:
+    """A bucket's reduce-scatter in flight: this rank's k elements of the sum, taken in fp32,
+    land in `target` (overwritten, or added to when `accumulate`); the bucket's buffer is
+    dropped afterwards when `release` (ZeRO-2)."""
+
+    def __init__(self, comm: Comm, bucket: Bucket, target: torch.Tensor, axis: str,
+                 accumulate: bool, release: bool) -> None:
+        self.bucket, self.target, self.accumulate, self.release = bucket, target, accumulate, release
+        self.summed = torch.empty(target.shape, dtype=torch.float32, device=target.device)
+        self.work = comm.reduce_scatter(self.summed, bucket.buffer, axis, tag="grad",
+                                        async_op=True)
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        self.work.wait()
+        self.work = None
+        if self.accumulate:
+            self.target.add_(self.summed)
+        else:
+            self.target.copy_(self.summed)
+        if self.release:
+            self.bucket.release()
