@@ -9,7 +9,9 @@ from meshtrain.core.plan import Plan
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a strategy against PyTorch's own implementation")
-    p.add_argument("strategy", choices=["ddp"], help="what to benchmark")
+    p.add_argument("strategy", choices=["ddp", "zero"],
+                   help="ddp: our DDP vs torch DDP; zero: our DDP, ZeRO-1, ZeRO-2 vs torch's "
+                        "ZeroRedundancyOptimizer")
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (2 4)")
     p.add_argument("--model", default="small", help="GPT preset (small: PEERS.md's shape)")
     p.add_argument("--batch", type=int, default=16, help="global batch")
@@ -29,11 +31,17 @@ def run(args) -> int:
             print(f"meshtrain bench: world {world} needs to be >= 2 and divide the global "
                   f"batch {args.batch}", file=sys.stderr)
             return 2
-    result = ddp.run(worlds=args.world, model_name=args.model, global_batch=args.batch,
-                     steps=args.steps, reps=args.reps, warmup=args.warmup,
-                     bucket_mb=args.bucket_mb,
-                     progress=lambda msg: print(msg, file=sys.stderr))
-    print(ddp.format_report(result))
+    progress = lambda msg: print(msg, file=sys.stderr)
+    if args.strategy == "zero":
+        from meshtrain.bench import zero
+        result = zero.run(worlds=args.world, model_name=args.model, global_batch=args.batch,
+                          steps=args.steps, reps=args.reps, warmup=args.warmup, progress=progress)
+        print(zero.format_report(result))
+    else:
+        result = ddp.run(worlds=args.world, model_name=args.model, global_batch=args.batch,
+                         steps=args.steps, reps=args.reps, warmup=args.warmup,
+                         bucket_mb=args.bucket_mb, progress=progress)
+        print(ddp.format_report(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -9,6 +9,7 @@ Under torchrun (RANK and WORLD_SIZE set) every rank runs the job itself and --np
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -35,6 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-grad-norm", type=float,
+                   help="clip gradients to this global norm (default: no clipping)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--run-dir", help="run folder (default runs/<date-time>)")
@@ -46,7 +49,10 @@ def add_parser(sub) -> None:
     plan.add_argument("--dp", type=int, help="data-parallel ranks (default: all ranks)")
     plan.add_argument("--pp", type=int, default=1)
     plan.add_argument("--tp", type=int, default=1)
-    plan.add_argument("--zero", type=int, default=0)
+    plan.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                      help="ZeRO stage: 1 shards optimizer states, 2 also gradients")
+    plan.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                      help="bf16: bf16 compute and gradients, fp32 master weights")
     plan.add_argument("--dp-mode", default="ddp")
     plan.add_argument("--microbatches", type=int, default=1)
     plan.add_argument("--schedule", default="1f1b")
@@ -66,13 +72,18 @@ def build_config(args):
         config.resume, config.progress = True, not args.no_progress
         config.steps = args.steps or config.steps
         world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
-        if world and world != Plan.from_dict(config.plan).world_size:
-            config.plan = Plan(dp=world).to_dict()  # checkpoints load under any plan
+        old = Plan.from_dict(config.plan)
+        if world and world != old.world_size:
+            # checkpoints load under any plan: keep the run's own, with dp over the new world
+            if world % (old.pp * old.tp):
+                raise PlanError(f"the run's plan has pp*tp = {old.pp * old.tp}, which does not "
+                                f"divide --nproc {world}; resume on a multiple of it")
+            config.plan = dataclasses.replace(old, dp=world // (old.pp * old.tp)).to_dict()
         return config
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or 2)
     plan = Plan(dp=args.dp or max(1, world // (args.pp * args.tp)), pp=args.pp, tp=args.tp,
                 zero=args.zero, dp_mode=args.dp_mode, microbatches=args.microbatches,
-                schedule=args.schedule, bucket_mb=args.bucket_mb)
+                schedule=args.schedule, bucket_mb=args.bucket_mb, precision=args.precision)
     plan.check_world_size(world)
     overrides = {k: v for k, v in {"n_layer": args.layers, "d_model": args.d_model,
                                    "n_head": args.heads, "seq_len": args.seq}.items()
@@ -82,7 +93,7 @@ def build_config(args):
                      model_overrides=overrides, data=args.data, steps=args.steps or 250,
                      batch_size=args.batch, lr=args.lr, warmup=args.warmup, seed=args.seed,
                      eval_every=args.eval_every, ckpt_every=args.ckpt_every,
-                     progress=not args.no_progress)
+                     max_grad_norm=args.max_grad_norm, progress=not args.no_progress)
 
 
 def run(args) -> int:
@@ -90,12 +101,13 @@ def run(args) -> int:
     from meshtrain.models.gpt import gpt_config
     from meshtrain.train import checkpoint
     from meshtrain.train.run import latest_checkpoint, train_rank
-    from meshtrain.train.trainer import refuse_unbuilt
+    from meshtrain.train.trainer import check_max_grad_norm, refuse_unbuilt
 
     try:
         config = build_config(args)
         plan = Plan.from_dict(config.plan)
         refuse_unbuilt(plan)
+        check_max_grad_norm(config.max_grad_norm)
         gpt_config(config.model, **config.model_overrides)  # a bad preset fails here, not on N ranks
         if plan.dp and config.batch_size % plan.dp:
             raise PlanError(f"global batch {config.batch_size} does not split over dp="

@@ -153,13 +153,19 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     # the step's statistics: the loss, and meshtrain's DDP adds a used-flag per parameter
     # tensor (~13 per block)
     stats_bytes = 4 * (1 + 13 * math.ceil(spec.layers / p.pp))
-    if p.zero <= 1:
+    if p.zero == 0:
         # DDP all-reduces its gradient buckets (Plan.bucket_mb each, filled from the last
         # layer backwards), each at its own size on the measured curve; the statistics ride
         # in the last bucket.
         full, size, last_size = bucket_sizes(grad_bytes, p.bucket_mb * 2**20)
         last = coll("all_reduce", last_size + stats_bytes)
         t_dp = full * coll("all_reduce", size) + last
+    elif p.zero == 1:
+        # the same buckets reduce-scattered once per step (overlapped as DDP's), then the
+        # updated parameters all-gathered after the optimizer step: nothing left to hide it
+        full, size, last_size = bucket_sizes(grad_bytes, p.bucket_mb * 2**20)
+        last = coll("reduce_scatter", last_size) + coll("all_gather", param_bytes)
+        t_dp = full * coll("reduce_scatter", size) + last
     elif p.zero == 2:
         # the updated parameters' all-gather follows the optimizer step: no backward left
         # to hide it behind (DeepSpeed stage 2 runs it after the step)
@@ -172,7 +178,7 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
         unit = spec.largest_layer_params / p.tp * setup.param_bytes
         last = (coll("all_gather", unit)
                 + coll("reduce_scatter", bucket_sizes(grad_bytes, p.bucket_mb * 2**20)[2]))
-    if p.dp > 1 and p.zero >= 2:  # the statistics: one small all-reduce behind the gradients
+    if p.dp > 1 and p.zero >= 1:  # the statistics: one small all-reduce behind the gradients
         stats = coll("all_reduce", stats_bytes)
     # Overlap: DDP buckets overlap the all-reduce with the last micro-batch's backward (2/3
     # of its compute; Li et al. 2020, PyTorch DDP §3.2.3), ZeRO-2 its reduce-scatters with

@@ -25,9 +25,11 @@ import sys
 import tempfile
 from contextlib import contextmanager
 
-# (Plan fields, per-rank batch): DDP at several world sizes and batch sizes.
+# (Plan fields, per-rank batch): DDP at several world sizes and batch sizes, ZeRO-1 and -2.
 PLANS = (({"dp": 1}, 8), ({"dp": 1, "microbatches": 2}, 16), ({"dp": 2}, 8),
-         ({"dp": 2, "microbatches": 2}, 16), ({"dp": 4}, 4), ({"dp": 4}, 8))
+         ({"dp": 2, "microbatches": 2}, 16), ({"dp": 4}, 4), ({"dp": 4}, 8),
+         ({"dp": 2, "zero": 1}, 8), ({"dp": 2, "zero": 2, "microbatches": 2}, 16),
+         ({"dp": 4, "zero": 2}, 8))
 
 
 def world_of(plan: dict) -> int:

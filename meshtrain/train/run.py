@@ -48,6 +48,7 @@ class RunConfig:
     eval_every: int = 100
     eval_batches: int = 8
     ckpt_every: int = 100
+    max_grad_norm: float | None = None
     resume: bool = False
     progress: bool = True
 
@@ -108,7 +109,8 @@ def train_rank(config: RunConfig) -> dict:
 
     torch.manual_seed(config.seed)
     trainer = Trainer(GPT(model_config), plan, optimizer=lambda ps: torch.optim.AdamW(
-        ps, lr=config.lr, weight_decay=config.weight_decay), measure_activations=True)
+        ps, lr=config.lr, weight_decay=config.weight_decay), max_grad_norm=config.max_grad_norm,
+        measure_activations=True)
     sampler = BatchSampler(corpus.train, config.batch_size, model_config.seq_len, config.seed,
                            trainer.dp_rank, trainer.dp_size)
     val = eval_batches(corpus.val, max(1, config.batch_size // 2), model_config.seq_len,

@@ -46,8 +46,13 @@ def test_single_node_fits_one_device_ddp():
     v = _guide_holds_or_explains(a, "ddp")
     assert v.questions[0].answer is True and v.agrees
     top = a.ranked[0].cand.plan
-    # ZeRO-1 may edge out DDP: same traffic, 1/8 of the optimizer step
-    assert (top.dp, top.pp, top.tp) == (8, 1, 1) and top.zero <= 1
+    # pure data parallel; a ZeRO stage may edge out DDP by sharding the optimizer step (here
+    # ZeRO-3, whose prefetched traffic hides behind compute, and ZeRO-1, whose parameter
+    # all-gather follows the step, are predicted within 1% of each other)
+    assert (top.dp, top.pp, top.tp) == (8, 1, 1)
+    best = {z: min(ev.time.total for ev in a.ranked if ev.cand.plan.zero == z) for z in (0, 1)}
+    assert best[1] <= 1.01 * a.ranked[0].time.total    # ZeRO-1 within 1% of the top
+    assert best[0] <= 1.05 * a.ranked[0].time.total    # plain DDP within 5%
 
 
 def test_single_node_does_not_fit_one_device():

@@ -272,7 +272,10 @@ class _ReduceScatter:
     def __init__(self, comm: Comm, bucket: Bucket, target: torch.Tensor, axis: str,
                  accumulate: bool, release: bool) -> None:
         self.bucket, self.target, self.accumulate, self.release = bucket, target, accumulate, release
-        self.summed = torch.empty(target.shape, dtype=torch.float32, device=target.device)
+        # the sums land in the target itself where nothing is to be added or rounded
+        direct = target.dtype == torch.float32 and not accumulate
+        self.summed = target if direct else torch.empty(target.shape, dtype=torch.float32,
+                                                        device=target.device)
         self.work = comm.reduce_scatter(self.summed, bucket.buffer, axis, tag="grad",
                                         async_op=True)
 
@@ -283,7 +286,7 @@ class _ReduceScatter:
         self.work = None
         if self.accumulate:
             self.target.add_(self.summed)
-        else:
+        elif self.summed is not self.target:
             self.target.copy_(self.summed)
         if self.release:
             self.bucket.release()
