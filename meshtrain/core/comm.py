@@ -13,15 +13,16 @@ full, unsharded size); broadcast charges the root (N-1)*S sent and every other r
 A group of one rank communicates nothing and is charged nothing.
 
 [Note: reduce-scatter as an all-to-all]
-gloo's reduce_scatter is slow: at world 2 it took 2.0 / 4.4 / 16.1 / 90.2 ms for 1 / 4 / 16 /
-64 MiB of fp32, where an all-to-all of the same tensor followed by a local sum of the N
-received slices took 0.65 / 2.3 / 9.6 / 37.6 ms (world 4: 5.8 / 8.4 / 28.1 / 194 against
-3.3 / 5.8 / 14.6 / 63.9 ms), and a ring on isend/irecv 1.1 / 2.3 / 12.5 / 76 ms
-(2.13 CPU, measured with /tmp benchmarks alternating the variants, medians of 7). The
-all-to-all moves the same bytes as a ring reduce-scatter ((N-1)/N*S per rank), sums in a
-fixed rank order, and can sum narrow inputs into a wider output (bf16 on the wire, fp32
-accumulation). So on gloo, and whenever the output is wider than the input, `reduce_scatter`
-is that all-to-all; on NCCL, with equal dtypes, it is NCCL's own reduce-scatter.
+gloo's reduce_scatter is slow. Measured at world 2 (`meshtrain bench collectives`, medians,
+this 2-core machine): 2.0 / 4.4 / 16.1 / 90 ms for 1 / 4 / 16 / 64 MiB of fp32, where an
+all-to-all of the same tensor followed by a local sum of the N received slices took 0.65 /
+2.3 / 9.6 / 38 ms (world 4: 5.8 / 8.4 / 28 / 194 against 3.3 / 5.8 / 14.6 / 64 ms); a
+blocking ring on isend/irecv lands between the two and cannot overlap backward. The
+all-to-all moves the same bytes as a ring reduce-scatter ((N-1)/N*S per rank), runs
+asynchronously on gloo's own threads, sums in a fixed rank order, and can sum narrow inputs
+into a wider output (bf16 on the wire, fp32 sums). So on gloo, and whenever the output is
+wider than the input, `reduce_scatter` is that all-to-all; on NCCL, with equal dtypes, it is
+NCCL's own reduce-scatter.
 """
 from __future__ import annotations
 
