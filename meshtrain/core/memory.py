@@ -54,10 +54,14 @@ class MemoryReport:
 
 
 class ActivationMeter:
-    """Counts the bytes autograd saves for backward (parameters excluded) inside `measure()`."""
+    """Counts the bytes autograd saves for backward (parameters excluded) inside `measure()`.
+
+    A parameter is recognised by its storage as it is when the tensor is saved (ZeRO-3
+    gathers parameters into fresh buffers during forward), so the views of a parameter that
+    some ops save (a transposed weight) are not counted either."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self._params = list(params)
         self.last_bytes: int | None = None
 
     @contextmanager
@@ -67,7 +71,7 @@ class ActivationMeter:
         def pack(t: torch.Tensor):
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr not in self._param_storages:
+            if ptr not in {p.untyped_storage().data_ptr() for p in self._params}:
                 seen[ptr] = storage.nbytes()
             return t
 

@@ -71,6 +71,10 @@ class Plan:
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise PlanError(f"Plan.virtual_stages={self.virtual_stages} needs "
                             f"schedule='interleaved' (got {self.schedule!r})")
+        if self.zero == 3 and self.pp > 1:
+            raise PlanError(f"Plan.zero=3 with pp={self.pp}: ZeRO-3 gathers parameters unit "
+                            "by unit inside one stage's forward and backward, which pipeline "
+                            "schedules interleave; use zero=1 or 2 with pipeline stages")
         if self.zero and self.dp_mode != "ddp":
             raise PlanError(f"Plan.zero={self.zero} shards over data-parallel ranks and needs "
                             f"dp_mode='ddp' (got {self.dp_mode!r})")

@@ -24,6 +24,7 @@ from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchL
                                         Stages, StepDriver, WholeModel)
 from meshtrain.strategies.data_parallel.ddp import DDP
 from meshtrain.strategies.zero.sharded import ZeRO
+from meshtrain.strategies.zero.zero3 import ZeRO3
 from meshtrain.train import checkpoint
 from meshtrain.train.state import StateLayout
 
@@ -36,7 +37,6 @@ def refuse_unbuilt(plan: Plan) -> None:
         (plan.pp > 1, f"pipeline parallel (pp={plan.pp}): pipeline schedules are not "
                       "available yet"),
         (plan.tp > 1, f"tensor parallel (tp={plan.tp}) is not available yet"),
-        (plan.zero == 3, "ZeRO-3 (zero=3) is not available yet (ZeRO-1 and -2 are)"),
         (plan.dp_mode != "ddp", f"dp_mode={plan.dp_mode!r} is not available yet "
                                 "(only 'ddp' is)"),
     ]
@@ -68,10 +68,13 @@ def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout) -
     return WholeModel(model, layout.canonical)
 
 
-def sync_gradients(stages: Stages, plan: Plan, comm: Comm) -> GradientSync:
+def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
+                   zero3_units: list[str] | None = None) -> GradientSync:
     """Slots 3 and 4: how dp replicas agree on gradients, and who owns the optimizer.
     Parameters in `stages.shared` must be laid out identically on every stage holding them."""
     params, buffers = stages.named_parameters(), [b for _, b in stages.named_buffers()]
+    if plan.zero == 3:
+        return ZeRO3(stages.model, params, buffers, comm, plan, unit_names=zero3_units)
     if plan.zero in (1, 2):
         return ZeRO(params, buffers, comm, plan, shared=list(stages.shared))
     return DDP(params, buffers, comm, bucket_mb=plan.bucket_mb, precision=plan.precision)
@@ -86,9 +89,13 @@ def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_f
 class Trainer:
     def __init__(self, model: nn.Module, plan: Plan, optimizer: OptimizerFactory,
                  loss_fn: Callable | None = None, tp_plan: dict | None = None,
-                 max_grad_norm: float | None = None, measure_activations: bool = False) -> None:
+                 max_grad_norm: float | None = None, measure_activations: bool = False,
+                 zero3_units: list[str] | None = None) -> None:
         refuse_unbuilt(plan)
         check_max_grad_norm(max_grad_norm)
+        if zero3_units is not None and plan.zero != 3:
+            raise PlanError(f"zero3_units names ZeRO-3's wrapping units, but Plan.zero="
+                            f"{plan.zero}; set zero=3 or drop zero3_units")
         if loss_fn is None and not hasattr(model, "loss"):
             raise TypeError(f"{type(model).__name__} has no .loss(output, targets): pass "
                             "loss_fn=, e.g. torch.nn.functional.cross_entropy")
@@ -105,7 +112,7 @@ class Trainer:
         # 2. pipeline stages: the data-parallel sync covers only what this stage keeps
         self.stages = keep_stages(self.model, plan, self.comm, self.layout)
         # 3-4. gradient sync before the optimizer: the optimizer must see what the sync owns
-        self.data_parallel = sync_gradients(self.stages, plan, self.comm)
+        self.data_parallel = sync_gradients(self.stages, plan, self.comm, zero3_units)
         self.optimizer = self.data_parallel.build_optimizer(optimizer)
         self.activations = (ActivationMeter(p for _, p in self.stages.named_parameters())
                             if measure_activations else None)

@@ -27,6 +27,7 @@ class Bucket:
         self.index = index
         self.params = params
         self.offsets: list[int] = []
+        self.shapes = [p.shape for p in params]   # kept: ZeRO-3 empties its parameters
         numel = 0
         for p in params:
             self.offsets.append(numel)
@@ -47,8 +48,8 @@ class Bucket:
         self.extra = self.buffer[self.gradient_numel:]
         # each parameter's slot, made once per buffer: building a view costs ~7 us, twice
         # per parameter per step otherwise
-        self.views = [self.buffer[o:o + p.numel()].view_as(p)
-                      for o, p in zip(self.offsets, self.params)]
+        self.views = [self.buffer[o:o + shape.numel()].view(shape)
+                      for o, shape in zip(self.offsets, self.shapes)]
 
     def release(self) -> None:
         """Drop the buffer (its contents were consumed)."""

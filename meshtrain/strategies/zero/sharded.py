@@ -57,27 +57,35 @@ class ZeRO:
         self.params = list(self.named.values())
         names = {id(p): n for n, p in self.named.items()}
         compute = COMPUTE_DTYPES[plan.precision]
-        groups = parameter_groups(self.params, [self.named[s] for s in shared if s in self.named])
-        self.buckets = build_buckets([], plan.bucket_mb * 2**20, pad_to=self.n, dtype=compute,
-                                     lazy=self.stage == 2, groups=groups)
+        self.buckets = self._make_buckets(plan, compute, shared)
         self.layout = FlatLayout(self.buckets, names, self.n, rank)
-        fp32 = flatten_into_buckets(self.buckets, torch.float32)
-        self.data = fp32 if compute == torch.float32 else flatten_into_buckets(self.buckets, compute)
+        self.masters = self._make_storage(plan.precision, compute)
         cast_to(plan.precision, [], list(buffers))
-        self.masters = MasterWeights(self.layout.my_shards(self.data), plan.precision,
-                                     initial=self.layout.my_shards(fp32))
-        del fp32
         # ZeRO-1: the gradient shard is this rank's chunk of its (persistent) bucket;
-        # ZeRO-2: a tensor of its own, the only gradients kept between micro-batches
+        # ZeRO-2/3: a tensor of its own, the only gradients kept between micro-batches
         self.grad_shards = ([b.buffer.view(self.n, -1)[rank] for b in self.buckets]
                             if self.stage == 1 else
                             [torch.zeros(self.layout.shard_size(b.index), dtype=compute,
                                          device=b.device) for b in self.buckets])
         self.grads = GradientBuckets(self.params, self.buckets, self._launch,
-                                     scale=1.0 / self.n, launch_in_no_sync=self.stage == 2)
+                                     scale=1.0 / self.n, launch_in_no_sync=self.stage >= 2)
         self._rounds = 0
         self._skipped: list[str] = []
         self.zero_grad()
+
+    def _make_buckets(self, plan: Plan, compute: torch.dtype, shared) -> list[Bucket]:
+        """Buckets of about Plan.bucket_mb, in backward order; shared weights on their own."""
+        groups = parameter_groups(self.params, [self.named[s] for s in shared if s in self.named])
+        return build_buckets([], plan.bucket_mb * 2**20, pad_to=self.n, dtype=compute,
+                             lazy=self.stage == 2, groups=groups)
+
+    def _make_storage(self, precision: str, compute: torch.dtype) -> MasterWeights:
+        """Whole parameters in flat buffers (`data`, one per bucket); this rank's shard of
+        each is what the optimizer steps."""
+        fp32 = flatten_into_buckets(self.buckets, torch.float32)
+        self.data = fp32 if compute == torch.float32 else flatten_into_buckets(self.buckets, compute)
+        return MasterWeights(self.layout.my_shards(self.data), precision,
+                             initial=self.layout.my_shards(fp32))
 
     @property
     def events(self) -> list[tuple[str, int, float]]:
@@ -97,7 +105,7 @@ class ZeRO:
             yield
         finally:
             self.grads.syncing = previous
-            if self.stage == 2:
+            if self.stage >= 2:
                 self._end_round()
 
     def _end_round(self) -> None:
@@ -109,8 +117,8 @@ class ZeRO:
     def _launch(self, bucket: Bucket):
         target = self.grad_shards[bucket.index]
         return _ReduceScatter(self.comm, bucket, target, self.axis,
-                              accumulate=self.stage == 2 and self._rounds > 0,
-                              release=self.stage == 2)
+                              accumulate=self.stage >= 2 and self._rounds > 0,
+                              release=self.stage >= 2)
 
     def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
         """Reduce what is left, and the step's statistics (loss, used flags) in one small
@@ -140,6 +148,10 @@ class ZeRO:
         with self._keep_skipped():
             self.optimizer.step()
         self.masters.write_back()
+        self._gather_updated()
+
+    def _gather_updated(self) -> None:
+        """Every bucket's whole parameters from the updated shards."""
         shards = self.layout.my_shards(self.data)
         handles = [self.comm.all_gather(flat, shard.clone(), self.axis, tag="param",
                                         async_op=True)
@@ -185,7 +197,7 @@ class ZeRO:
     # ---- state --------------------------------------------------------------------------------
     def local_parameters(self) -> dict[str, torch.Tensor]:
         """Whole parameters by name: the exact values (the fp32 masters, gathered, in bf16)."""
-        if not self.masters.mixed:
+        if not self.masters.mixed and self.stage < 3:
             return {n: p.detach() for n, p in self.named.items()}
         return self.layout.split(self.layout.gather([m.detach() for m in self.masters.masters],
                                                     self.comm, self.axis))
@@ -215,8 +227,9 @@ class ZeRO:
     @torch.no_grad()
     def load_local(self, params: dict[str, torch.Tensor],
                    optimizer_state: tuple[dict[str, dict], list[dict]] | None) -> None:
-        for name, p in self.named.items():
-            p.copy_(params[name])
+        if self.stage < 3:   # whole parameters live on every rank
+            for name, p in self.named.items():
+                p.copy_(params[name])
         fp32 = self.layout.join(params, torch.float32, self.comm.mesh.device)
         self.masters.load(self.layout.my_shards(fp32))
         self.zero_grad()
@@ -248,7 +261,7 @@ class ZeRO:
     # ---- accounting ---------------------------------------------------------------------------
     def memory(self) -> tuple[int, int, int]:
         gradients = storage_bytes([b.buffer for b in self.buckets if b.buffer is not None])
-        if self.stage == 2:
+        if self.stage >= 2:
             gradients += storage_bytes(self.grad_shards)
         optimizer = storage_bytes(optimizer_state_tensors(self.optimizer))
         if self.masters.mixed:

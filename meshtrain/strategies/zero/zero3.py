@@ -1,0 +1,258 @@
+"""ZeRO-3 (P_os+g+p, Rajbhandari et al. 2020): parameters sharded too, gathered just in time.
+
+The model is cut into wrapping units (the GPT's `layers()`, or a model's direct children, or
+the modules the user names). Each unit's parameters live as one flat shard of exactly 1/N per
+rank (flat.py); the whole unit exists only between a gather and a free:
+
+    forward   gather unit i (waiting for it), launch the gather of unit i+1 (prefetch), run
+              unit i, free it (not the last unit: its backward follows at once)
+    backward  as unit i's backward starts: gather it again, prefetch unit i-1; when its last
+              gradient is in, reduce-scatter its gradients into this rank's gradient shard
+              (the bucket machinery ZeRO-2 uses: a unit is a bucket) and free the unit
+    step      the optimizer steps the shards; nothing to gather: the next forward does it
+
+Parameters used by several units (a tied embedding and output layer) and parameters in no
+unit form the root unit, gathered when the model's forward starts and freed when its
+gradients are reduced at the end of backward. Traffic per micro-batch is two all-gathers
+and one reduce-scatter of Ψ, 1.5x DDP's, less the second gather of the last unit and the
+root. Memory between steps: 16Ψ/N bytes for fp32 AdamW (Ψ padded); during a step, on top,
+the root and at most two units (the one computing and the one prefetched).
+
+Parameter storage follows a state machine named by what is in memory (`Held`): SHARDED (the
+shard alone; the parameters point at empty tensors), GATHERING (an all-gather in flight into
+a whole buffer), GATHERED (the parameters are views into it). Autograd saves a parameter by
+reference, so a unit freed after its forward and gathered again before its backward gives
+backward the same values.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from meshtrain.core.comm import Comm
+from meshtrain.core.memory import storage_bytes
+from meshtrain.core.plan import Plan, PlanError
+from meshtrain.strategies.data_parallel.buckets import Bucket, build_buckets
+from meshtrain.strategies.data_parallel.precision import MasterWeights
+from meshtrain.strategies.zero.sharded import ZeRO
+
+
+class Held(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class Unit:
+    """One wrapping unit's parameters: always its flat shard, the whole buffer only while
+    gathered."""
+
+    def __init__(self, name: str, bucket: Bucket, shard: torch.Tensor, comm: Comm, axis: str,
+                 owner: "ZeRO3") -> None:
+        self.name, self.bucket, self.shard = name, bucket, shard
+        self.comm, self.axis, self.owner = comm, axis, owner
+        self.held = Held.SHARDED
+        self.whole: torch.Tensor | None = None
+        self.handle = None
+        self._point_at(None)
+
+    @property
+    def nbytes(self) -> int:
+        return self.bucket.numel * self.shard.element_size()
+
+    def gather(self) -> None:
+        """Launch the all-gather of the whole unit (nothing if it is gathered or on its way)."""
+        if self.held is not Held.SHARDED:
+            return
+        self.whole = torch.empty(self.bucket.numel, dtype=self.shard.dtype, device=self.shard.device)
+        self.handle = self.comm.all_gather(self.whole, self.shard, self.axis, tag="param",
+                                           async_op=True)
+        self.held = Held.GATHERING
+        self.owner.gathered_changed(+self.nbytes)
+        self.owner.log("gather", self)
+
+    def wait(self) -> None:
+        """Make the parameters views into the whole unit, gathering first if needed."""
+        self.gather()
+        if self.held is Held.GATHERING:
+            self.handle.wait()
+            self.handle = None
+            self._point_at(self.whole)
+            self.held = Held.GATHERED
+
+    def free(self) -> None:
+        if self.held is Held.SHARDED:
+            return
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        self._point_at(None)
+        self.whole = None
+        self.held = Held.SHARDED
+        self.owner.gathered_changed(-self.nbytes)
+
+    def _point_at(self, whole: torch.Tensor | None) -> None:
+        for offset, shape, p in zip(self.bucket.offsets, self.bucket.shapes, self.bucket.params):
+            p.data = (whole[offset:offset + shape.numel()].view(shape) if whole is not None
+                      else torch.empty(0, dtype=self.shard.dtype, device=self.shard.device))
+
+
+def wrapping_units(model: nn.Module, names: list[str] | None) -> list[tuple[str, nn.Module]]:
+    """The modules ZeRO-3 gathers one at a time, in forward order: `names` if given (module
+    names as `named_modules()` gives them), else the model's `layers()`, else its children."""
+    by_module = {id(m): n for n, m in model.named_modules()}
+    if names is not None:
+        modules = dict(model.named_modules())
+        missing = [n for n in names if n not in modules or n == ""]
+        if missing:
+            raise PlanError(f"ZeRO-3 wrapping units {missing} name no module of "
+                            f"{type(model).__name__}; name modules as named_modules() gives "
+                            f"them, e.g. {[n for n, _ in model.named_children()][:4]}")
+        return [(n, modules[n]) for n in names]
+    layers = model.layers() if hasattr(model, "layers") else list(model.children())
+    return [(by_module.get(id(m), str(i)), m) for i, m in enumerate(layers)]
+
+
+class ZeRO3(ZeRO):
+    """Slots 3 and 4 for Plan(zero=3): ZeRO-2's sharded gradients and optimizer, and
+    parameters gathered unit by unit around their use."""
+
+    def __init__(self, model: nn.Module, named_params: list[tuple[str, nn.Parameter]],
+                 buffers: list[torch.Tensor], comm: Comm, plan: Plan,
+                 unit_names: list[str] | None = None, axis: str = "dp") -> None:
+        self._unit_modules = wrapping_units(model, unit_names)
+        self.gathered_bytes = self.gathered_peak = 0
+        self.unit_events: list[tuple[str, str, float]] = []   # (what, unit, time): prefetch log
+        super().__init__(named_params, buffers, comm, plan, axis=axis)
+        self._hook(model)
+
+    # ---- layout: one bucket per unit, the root last ---------------------------------------------
+    def _make_buckets(self, plan: Plan, compute: torch.dtype, shared) -> list[Bucket]:
+        owners: dict[int, list[int]] = {}
+        for i, (_, module) in enumerate(self._unit_modules):
+            for p in module.parameters():
+                owners.setdefault(id(p), []).append(i)
+        in_unit = [[p for p in self.params if owners.get(id(p)) == [i]]
+                   for i in range(len(self._unit_modules))]
+        root = [p for p in self.params if len(owners.get(id(p), [])) != 1]
+        # backward order: the last unit's gradients come first; the root's at the very end
+        order = [i for i in reversed(range(len(in_unit))) if in_unit[i]]
+        groups = [in_unit[i] for i in order] + ([root] if root else [])
+        self._unit_of_bucket = order + ([None] if root else [])
+        return build_buckets([], float("inf"), pad_to=self.n, dtype=compute, lazy=True,
+                             groups=groups)
+
+    def _make_storage(self, precision: str, compute: torch.dtype) -> MasterWeights:
+        """Only this rank's shard of each unit; the optimizer steps it (its fp32 master)."""
+        fp32 = self.layout.my_shards(self.layout.join(
+            {n: p.detach() for n, p in self.named.items()}, torch.float32, self.comm.mesh.device))
+        self.shards = [s.to(compute).clone() for s in fp32]
+        self.units = [Unit(self._unit_name(b), b, shard, self.comm, self.axis, self)
+                      for b, shard in zip(self.buckets, self.shards)]
+        self._by_module_index = {i: u for u, i in zip(self.units, self._unit_of_bucket)
+                                 if i is not None}
+        self.root = self.units[-1] if self._unit_of_bucket[-1] is None else None
+        return MasterWeights(self.shards, precision, initial=fp32)
+
+    def _unit_name(self, bucket: Bucket) -> str:
+        i = self._unit_of_bucket[bucket.index]
+        return "root" if i is None else self._unit_modules[i][0]
+
+    # ---- the hooks that gather and free -----------------------------------------------------------
+    def _hook(self, model: nn.Module) -> None:
+        model.register_forward_pre_hook(lambda m, args: self._model_starts())
+        model.register_forward_hook(lambda m, args, out: self._model_ends())
+        self._last = max(self._by_module_index, default=None)
+        for i, (_, module) in enumerate(self._unit_modules):
+            if i in self._by_module_index:
+                module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
+                module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
+
+    def _neighbour(self, i: int, step: int) -> Unit | None:
+        """The next unit with parameters after unit i, going forward (+1) or backward (-1)."""
+        j = i + step
+        while 0 <= j < len(self._unit_modules):
+            if j in self._by_module_index:
+                return self._by_module_index[j]
+            j += step
+        return None
+
+    def _model_starts(self) -> None:
+        first = self._neighbour(-1, +1)
+        if first is not None:
+            first.gather()   # its all-gather overlaps the root's
+        if self.root is not None:
+            self.root.wait()
+
+    def _model_ends(self) -> None:
+        if not torch.is_grad_enabled():   # no backward follows (evaluation): free everything
+            for unit in self.units:
+                unit.free()
+
+    def _before_forward(self, i: int) -> None:
+        unit = self._by_module_index[i]
+        unit.wait()
+        following = self._neighbour(i, +1)
+        if following is not None:
+            following.gather()   # prefetch: its all-gather overlaps this unit's compute
+        self.log("compute", unit)
+
+    def _after_forward(self, i: int, output) -> None:
+        unit = self._by_module_index[i]
+        self.log("computed", unit)
+        if not torch.is_grad_enabled():
+            unit.free()
+            return
+        if i != self._last:
+            unit.free()
+        tensors = [t for t in _tensors(output) if t.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, lambda grads, i=i: self._before_backward(i),
+                                     mode="any")
+
+    def _before_backward(self, i: int) -> None:
+        unit = self._by_module_index[i]
+        unit.wait()
+        previous = self._neighbour(i, -1)
+        if previous is not None:
+            previous.gather()
+
+    def _launch(self, bucket: Bucket):
+        """A unit's gradients are all in: reduce-scatter them, and free the unit."""
+        handle = super()._launch(bucket)
+        self.units[bucket.index].free()
+        return handle
+
+    def _gather_updated(self) -> None:
+        pass   # the next forward gathers each unit as it needs it
+
+    # ---- accounting -----------------------------------------------------------------------------
+    def gathered_changed(self, delta: int) -> None:
+        self.gathered_bytes += delta
+        self.gathered_peak = max(self.gathered_peak, self.gathered_bytes)
+
+    def log(self, what: str, unit: Unit) -> None:
+        self.unit_events.append((what, unit.name, time.perf_counter()))
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self.unit_events.clear()
+
+    def memory(self) -> tuple[int, int, int]:
+        """Parameters: the shards, and whatever is gathered right now."""
+        _, gradients, optimizer = super().memory()
+        return storage_bytes(self.shards) + self.gathered_bytes, gradients, optimizer
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for o in output for t in _tensors(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _tensors(o)]
+    return []
