@@ -40,13 +40,28 @@ def tied_sequential() -> nn.Sequential:
                          nn.Linear(TIED_HIDDEN, TIED_WIDTH), nn.LayerNorm(TIED_WIDTH), head)
 
 
+class WithExtras(nn.Module):
+    """The tied model, scaled by a constant buffer, beside a Linear no step ever uses:
+    buffers and gradient-less parameters, for the strategies that shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.seq = tied_sequential()
+        self.register_buffer("scale", torch.linspace(0.9, 1.1, TIED_VOCAB))
+        self.unused = nn.Linear(3, 5)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.seq(idx) * self.scale
+
+
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every token: logits (B, T, V), targets (B, T)."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 MODELS = {"gpt": (gpt, None, CONFIG.vocab_size, CONFIG.seq_len),
-          "tied": (tied_sequential, token_loss, TIED_VOCAB, TIED_SEQ)}
+          "tied": (tied_sequential, token_loss, TIED_VOCAB, TIED_SEQ),
+          "extras": (WithExtras, token_loss, TIED_VOCAB, TIED_SEQ)}
 
 
 def world_size() -> int:

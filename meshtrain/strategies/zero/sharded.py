@@ -71,6 +71,7 @@ class ZeRO:
                                      scale=1.0 / self.n, launch_in_no_sync=self.stage >= 2)
         self._rounds = 0
         self._skipped: list[str] = []
+        self._stepped: set[str] = set()   # parameters the optimizer has stepped, ever
         self.zero_grad()
 
     def _make_buckets(self, plan: Plan, compute: torch.dtype, shared) -> list[Bucket]:
@@ -130,6 +131,7 @@ class ZeRO:
         self._rounds += 1
         used_by = stats[1:].tolist()
         self._skipped = [n for (n, p), users in zip(self.named.items(), used_by) if not users]
+        self._stepped.update(n for (n, _), users in zip(self.named.items(), used_by) if users)
         return stats[0].item() / self.n
 
     # ---- the optimizer (slot 4) ---------------------------------------------------------------
@@ -221,7 +223,8 @@ class ZeRO:
                     value = values[piece.bucket]
                     state[piece.name][key] = value.clone() if isinstance(value, torch.Tensor) else value
         group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        return ({n: s for n, s in state.items() if s},
+        # a parameter never stepped has no state in one process (its .grad was always None)
+        return ({n: s for n, s in state.items() if s and n in self._stepped},
                 [{**group, "params": list(self.named)}])
 
     @torch.no_grad()
@@ -235,6 +238,7 @@ class ZeRO:
         self.zero_grad()
         if optimizer_state is not None:
             self._load_optimizer(*optimizer_state)
+            self._stepped = set(optimizer_state[0]) & set(self.named)
 
     def _load_optimizer(self, state: dict[str, dict], groups: list[dict]) -> None:
         keys = {k for s in state.values() for k in s}
@@ -242,7 +246,8 @@ class ZeRO:
         for key in sorted(keys):
             first = next(s[key] for s in state.values() if key in s)
             if isinstance(first, torch.Tensor) and first.dim() > 0:
-                full = {n: state.get(n, {}).get(key, torch.zeros(p.shape)) for n, p in self.named.items()}
+                full = {n: state.get(n, {}).get(key, torch.zeros(self.layout.by_name[n].shape))
+                        for n in self.named}
                 shards = self.layout.my_shards(self.layout.join(full, torch.float32,
                                                                 self.comm.mesh.device))
                 for i, shard in enumerate(shards):
@@ -266,7 +271,10 @@ class ZeRO:
         optimizer = storage_bytes(optimizer_state_tensors(self.optimizer))
         if self.masters.mixed:
             optimizer += storage_bytes(self.masters.masters)
-        return storage_bytes(self.data), gradients, optimizer
+        return self.parameter_bytes(), gradients, optimizer
+
+    def parameter_bytes(self) -> int:
+        return storage_bytes(self.data)
 
     @property
     def padded_numel(self) -> int:

@@ -242,10 +242,9 @@ class ZeRO3(ZeRO):
         super().zero_grad()
         self.unit_events.clear()
 
-    def memory(self) -> tuple[int, int, int]:
-        """Parameters: the shards, and whatever is gathered right now."""
-        _, gradients, optimizer = super().memory()
-        return storage_bytes(self.shards) + self.gathered_bytes, gradients, optimizer
+    def parameter_bytes(self) -> int:
+        """The shards, and whatever is gathered right now."""
+        return storage_bytes(self.shards) + self.gathered_bytes
 
 
 def _tensors(output) -> list[torch.Tensor]:
