@@ -44,6 +44,8 @@ class MemoryReport:
     optimizer_states: int
     activations: int | None  # None until a step has been measured
     peak_process: int
+    offloaded: int = 0               # optimizer tensors held on disk, not in memory
+    gathered_peak: int | None = None  # ZeRO-3: most bytes of gathered units at once
 
     @property
     def model_states(self) -> int:

@@ -107,8 +107,9 @@ class GradientSync(Protocol):
     def load_local(self, params: dict[str, torch.Tensor],
                    optimizer_state: tuple[dict[str, dict], list[dict]] | None) -> None: ...
 
-    def memory(self) -> tuple[int, int, int]:
-        """Bytes this rank holds of (parameters, gradients, optimizer states)."""
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds: "parameters", "gradients", "optimizer_states" (in memory);
+        where they apply, "offloaded" (on disk) and "gathered_peak" (ZeRO-3)."""
 
 
 class StepDriver(Protocol):

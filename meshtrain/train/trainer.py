@@ -69,14 +69,16 @@ def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout) -
 
 
 def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
-                   zero3_units: list[str] | None = None) -> GradientSync:
+                   zero3_units: list[str] | None = None, offload_dir=None) -> GradientSync:
     """Slots 3 and 4: how dp replicas agree on gradients, and who owns the optimizer.
     Parameters in `stages.shared` must be laid out identically on every stage holding them."""
     params, buffers = stages.named_parameters(), [b for _, b in stages.named_buffers()]
     if plan.zero == 3:
-        return ZeRO3(stages.model, params, buffers, comm, plan, unit_names=zero3_units)
+        return ZeRO3(stages.model, params, buffers, comm, plan, unit_names=zero3_units,
+                     offload_dir=offload_dir)
     if plan.zero in (1, 2):
-        return ZeRO(params, buffers, comm, plan, shared=list(stages.shared))
+        return ZeRO(params, buffers, comm, plan, shared=list(stages.shared),
+                    offload_dir=offload_dir)
     return DDP(params, buffers, comm, bucket_mb=plan.bucket_mb, precision=plan.precision)
 
 
@@ -90,9 +92,12 @@ class Trainer:
     def __init__(self, model: nn.Module, plan: Plan, optimizer: OptimizerFactory,
                  loss_fn: Callable | None = None, tp_plan: dict | None = None,
                  max_grad_norm: float | None = None, measure_activations: bool = False,
-                 zero3_units: list[str] | None = None) -> None:
+                 zero3_units: list[str] | None = None, offload_dir=None) -> None:
         refuse_unbuilt(plan)
         check_max_grad_norm(max_grad_norm)
+        if offload_dir is not None and plan.offload != "disk":
+            raise PlanError(f"offload_dir is where offload='disk' writes, but Plan.offload="
+                            f"{plan.offload!r}; set offload='disk' or drop offload_dir")
         if zero3_units is not None and plan.zero != 3:
             raise PlanError(f"zero3_units names ZeRO-3's wrapping units, but Plan.zero="
                             f"{plan.zero}; set zero=3 or drop zero3_units")
@@ -112,7 +117,8 @@ class Trainer:
         # 2. pipeline stages: the data-parallel sync covers only what this stage keeps
         self.stages = keep_stages(self.model, plan, self.comm, self.layout)
         # 3-4. gradient sync before the optimizer: the optimizer must see what the sync owns
-        self.data_parallel = sync_gradients(self.stages, plan, self.comm, zero3_units)
+        self.data_parallel = sync_gradients(self.stages, plan, self.comm, zero3_units,
+                                            offload_dir)
         self.optimizer = self.data_parallel.build_optimizer(optimizer)
         self.activations = (ActivationMeter(p for _, p in self.stages.named_parameters())
                             if measure_activations else None)
@@ -229,10 +235,15 @@ class Trainer:
         self.steps_done = int(extra.get("steps_done", 0))
         return extra
 
+    def close(self) -> None:
+        """Release what outlives the trainer otherwise (offload's files on disk)."""
+        close = getattr(self.data_parallel, "close", None)
+        if close is not None:
+            close()
+
     def memory_report(self) -> MemoryReport:
-        parameters, gradients, optimizer_states = self.data_parallel.memory()
         return MemoryReport(
-            parameters=parameters, gradients=gradients, optimizer_states=optimizer_states,
+            **self.data_parallel.memory(),
             activations=self.activations.last_bytes if self.activations else None,
             peak_process=peak_process_bytes())
 

@@ -183,11 +183,12 @@ class DDP:
             load_state_by_name(self.optimizer, masters, *optimizer_state)
 
     # ---- accounting ---------------------------------------------------------------------
-    def memory(self) -> tuple[int, int, int]:
+    def memory(self) -> dict[str, int]:
         optimizer = storage_bytes(optimizer_state_tensors(self.optimizer))
-        if self.masters.mixed:
+        if self.masters.separate:
             optimizer += storage_bytes(self.masters.masters)
-        return storage_bytes(self.params), self.gradient_bytes, optimizer
+        return {"parameters": storage_bytes(self.params), "gradients": self.gradient_bytes,
+                "optimizer_states": optimizer}
 
     @property
     def gradient_bytes(self) -> int:

@@ -20,26 +20,34 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 class MasterWeights:
     def __init__(self, compute: list[torch.Tensor], precision: str,
-                 initial: list[torch.Tensor] | None = None) -> None:
+                 initial: list[torch.Tensor] | None = None,
+                 device: torch.device | None = None) -> None:
         """`initial`: the masters' fp32 starting values, where the compute tensors were
-        already made bf16 (default: the compute tensors' own values)."""
+        already made bf16 (default: the compute tensors' own values). `device`: where the
+        masters live (the host, under offload; default: with the compute tensors)."""
         self.compute = compute
         self.mixed = precision != "fp32"
-        # fp32: the optimizer steps the compute tensors themselves (a parameter as it is, a
-        # flat shard wrapped as a Parameter sharing its storage)
-        self.masters = [nn.Parameter(v.detach().float().clone()) if self.mixed
-                        else t if isinstance(t, nn.Parameter) else nn.Parameter(t.detach())
+        device = device or (compute[0].device if compute else torch.device("cpu"))
+        # masters of their own in bf16, or when they live elsewhere (offload to the host)
+        self.separate = self.mixed or any(t.device != device for t in compute)
+        # otherwise the optimizer steps the compute tensors themselves (a parameter as it
+        # is, a flat shard wrapped as a Parameter sharing its storage)
+        self.masters = [nn.Parameter(v.detach().to(device, torch.float32, copy=True))
+                        if self.separate else t if isinstance(t, nn.Parameter)
+                        else nn.Parameter(t.detach())
                         for t, v in zip(compute, initial or compute)]
 
     def set_grads(self, grads: list[torch.Tensor | None]) -> None:
-        """The gradients the optimizer sees (fp32; a None skips that master)."""
+        """The gradients the optimizer sees (fp32, where the masters are; a None skips that
+        master)."""
         for master, grad in zip(self.masters, grads):
-            master.grad = None if grad is None else (grad.float() if self.mixed else grad)
+            master.grad = (None if grad is None else
+                           grad.to(master.device, torch.float32) if self.separate else grad)
 
     @torch.no_grad()
     def write_back(self) -> None:
         """After the optimizer step: the compute tensors take the updated masters."""
-        if self.mixed:
+        if self.separate:
             for master, tensor in zip(self.masters, self.compute):
                 tensor.copy_(master)
                 master.grad = None   # the fp32 copies of the gradients were transient
@@ -48,5 +56,5 @@ class MasterWeights:
     def load(self, values: list[torch.Tensor]) -> None:
         for master, tensor, value in zip(self.masters, self.compute, values):
             master.copy_(value)
-            if self.mixed:
+            if self.separate:
                 tensor.copy_(value)

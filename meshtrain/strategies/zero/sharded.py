@@ -42,6 +42,7 @@ from meshtrain.strategies.data_parallel.ddp import broadcast_tensors, cast_to
 from meshtrain.strategies.data_parallel.gradient_buckets import GradientBuckets
 from meshtrain.strategies.data_parallel.precision import COMPUTE_DTYPES, MasterWeights
 from meshtrain.strategies.zero.flat import FlatLayout, flatten_into_buckets, parameter_groups
+from meshtrain.strategies.zero.offload import Offloader
 
 
 class ZeRO:
@@ -49,9 +50,13 @@ class ZeRO:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, plan: Plan,
-                 shared: list[str] = (), axis: str = "dp") -> None:
+                 shared: list[str] = (), axis: str = "dp", offload_dir=None) -> None:
         self.comm, self.axis, self.stage = comm, axis, plan.zero
         self.n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
+        elements = sum(p.numel() for _, p in named_params)
+        # fp32 master, two moments, ZeRO-3's shard: at most 16 bytes per element of a shard
+        self.offload = Offloader(plan.offload, comm.mesh.device, offload_dir,
+                                 16 * (elements // self.n + 1), comm.mesh.rank)
         broadcast_tensors([p for _, p in named_params] + list(buffers), comm, axis)
         self.named = {n: p for n, p in named_params if p.requires_grad}
         self.params = list(self.named.values())
@@ -85,8 +90,17 @@ class ZeRO:
         each is what the optimizer steps."""
         fp32 = flatten_into_buckets(self.buckets, torch.float32)
         self.data = fp32 if compute == torch.float32 else flatten_into_buckets(self.buckets, compute)
-        return MasterWeights(self.layout.my_shards(self.data), precision,
-                             initial=self.layout.my_shards(fp32))
+        return self._masters(self.layout.my_shards(self.data), precision,
+                             self.layout.my_shards(fp32))
+
+    def _masters(self, compute: list[torch.Tensor], precision: str,
+                 fp32: list[torch.Tensor]) -> MasterWeights:
+        """The tensors the optimizer steps: where offload keeps them, when they are copies."""
+        masters = MasterWeights(compute, precision, initial=fp32, device=self.offload.host)
+        if masters.separate:
+            for m in masters.masters:
+                m.data = self.offload.place(m.detach())
+        return masters
 
     @property
     def events(self) -> list[tuple[str, int, float]]:
@@ -150,6 +164,7 @@ class ZeRO:
         with self._keep_skipped():
             self.optimizer.step()
         self.masters.write_back()
+        self.offload.after_step(self.optimizer)
         self._gather_updated()
 
     def _gather_updated(self) -> None:
@@ -264,17 +279,24 @@ class ZeRO:
             "param_groups": [{**hyper, "params": list(range(len(self.buckets)))}]})
 
     # ---- accounting ---------------------------------------------------------------------------
-    def memory(self) -> tuple[int, int, int]:
+    def memory(self) -> dict[str, int]:
+        """Bytes held in memory by kind; what offload put on disk apart."""
         gradients = storage_bytes([b.buffer for b in self.buckets if b.buffer is not None])
         if self.stage >= 2:
             gradients += storage_bytes(self.grad_shards)
-        optimizer = storage_bytes(optimizer_state_tensors(self.optimizer))
-        if self.masters.mixed:
-            optimizer += storage_bytes(self.masters.masters)
-        return self.parameter_bytes(), gradients, optimizer
+        optimizer = optimizer_state_tensors(self.optimizer)
+        if self.masters.separate:
+            optimizer += self.masters.masters
+        on_disk = self.offload.offloaded_bytes(optimizer)
+        return {"parameters": self.parameter_bytes(), "gradients": gradients,
+                "optimizer_states": storage_bytes(optimizer) - on_disk, "offloaded": on_disk}
 
     def parameter_bytes(self) -> int:
         return storage_bytes(self.data)
+
+    def close(self) -> None:
+        """Remove what offload wrote to disk."""
+        self.offload.close()
 
     @property
     def padded_numel(self) -> int:

@@ -123,11 +123,12 @@ class ZeRO3(ZeRO):
 
     def __init__(self, model: nn.Module, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, plan: Plan,
-                 unit_names: list[str] | None = None, axis: str = "dp") -> None:
+                 unit_names: list[str] | None = None, axis: str = "dp",
+                 offload_dir=None) -> None:
         self._unit_modules = wrapping_units(model, unit_names)
         self.gathered_bytes = self.gathered_peak = 0
         self.unit_events: list[tuple[str, str, float]] = []   # (what, unit, time): prefetch log
-        super().__init__(named_params, buffers, comm, plan, axis=axis)
+        super().__init__(named_params, buffers, comm, plan, axis=axis, offload_dir=offload_dir)
         self._hook(model)
 
     # ---- layout: one bucket per unit, the root last ---------------------------------------------
@@ -150,13 +151,14 @@ class ZeRO3(ZeRO):
         """Only this rank's shard of each unit; the optimizer steps it (its fp32 master)."""
         fp32 = self.layout.my_shards(self.layout.join(
             {n: p.detach() for n, p in self.named.items()}, torch.float32, self.comm.mesh.device))
-        self.shards = [s.to(compute).clone() for s in fp32]
+        # between uses, a unit's shard lives where offload keeps things (a file for "disk")
+        self.shards = [self.offload.place(s.to(compute).clone()) for s in fp32]
         self.units = [Unit(self._unit_name(b), b, shard, self.comm, self.axis, self)
                       for b, shard in zip(self.buckets, self.shards)]
         self._by_module_index = {i: u for u, i in zip(self.units, self._unit_of_bucket)
                                  if i is not None}
         self.root = self.units[-1] if self._unit_of_bucket[-1] is None else None
-        return MasterWeights(self.shards, precision, initial=fp32)
+        return self._masters(self.shards, precision, fp32)
 
     def _unit_name(self, bucket: Bucket) -> str:
         i = self._unit_of_bucket[bucket.index]
@@ -243,8 +245,13 @@ class ZeRO3(ZeRO):
         self.unit_events.clear()
 
     def parameter_bytes(self) -> int:
-        """The shards, and whatever is gathered right now."""
-        return storage_bytes(self.shards) + self.gathered_bytes
+        """The shards in memory, and whatever is gathered right now."""
+        return storage_bytes(self.shards) - self.offload.offloaded_bytes(self.shards) + self.gathered_bytes
+
+    def memory(self) -> dict[str, int]:
+        out = super().memory()
+        out["offloaded"] += self.offload.offloaded_bytes(self.shards)
+        return {**out, "gathered_peak": self.gathered_peak}
 
 
 def _tensors(output) -> list[torch.Tensor]:
