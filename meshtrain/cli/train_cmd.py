@@ -123,12 +123,14 @@ def run(args) -> int:
         return 2
     Path(config.run_dir, "checkpoints").mkdir(parents=True, exist_ok=True)
     if _under_torchrun():
+        from meshtrain.launch import shutdown_distributed
         try:
             summary = train_rank(config)
         except checkpoint.CheckpointError as exc:
             return _refused(exc, config.run_dir)
         if int(os.environ["RANK"]) == 0:
             print_summary(summary)
+        shutdown_distributed()   # a barrier, then teardown: see PEERS.md on gloo's abort
         return 0
     print(f"meshtrain train: {plan.describe()} on {plan.world_size} local rank(s), run folder "
           f"{config.run_dir}", file=sys.stderr)

@@ -64,19 +64,31 @@ class ActivationMeter:
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self._params = list(params)
+        self._seen: dict[int, int] | None = None   # storages seen in the current measure()
         self.last_bytes: int | None = None
+
+    def keep(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors held for backward outside autograd's saved tensors (the inputs
+        recomputation keeps), while a measurement runs."""
+        if self._seen is None:
+            return
+        params = {p.untyped_storage().data_ptr() for p in self._params}
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                self._seen[storage.data_ptr()] = storage.nbytes()
 
     @contextmanager
     def measure(self):
-        seen: dict[int, int] = {}
+        self._seen = seen = {}
 
         def pack(t: torch.Tensor):
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in {p.untyped_storage().data_ptr() for p in self._params}:
-                seen[ptr] = storage.nbytes()
+            self.keep([t])
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            self._seen = None
         self.last_bytes = sum(seen.values())

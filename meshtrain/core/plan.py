@@ -12,6 +12,7 @@ DP_MODES = ("ddp", "dp", "ps-sync", "ps-async")
 OFFLOADS = ("none", "cpu", "disk")
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16")
+RECOMPUTES = ("none", "full", "selective")
 
 
 class PlanError(ValueError):
@@ -46,6 +47,9 @@ class Plan:
     buckets beat many small ones (measured: 1 MiB buckets cost 13% per step at world 2)."""
     precision: str = "fp32"
     """Compute precision: "fp32" | "bf16"."""
+    recompute: str = "none"
+    """Activation recomputation: "none" | "full" (keep each layer's input, recompute the
+    layer in backward) | "selective" (recompute only the attention core)."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "microbatches", "virtual_stages"):
@@ -56,6 +60,7 @@ class Plan:
         _choose("offload", self.offload, OFFLOADS)
         _choose("schedule", self.schedule, SCHEDULES)
         _choose("precision", self.precision, PRECISIONS)
+        _choose("recompute", self.recompute, RECOMPUTES)
         if not isinstance(self.zero, int) or self.zero not in (0, 1, 2, 3):
             raise PlanError(f"Plan.zero={self.zero!r}: must be 0, 1, 2 or 3")
         if not isinstance(self.staleness, int) or self.staleness < 0:

@@ -108,6 +108,15 @@ class Embedding(nn.Module):
         return self.tok(idx) + self.pos(pos)       # (B, T, d) + (T, d)
 
 
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(hs)) v, causal: the part of attention without parameters, kept as
+    a module of its own so that selective recomputation can wrap exactly it.
+    q, k, v (B, nh, T, hs) -> (B, nh, T, hs)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with separate q, k, v projections.
 
@@ -129,6 +138,7 @@ class CausalSelfAttention(nn.Module):
         self.k = nn.Linear(d, d, bias=False)
         self.v = nn.Linear(d, d, bias=config.bias)
         self.proj = nn.Linear(d, d, bias=config.bias)
+        self.core = AttentionCore()
 
     @property
     def local_heads(self) -> int:
@@ -140,7 +150,7 @@ class CausalSelfAttention(nn.Module):
         q = self.q(x).view(B, T, nh, hs).transpose(1, 2)   # (B, nh, T, hs)
         k = self.k(x).view(B, T, nh, hs).transpose(1, 2)   # (B, nh, T, hs)
         v = self.v(x).view(B, T, nh, hs).transpose(1, 2)   # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = self.core(q, k, v)                             # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, nh * hs)       # (B, T, nh*hs)
         return self.proj(y)                                # (B, T, d)
 

@@ -23,6 +23,7 @@ from meshtrain.core.plan import Plan, PlanError
 from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchLoop, NoSharding,
                                         Stages, StepDriver, WholeModel)
 from meshtrain.strategies.data_parallel.ddp import DDP
+from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.strategies.zero.zero3 import ZeRO3
 from meshtrain.train import checkpoint
@@ -114,14 +115,18 @@ class Trainer:
         self.layout = StateLayout.of(self.model)   # names and shapes, before any slot
         # 1. tensor parallel first: stages and gradient sync then see the shards
         self.sharding = shard_layers(self.model, plan, self.comm, tp_plan)
+        self.activations = (ActivationMeter(self.model.parameters())
+                            if measure_activations else None)
+        # recomputation after tensor parallel, before stages and data parallel (torchtitan's
+        # order): it wraps the layers as they will run
+        self.recomputed = apply_recompute(self.model, plan.recompute,
+                                          self.activations.keep if self.activations else None)
         # 2. pipeline stages: the data-parallel sync covers only what this stage keeps
         self.stages = keep_stages(self.model, plan, self.comm, self.layout)
         # 3-4. gradient sync before the optimizer: the optimizer must see what the sync owns
         self.data_parallel = sync_gradients(self.stages, plan, self.comm, zero3_units,
                                             offload_dir)
         self.optimizer = self.data_parallel.build_optimizer(optimizer)
-        self.activations = (ActivationMeter(p for _, p in self.stages.named_parameters())
-                            if measure_activations else None)
         # 5. the step driver
         self.driver = drive_steps(self.model, self.stages, plan, self.comm, self.loss_fn,
                                   self.activations)

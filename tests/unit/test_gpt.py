@@ -116,6 +116,7 @@ def test_head_count_is_read_at_run_time():
         shard.n_head, shard.head_dim = attn.n_head, attn.head_dim
         shard.q, shard.k, shard.v = (_sliced(m, rows=part) for m in (attn.q, attn.k, attn.v))
         shard.proj = _sliced(attn.proj, cols=part, keep_bias=(r == 0))
+        shard.core = attn.core
         assert shard.local_heads == 2 and "heads=2/4" in repr(shard)
         halves.append(shard(x))
     assert halves[0].shape == (2, 10, 128)
