@@ -1,10 +1,12 @@
-"""ZeRO-1 and ZeRO-2 (ours) against our DDP and torch's ZeRO-1 (ZeroRedundancyOptimizer over
-torch DDP): same model, data and world size, alternating in one run.
+"""ZeRO-1, -2 and -3 (ours) against our DDP, torch's ZeRO-1 (ZeroRedundancyOptimizer over
+torch DDP) and torch's ZeRO-3 (FSDP2, `fully_shard` on each layer and the root): same model,
+data and world size, alternating in one run.
 
 Per side and rank: the median step time, the model-state bytes held (parameters, gradients,
 optimizer states), and the bytes sent per step. Ours are counted by `Comm`; torch's are
 charged by the same rules from what it does (ring all-reduce of every gradient; each
-parameter broadcast from the rank that owns it after the step). All sides start from the
+parameter broadcast from the rank that owns it after the step; FSDP2: every layer gathered
+in forward and again in backward but the root, gradients reduce-scattered). All sides start from the
 same seed and train on the same batches, so their parameters must agree to round-off at the
 end: the benchmark reports the largest difference as proof the sides did the same work.
 """
@@ -15,15 +17,16 @@ import torch.distributed as dist
 
 from meshtrain.bench.ddp import _adamw, _batch
 from meshtrain.bench.timing import alternate, median
-from meshtrain.core.comm import ring_all_reduce_elements
+from meshtrain.core.comm import ring_all_reduce_elements, ring_half_elements
 from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
 from meshtrain.core.plan import Plan
 from meshtrain.models.gpt import GPT, gpt_config
 from meshtrain.train.trainer import Trainer
 
-OURS = {"DDP": {}, "ZeRO-1": {"zero": 1}, "ZeRO-2": {"zero": 2}}
+OURS = {"DDP": {}, "ZeRO-1": {"zero": 1}, "ZeRO-2": {"zero": 2}, "ZeRO-3": {"zero": 3}}
 PEER = "torch ZeRO-1"
-SIDES = (*OURS, PEER)
+FSDP = "torch FSDP2"
+SIDES = (*OURS, PEER, FSDP)
 
 
 def _ours(model_name: str, world: int, plan_kw: dict, x, y):
@@ -38,7 +41,10 @@ def _ours(model_name: str, world: int, plan_kw: dict, x, y):
     def state() -> int:
         return trainer.memory_report().model_states
 
-    return (lambda: trainer.step(x, y)), bytes_per_step, state, trainer.model
+    def parameters():
+        return trainer.full_state_dict().values()
+
+    return (lambda: trainer.step(x, y)), bytes_per_step, state, parameters
 
 
 def _peer(model_name: str, world: int, x, y):
@@ -67,7 +73,42 @@ def _peer(model_name: str, world: int, x, y):
         return (storage_bytes(params) + storage_bytes([p.grad for p in params if p.grad is not None])
                 + storage_bytes(optimizer_state_tensors(opt.optim)))
 
-    return step, bytes_per_step, state, model
+    return step, bytes_per_step, state, lambda: model.state_dict().values()
+
+
+def _fsdp(model_name: str, world: int, x, y):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = GPT(gpt_config(model_name))
+    layers = model.layers()
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = _adamw(model.parameters())
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model.loss(model(x), y).backward()
+        opt.step()
+
+    def bytes_per_step() -> int:
+        step()
+        rank = dist.get_rank()
+        half = lambda n: ring_half_elements(n, world, rank) * 4
+        # each layer gathered before its forward and again before its backward (the last
+        # one's kept), gradients reduce-scattered once
+        return sum(2 * half(n) + half(n) for n in sizes) - half(sizes[-1])
+
+    def state() -> int:
+        params = [p.to_local() for p in model.parameters()]
+        grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+        states = [v.to_local() if hasattr(v, "to_local") else v
+                  for v in optimizer_state_tensors(opt)]
+        return storage_bytes(params) + storage_bytes(grads) + storage_bytes(states)
+
+    return step, bytes_per_step, state, lambda: [v.full_tensor() for v in model.state_dict().values()]
 
 
 def zero_rank(model_name: str, global_batch: int, steps: int, reps: int, warmup: int,
@@ -78,16 +119,17 @@ def zero_rank(model_name: str, global_batch: int, steps: int, reps: int, warmup:
     x, y = _batch(model_name, global_batch)
     per_rank = global_batch // world
     x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+    build = {PEER: _peer, FSDP: _fsdp}
     sides = {name: (_ours(model_name, world, OURS[name], x, y) if name in OURS
-                    else _peer(model_name, world, x, y)) for name in order}
+                    else build[name](model_name, world, x, y)) for name in order}
     times = alternate({name: side[0] for name, side in sides.items()}, steps, reps, warmup,
                       sync=dist.barrier)
     sent = {name: side[1]() for name, side in sides.items()}   # one more step each
     states = {name: side[2]() for name, side in sides.items()}
-    models = {name: side[3] for name, side in sides.items()}
-    reference = list(models[order[0]].parameters())
-    diff = max((a - b).abs().max().item() for m in models.values()
-               for a, b in zip(reference, m.parameters()))
+    weights = {name: list(side[3]()) for name, side in sides.items()}
+    reference = weights[order[0]]
+    diff = max((a - b).abs().max().item() for w in weights.values()
+               for a, b in zip(reference, w))
     return {"times": times, "sent": sent, "state_bytes": states, "max_param_diff": diff}
 
 
@@ -110,10 +152,11 @@ def run(worlds=(2, 4), model_name: str = "small", global_batch: int = 16, steps:
             row[name] = {"step_s": median(times),
                          "state_bytes": max(r["state_bytes"][name] for r in outs[0]),
                          "sent_per_step": max(r["sent"][name] for r in outs[0])}
-        ddp, peer = row["DDP"]["step_s"], row[PEER]["step_s"]
+        ddp, peer, fsdp = (row[k]["step_s"] for k in ("DDP", PEER, FSDP))
         for name in SIDES:
             row[name]["vs_our_ddp"] = row[name]["step_s"] / ddp
             row[name]["vs_torch_zero1"] = row[name]["step_s"] / peer
+            row[name]["vs_fsdp2"] = row[name]["step_s"] / fsdp
         result["worlds"][world] = {
             "sides": row, "max_param_diff": max(r["max_param_diff"] for out in outs for r in out)}
     return result
@@ -125,10 +168,11 @@ def format_report(result: dict) -> str:
     for world, w in result["worlds"].items():
         lines += [f"world {world} (parameters agree to {w['max_param_diff']:.1e})",
                   f"  {'side':<14} {'step':>9} {'/ our DDP':>10} {'/ torch ZeRO-1':>15} "
-                  f"{'model states':>13} {'sent / step':>12}"]
+                  f"{'/ FSDP2':>8} {'model states':>13} {'sent / step':>12}"]
         for name, s in w["sides"].items():
             lines.append(f"  {name:<14} {s['step_s'] * 1e3:>7.0f}ms {s['vs_our_ddp']:>10.3f} "
-                         f"{s['vs_torch_zero1']:>15.3f} {s['state_bytes'] / 2**20:>10.2f}MiB "
+                         f"{s['vs_torch_zero1']:>15.3f} {s['vs_fsdp2']:>8.3f} "
+                         f"{s['state_bytes'] / 2**20:>10.2f}MiB "
                          f"{s['sent_per_step'] / 2**20:>9.2f}MiB")
     lines.append("model states: the largest rank's parameters + gradients + optimizer states; "
                  "sent: bytes per rank per step (busiest rank)")

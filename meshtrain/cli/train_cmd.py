@@ -50,7 +50,14 @@ def add_parser(sub) -> None:
     plan.add_argument("--pp", type=int, default=1)
     plan.add_argument("--tp", type=int, default=1)
     plan.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
-                      help="ZeRO stage: 1 shards optimizer states, 2 also gradients")
+                      help="ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also "
+                           "parameters")
+    plan.add_argument("--offload", default="none", choices=["none", "cpu", "disk"],
+                      help="with --zero: keep optimizer states in host memory or on disk")
+    plan.add_argument("--offload-dir", help="where --offload disk writes (default: the run "
+                                            "folder's offload/)")
+    plan.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
+                      help="recompute activations in backward: every layer, or attention only")
     plan.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                       help="bf16: bf16 compute and gradients, fp32 master weights")
     plan.add_argument("--dp-mode", default="ddp")
@@ -83,7 +90,8 @@ def build_config(args):
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or 2)
     plan = Plan(dp=args.dp or max(1, world // (args.pp * args.tp)), pp=args.pp, tp=args.tp,
                 zero=args.zero, dp_mode=args.dp_mode, microbatches=args.microbatches,
-                schedule=args.schedule, bucket_mb=args.bucket_mb, precision=args.precision)
+                schedule=args.schedule, bucket_mb=args.bucket_mb, precision=args.precision,
+                offload=args.offload, recompute=args.recompute)
     plan.check_world_size(world)
     overrides = {k: v for k, v in {"n_layer": args.layers, "d_model": args.d_model,
                                    "n_head": args.heads, "seq_len": args.seq}.items()
@@ -93,7 +101,8 @@ def build_config(args):
                      model_overrides=overrides, data=args.data, steps=args.steps or 250,
                      batch_size=args.batch, lr=args.lr, warmup=args.warmup, seed=args.seed,
                      eval_every=args.eval_every, ckpt_every=args.ckpt_every,
-                     max_grad_norm=args.max_grad_norm, progress=not args.no_progress)
+                     max_grad_norm=args.max_grad_norm, offload_dir=args.offload_dir,
+                     progress=not args.no_progress)
 
 
 def run(args) -> int:
@@ -108,6 +117,9 @@ def run(args) -> int:
         plan = Plan.from_dict(config.plan)
         refuse_unbuilt(plan)
         check_max_grad_norm(config.max_grad_norm)
+        if config.offload_dir and plan.offload != "disk":
+            raise PlanError("--offload-dir is where --offload disk writes; add --offload disk "
+                            "or drop --offload-dir")
         gpt_config(config.model, **config.model_overrides)  # a bad preset fails here, not on N ranks
         if plan.dp and config.batch_size % plan.dp:
             raise PlanError(f"global batch {config.batch_size} does not split over dp="
@@ -170,9 +182,12 @@ def print_summary(s: dict) -> None:
     ]
     for rank, m in enumerate(s["memory_per_rank"]):
         act = _mib(m["activations"]) if m["activations"] is not None else "n/a"
+        extra = "".join([f", on disk {_mib(m['offloaded'])}" if m.get("offloaded") else "",
+                         f", gathered at most {_mib(m['gathered_peak'])}"
+                         if m.get("gathered_peak") else ""])
         lines.append(f"memory rank {rank}  params {_mib(m['parameters'])}, grads "
-                     f"{_mib(m['gradients'])}, optimizer {_mib(m['optimizer_states'])}, "
-                     f"activations {act}, process peak {_mib(m['peak_process'])}")
+                     f"{_mib(m['gradients'])}, optimizer {_mib(m['optimizer_states'])}"
+                     f"{extra}, activations {act}, process peak {_mib(m['peak_process'])}")
     lines += [f"run folder    {s['run_dir']}",
               f"checkpoint    {s['checkpoint']}", ""]
     print("\n".join(lines))

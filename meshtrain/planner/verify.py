@@ -29,7 +29,8 @@ from contextlib import contextmanager
 PLANS = (({"dp": 1}, 8), ({"dp": 1, "microbatches": 2}, 16), ({"dp": 2}, 8),
          ({"dp": 2, "microbatches": 2}, 16), ({"dp": 4}, 4), ({"dp": 4}, 8),
          ({"dp": 2, "zero": 1}, 8), ({"dp": 2, "zero": 2, "microbatches": 2}, 16),
-         ({"dp": 4, "zero": 2}, 8))
+         ({"dp": 4, "zero": 2}, 8), ({"dp": 2, "zero": 3}, 8),
+         ({"dp": 2, "zero": 3, "recompute": "full"}, 8))
 
 
 def world_of(plan: dict) -> int:
@@ -165,8 +166,8 @@ def predict(profile: dict, plan: dict, batch: int, model: dict = MODEL):
     spec = from_gpt_config(GPTConfig(**model), "gpt")
     micro = batch // p.microbatches
     setup = Setup(global_batch=p.dp * batch, micro_batch=micro, precision=p.precision,
-                  optimizer="adam", recompute="none", sequence_parallel=False)
-    cand = Candidate(p, micro, "none", False)
+                  optimizer="adam", recompute=p.recompute, sequence_parallel=False)
+    cand = Candidate(p, micro, p.recompute, False)
     return evaluate(spec, cand, setup, cluster_from_profile(profile, p.world_size))
 
 

@@ -49,6 +49,7 @@ class RunConfig:
     eval_batches: int = 8
     ckpt_every: int = 100
     max_grad_norm: float | None = None
+    offload_dir: str | None = None   # offload="disk": default <run_dir>/offload
     resume: bool = False
     progress: bool = True
 
@@ -110,7 +111,9 @@ def train_rank(config: RunConfig) -> dict:
     torch.manual_seed(config.seed)
     trainer = Trainer(GPT(model_config), plan, optimizer=lambda ps: torch.optim.AdamW(
         ps, lr=config.lr, weight_decay=config.weight_decay), max_grad_norm=config.max_grad_norm,
-        measure_activations=True)
+        measure_activations=True,
+        offload_dir=(config.offload_dir or Path(config.run_dir) / "offload")
+        if plan.offload == "disk" else None)
     sampler = BatchSampler(corpus.train, config.batch_size, model_config.seq_len, config.seed,
                            trainer.dp_rank, trainer.dp_size)
     val = eval_batches(corpus.val, max(1, config.batch_size // 2), model_config.seq_len,
@@ -160,6 +163,7 @@ def train_rank(config: RunConfig) -> dict:
     final_val = trainer.evaluate(val)
     metrics.write({"step": config.steps, "val_loss": final_val})
     memory = trainer.comm.gather_objects(trainer.memory_report().to_dict(), tag="report")
+    trainer.close()   # offload's files go with the run
     timed = step_times[min(3, len(step_times) // 2):]  # skip warm-up steps
     median = sorted(timed)[len(timed) // 2] if timed else float("nan")
     return {

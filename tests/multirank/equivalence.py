@@ -152,8 +152,10 @@ def train(plan: mt.Plan, model: str = "gpt", optimizer: str = "sgd", steps: int 
         losses.append(trainer.step(x, y))
         if max_grad_norm is not None:
             norms.append(trainer.last_grad_norm)
-    return {"losses": losses, "state": trainer.full_state_dict(),
-            "optimizer": trainer.full_optimizer_state()["state"], "norms": norms}
+    out = {"losses": losses, "state": trainer.full_state_dict(),
+           "optimizer": trainer.full_optimizer_state()["state"], "norms": norms}
+    trainer.close()
+    return out
 
 
 def assert_equivalent(result: dict, ref: dict, atol: float = 1e-5, what: str = "") -> None:
