@@ -1,10 +1,27 @@
 """meshtrain: train PyTorch models across many devices with every classic parallelism
-strategy, composable on one device mesh, and plan which strategy fits."""
-from meshtrain.core.comm import Comm, CommStats
-from meshtrain.core.mesh import Mesh
-from meshtrain.core.plan import Plan, PlanError
-from meshtrain.launch import LaunchError, launch
-from meshtrain.train.trainer import Trainer
+strategy, composable on one device mesh, and plan which strategy fits.
 
-__all__ = ["Comm", "CommStats", "LaunchError", "Mesh", "Plan", "PlanError", "Trainer", "launch"]
+The names below are imported on first use, so that `meshtrain` on the command line can start
+its rank processes (which import torch) before the command itself has imported torch.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"Comm": "meshtrain.core.comm", "CommStats": "meshtrain.core.comm",
+            "Mesh": "meshtrain.core.mesh", "Plan": "meshtrain.core.plan",
+            "PlanError": "meshtrain.core.plan", "LaunchError": "meshtrain.launch",
+            "launch": "meshtrain.launch", "Trainer": "meshtrain.train.trainer"}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'meshtrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -67,12 +67,15 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+TRAIN_RANK = ("meshtrain.train.run", "train_rank")   # the function every rank runs
+
+
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def build_config(args):
-    from meshtrain.train.run import RunConfig
+    from meshtrain.train.config import RunConfig
 
     if args.resume:
         config = RunConfig.load(args.resume)
@@ -106,10 +109,13 @@ def build_config(args):
 
 
 def run(args) -> int:
+    if not _under_torchrun():   # the ranks' process imports torch while this one does
+        from meshtrain.core.processes import start_forkserver
+        start_forkserver()
     from meshtrain.launch import LaunchError, launch
     from meshtrain.models.gpt import gpt_config
-    from meshtrain.train import checkpoint
-    from meshtrain.train.run import latest_checkpoint, train_rank
+    from meshtrain.train import errors
+    from meshtrain.train.config import latest_checkpoint
     from meshtrain.train.trainer import check_max_grad_norm, refuse_unbuilt
 
     try:
@@ -127,18 +133,22 @@ def run(args) -> int:
         if config.resume:   # refuse a bad checkpoint here, before any rank starts
             ckpt = latest_checkpoint(config.run_dir)
             if ckpt is not None:
+                from meshtrain.train import checkpoint
                 checkpoint.inspect(ckpt)
-    except checkpoint.CheckpointError as exc:
+    except errors.CheckpointError as exc:
         return _refused(exc, config.run_dir)
     except (PlanError, ValueError, FileNotFoundError) as exc:
         print(f"meshtrain train: {exc}", file=sys.stderr)
         return 2
+    from meshtrain.core.processes import process_start_time
+    config.started_at = process_start_time()
     Path(config.run_dir, "checkpoints").mkdir(parents=True, exist_ok=True)
     if _under_torchrun():
         from meshtrain.launch import shutdown_distributed
+        from meshtrain.train.run import train_rank
         try:
             summary = train_rank(config)
-        except checkpoint.CheckpointError as exc:
+        except errors.CheckpointError as exc:
             return _refused(exc, config.run_dir)
         if int(os.environ["RANK"]) == 0:
             print_summary(summary)
@@ -147,7 +157,8 @@ def run(args) -> int:
     print(f"meshtrain train: {plan.describe()} on {plan.world_size} local rank(s), run folder "
           f"{config.run_dir}", file=sys.stderr)
     try:
-        summary = launch(train_rank, nproc=plan.world_size, args=(config,))[0]
+        # by name: this process need not import the training stack the ranks run
+        summary = launch(TRAIN_RANK, nproc=plan.world_size, args=(config,))[0]
     except LaunchError as exc:
         first = exc.first_raised()
         if first and first["type"] in ("CheckpointError", "UnsafeCheckpoint"):
@@ -177,7 +188,8 @@ def print_summary(s: dict) -> None:
         + (f" (resumed at step {s['resumed_from']})" if s["resumed_from"] else ""),
         f"train loss    {s['train_loss_start']:.4f} -> {s['train_loss_end']:.4f}",
         f"val loss      {s['val_loss_start']:.4f} -> {s['val_loss_end']:.4f} ({ratio:.2f}x)",
-        f"throughput    {s['tokens_per_s']:,.0f} tokens/s (median step {s['median_step_s'] * 1e3:.1f} ms)",
+        f"throughput    {s['tokens_per_s']:,.0f} tokens/s (median step {s['median_step_s'] * 1e3:.1f} ms; "
+        f"first step done {s['first_step_after_s']:.1f} s after the command started)",
         f"communicated  {_mib(s['bytes_sent_per_step'])} sent per rank per step",
     ]
     for rank, m in enumerate(s["memory_per_rank"]):

@@ -13,6 +13,7 @@ import importlib
 import multiprocessing as mp
 import os
 import sys
+import time
 
 
 def threads_per_rank(world: int) -> int:
@@ -28,8 +29,33 @@ def forkserver_context():
     return ctx
 
 
+def process_start_time() -> float:
+    """When this process started (seconds since the epoch): from /proc on Linux, else now."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    return time.time() - uptime + started_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def start_forkserver() -> None:
+    """Start the preloaded forkserver now, without waiting for it: it imports torch and
+    meshtrain while this process goes on with its own start (a command that will launch
+    ranks calls this first)."""
+    from multiprocessing import forkserver
+
+    forkserver_context()
+    forkserver.ensure_running()
+
+
 def function_ref(fn) -> tuple[str, str]:
-    """(module, qualified name) by which a child process can import `fn`."""
+    """(module, qualified name) by which a child process can import `fn` (given as a
+    function, or already as that pair, which spares importing its module here)."""
+    if isinstance(fn, tuple):
+        return fn
     module, qualname = fn.__module__, fn.__qualname__
     # A script's own functions work: multiprocessing re-runs the script as the child's
     # __main__ (so its launching code must sit under `if __name__ == "__main__":`).

@@ -30,7 +30,8 @@ PLANS = (({"dp": 1}, 8), ({"dp": 1, "microbatches": 2}, 16), ({"dp": 2}, 8),
          ({"dp": 2, "microbatches": 2}, 16), ({"dp": 4}, 4), ({"dp": 4}, 8),
          ({"dp": 2, "zero": 1}, 8), ({"dp": 2, "zero": 2, "microbatches": 2}, 16),
          ({"dp": 4, "zero": 2}, 8), ({"dp": 2, "zero": 3}, 8),
-         ({"dp": 2, "zero": 3, "recompute": "full"}, 8))
+         ({"dp": 2, "zero": 3, "recompute": "full"}, 8),
+         ({"dp": 2, "zero": 2, "offload": "disk"}, 8))
 
 
 def world_of(plan: dict) -> int:
@@ -78,6 +79,7 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     report = trainer.memory_report()
     # after the RSS window: the profiler's own records would inflate the resident memory
     peak_alloc = report.model_states + allocated_peak(lambda: trainer.step(x, y)) if alloc else 0
+    trainer.close()
     return {"step": statistics.median(times), "peak_growth": peak,
             "peak_alloc": peak_alloc, **report.to_dict()}
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+
+from meshtrain.train.errors import CheckpointError
 # DCP's planner that builds the state dict from the checkpoint's own metadata (what
 # torch.distributed.checkpoint.format_utils uses to read a checkpoint whole)
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -47,10 +49,6 @@ ALLOWED_GLOBALS = {
     ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
 }
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded: missing, corrupted, unsafe, or from another model."""
 
 
 class UnsafeCheckpoint(CheckpointError):

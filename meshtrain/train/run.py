@@ -14,87 +14,21 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from meshtrain.core.plan import Plan
+from meshtrain.core.processes import process_start_time
+from meshtrain.train.config import RunConfig, latest_checkpoint, learning_rate, write_latest
 from meshtrain.data.corpus import check_fits, load_corpus
 from meshtrain.data.sampler import BatchSampler, eval_batches
 from meshtrain.models.gpt import GPT, gpt_config
-from meshtrain.train.checkpoint import CheckpointError
 from meshtrain.train.trainer import Trainer
-
-
-@dataclass
-class RunConfig:
-    run_dir: str
-    plan: dict = field(default_factory=dict)
-    model: str = "tiny"
-    model_overrides: dict = field(default_factory=dict)
-    data: str | None = None
-    steps: int = 250
-    batch_size: int = 32          # global batch, sequences
-    lr: float = 3e-3
-    warmup: int = 30
-    weight_decay: float = 0.1
-    seed: int = 0
-    eval_every: int = 100
-    eval_batches: int = 8
-    ckpt_every: int = 100
-    max_grad_norm: float | None = None
-    offload_dir: str | None = None   # offload="disk": default <run_dir>/offload
-    resume: bool = False
-    progress: bool = True
-
-    def save(self) -> None:
-        path = Path(self.run_dir) / "config.json"
-        path.write_text(json.dumps(asdict(self), indent=1))
-
-    @classmethod
-    def load(cls, run_dir) -> "RunConfig":
-        """The run in `run_dir`, wherever that folder is now: a run folder that was moved or
-        copied reads and writes only itself (the `run_dir` it was saved with is ignored)."""
-        path = Path(run_dir) / "config.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{run_dir} is not a meshtrain run folder (no config.json); "
-                                    "pass the folder a previous `meshtrain train` printed")
-        try:
-            saved = json.loads(path.read_text())
-            return cls(**dict(saved, run_dir=str(run_dir)))
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
-            raise ValueError(f"{path} is not a valid run configuration ({exc}); pass the "
-                             "folder a previous `meshtrain train` printed") from None
-
-
-def learning_rate(config: RunConfig, step: int) -> float:
-    """Linear warm-up, then constant: a function of the step alone (resume-exact)."""
-    return config.lr * min(1.0, (step + 1) / max(1, config.warmup))
-
-
-def latest_checkpoint(run_dir) -> Path | None:
-    """The checkpoint `checkpoints/latest` names, inside `run_dir` (None before the first)."""
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.exists():
-        return None
-    name = pointer.read_text().strip()
-    if not re.fullmatch(r"step_\d{8}", name):   # a name, never a path out of the run folder
-        raise CheckpointError(f"{pointer} names {name[:80]!r}, not a checkpoint of this run "
-                              "(step_XXXXXXXX); the run folder is damaged")
-    return Path(run_dir) / "checkpoints" / name
-
-
-def _write_latest(run_dir, name: str) -> None:
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    tmp = pointer.with_suffix(".tmp")
-    tmp.write_text(name + "\n")
-    os.replace(tmp, pointer)  # atomic: `latest` always names a complete checkpoint
 
 
 def train_rank(config: RunConfig) -> dict:
@@ -135,7 +69,7 @@ def train_rank(config: RunConfig) -> dict:
 
     tokens_per_step = config.batch_size * model_config.seq_len
     bar = _progress(start, config.steps, enabled=is_main and config.progress)
-    loss, t_start = float("nan"), time.perf_counter()
+    loss, t_start, first_step_s = float("nan"), time.perf_counter(), float("nan")
     step_times, step_bytes = [], []
     for step in range(start, config.steps):
         lr = learning_rate(config, step)
@@ -149,8 +83,12 @@ def train_rank(config: RunConfig) -> dict:
         sent = trainer.comm.stats.total().sent - before.sent
         step_bytes.append(sent)
         first.setdefault("train_loss", loss)
-        metrics.write({"step": step + 1, "loss": loss, "lr": lr,
-                       "step_s": dt, "tokens_per_s": tokens_per_step / dt, "bytes_sent": sent})
+        record = {"step": step + 1, "loss": loss, "lr": lr, "step_s": dt,
+                  "tokens_per_s": tokens_per_step / dt, "bytes_sent": sent}
+        if step == start:   # how long the user waited for training to start
+            first_step_s = time.time() - (config.started_at or process_start_time())
+            record["since_start_s"] = first_step_s
+        metrics.write(record)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
         done = step + 1
@@ -172,6 +110,7 @@ def train_rank(config: RunConfig) -> dict:
         "train_loss_start": first.get("train_loss"), "train_loss_end": loss,
         "val_loss_start": first["val_loss"], "val_loss_end": final_val,
         "median_step_s": median, "tokens_per_s": tokens_per_step / median,
+        "first_step_after_s": first_step_s,
         "bytes_sent_per_step": sum(step_bytes) / max(1, len(step_bytes)), "memory_per_rank": memory,
         "wall_s": time.perf_counter() - t_start,
         "checkpoint": str(latest_checkpoint(Path(config.run_dir).resolve())),
@@ -182,7 +121,7 @@ def _checkpoint(trainer: Trainer, config: RunConfig, step: int, first: dict) -> 
     name = f"step_{step:08d}"
     trainer.save(Path(config.run_dir) / "checkpoints" / name, extra={"first": first})
     if trainer.mesh.rank == 0:
-        _write_latest(config.run_dir, name)
+        write_latest(config.run_dir, name)
         for old in sorted((Path(config.run_dir) / "checkpoints").glob("step_*"))[:-2]:
             shutil.rmtree(old, ignore_errors=True)  # keep the last two
 

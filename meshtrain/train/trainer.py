@@ -181,13 +181,20 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
-        """Mean loss over `batches` (the same on every rank; no gradient)."""
+        """Mean loss over `batches`, the same on every rank, no gradient. The data-parallel
+        replicas split the batches between them (replica r takes every dp_size-th from r)
+        and sum their losses in float64."""
+        batches = list(batches)
+        mine = batches[self.dp_rank::self.dp_size]
         self.model.eval()
         try:
-            losses = [self.driver.evaluate(x, y) for x, y in batches]
+            losses = [self.driver.evaluate(x, y) for x, y in mine]
         finally:
             self.model.train()
-        return sum(losses) / max(1, len(losses))
+        total = torch.tensor([sum(losses), len(mine)], dtype=torch.float64,
+                             device=self.mesh.device)
+        self.comm.all_reduce(total, "dp", tag="eval")
+        return (total[0] / total[1].clamp(min=1)).item()
 
     # ---- state --------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
