@@ -11,6 +11,7 @@ COMMANDS = {
     "train": "train_cmd",
     "plan": "plan_cmd",
     "bench": "bench_cmd",
+    "report": "report_cmd",
 }
 
 

@@ -23,11 +23,19 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, help="local ranks to start (default 2; with --resume, "
                                            "the run's own, or a new count: DDP over them)")
-    p.add_argument("--model", default="tiny", help="GPT preset: tiny, small, gpt2-124m, ...")
+    p.add_argument("--model", default="tiny",
+                   help="a GPT preset (tiny, small, gpt2-124m, ...), your own model as "
+                        "package.module:function (returns an nn.Module reading token ids), or "
+                        "a transformers causal-LM config.json (random weights; needs .[hf])")
+    p.add_argument("--loss", default="auto", choices=["auto", "cross-entropy"],
+                   help="auto: the model's own .loss(logits, targets), else cross-entropy "
+                        "over every token")
     p.add_argument("--layers", type=int, help="override the preset's number of layers")
     p.add_argument("--d-model", type=int, help="override the preset's width")
     p.add_argument("--heads", type=int, help="override the preset's attention heads")
-    p.add_argument("--seq", type=int, help="override the preset's sequence length")
+    p.add_argument("--seq", type=int, help="sequence length (a GPT preset's override; for "
+                                           "another model, its context, default 128 or its "
+                                           "config's)")
     p.add_argument("--data", help="a text file or folder (default: this Python's standard "
                                    "library source)")
     p.add_argument("--steps", type=int, help="optimizer steps (default 250; with --resume, "
@@ -96,12 +104,15 @@ def build_config(args):
                 schedule=args.schedule, bucket_mb=args.bucket_mb, precision=args.precision,
                 offload=args.offload, recompute=args.recompute)
     plan.check_world_size(world)
-    overrides = {k: v for k, v in {"n_layer": args.layers, "d_model": args.d_model,
-                                   "n_head": args.heads, "seq_len": args.seq}.items()
-                 if v is not None}
+    from meshtrain.models.registry import kind_of
+    is_gpt = kind_of(args.model) == "gpt"
+    shape = {"n_layer": args.layers, "d_model": args.d_model, "n_head": args.heads,
+             "seq_len": args.seq if is_gpt else None}
+    overrides = {k: v for k, v in shape.items() if v is not None}
     run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return RunConfig(run_dir=run_dir, plan=plan.to_dict(), model=args.model,
-                     model_overrides=overrides, data=args.data, steps=args.steps or 250,
+                     model_overrides=overrides, seq_len=None if is_gpt else args.seq,
+                     loss=args.loss, data=args.data, steps=args.steps or 250,
                      batch_size=args.batch, lr=args.lr, warmup=args.warmup, seed=args.seed,
                      eval_every=args.eval_every, ckpt_every=args.ckpt_every,
                      max_grad_norm=args.max_grad_norm, offload_dir=args.offload_dir,
@@ -113,7 +124,7 @@ def run(args) -> int:
         from meshtrain.core.processes import start_forkserver
         start_forkserver()
     from meshtrain.launch import LaunchError, launch
-    from meshtrain.models.gpt import gpt_config
+    from meshtrain.models.registry import check_model_spec
     from meshtrain.train import errors
     from meshtrain.train.config import latest_checkpoint
     from meshtrain.train.trainer import check_max_grad_norm, refuse_unbuilt
@@ -126,7 +137,7 @@ def run(args) -> int:
         if config.offload_dir and plan.offload != "disk":
             raise PlanError("--offload-dir is where --offload disk writes; add --offload disk "
                             "or drop --offload-dir")
-        gpt_config(config.model, **config.model_overrides)  # a bad preset fails here, not on N ranks
+        check_model_spec(config.model, config.model_overrides)   # here, not on N ranks
         if plan.dp and config.batch_size % plan.dp:
             raise PlanError(f"global batch {config.batch_size} does not split over dp="
                             f"{plan.dp} ranks; use --batch a multiple of {plan.dp}")
@@ -152,6 +163,7 @@ def run(args) -> int:
             return _refused(exc, config.run_dir)
         if int(os.environ["RANK"]) == 0:
             print_summary(summary)
+            print_report(config.run_dir)
         shutdown_distributed()   # a barrier, then teardown: see PEERS.md on gloo's abort
         return 0
     print(f"meshtrain train: {plan.describe()} on {plan.world_size} local rank(s), run folder "
@@ -167,7 +179,19 @@ def run(args) -> int:
               f"checkpoint (continue with --resume {config.run_dir}).\n{exc}", file=sys.stderr)
         return 1
     print_summary(summary)
+    print_report(config.run_dir)
     return 0
+
+
+def print_report(run_dir) -> None:
+    """Draw the run's picture beside its summary; a failure to draw never fails the run."""
+    from meshtrain.cli.report_cmd import write_report
+    try:
+        out, _ = write_report([run_dir])
+    except Exception as exc:   # noqa: BLE001 - the training itself succeeded
+        print(f"report        not drawn ({type(exc).__name__}: {exc})")
+        return
+    print(f"report        {out}")
 
 
 def _refused(message, run_dir) -> int:

@@ -21,6 +21,8 @@ class RunConfig:
     plan: dict = field(default_factory=dict)
     model: str = "tiny"
     model_overrides: dict = field(default_factory=dict)
+    seq_len: int | None = None     # the data's window for a model other than the GPT presets
+    loss: str = "auto"             # "auto" (the model's .loss, else cross-entropy) | "cross-entropy"
     data: str | None = None
     steps: int = 250
     batch_size: int = 32          # global batch, sequences

@@ -4,7 +4,9 @@
 folder holds everything needed to understand and continue it:
 
     config.json       the RunConfig (resume reads it back)
-    metrics.jsonl     one JSON object per step (loss, lr, tokens/s, bytes) and per evaluation
+    metrics.jsonl     one JSON object per step (loss, lr, tokens/s, bytes per mesh axis) and
+                      per evaluation
+    summary.json      the run's summary (what `meshtrain train` prints), written at its end
     checkpoints/      step_XXXXXXXX/ folders (atomic, see checkpoint.py) and `latest`
 
 The batch of step s depends only on (seed, s) and the learning rate only on s, so resuming
@@ -27,7 +29,7 @@ from meshtrain.core.processes import process_start_time
 from meshtrain.train.config import RunConfig, latest_checkpoint, learning_rate, write_latest
 from meshtrain.data.corpus import check_fits, load_corpus
 from meshtrain.data.sampler import BatchSampler, eval_batches
-from meshtrain.models.gpt import GPT, gpt_config
+from meshtrain.models.registry import build_model, token_cross_entropy
 from meshtrain.train.trainer import Trainer
 
 
@@ -38,20 +40,20 @@ def train_rank(config: RunConfig) -> dict:
     if "RANK" in os.environ and not dist.is_initialized():
         init_distributed()
     plan = Plan.from_dict(config.plan)
-    model_config = gpt_config(config.model, **config.model_overrides)
     corpus = load_corpus(config.data)
-    check_fits(corpus, model_config.seq_len)
-
     torch.manual_seed(config.seed)
-    trainer = Trainer(GPT(model_config), plan, optimizer=lambda ps: torch.optim.AdamW(
-        ps, lr=config.lr, weight_decay=config.weight_decay), max_grad_norm=config.max_grad_norm,
-        measure_activations=True,
+    built = build_model(config.model, config.model_overrides, config.seq_len)
+    seq_len = built.seq_len
+    check_fits(corpus, seq_len)
+    trainer = Trainer(built.module, plan, optimizer=lambda ps: torch.optim.AdamW(
+        ps, lr=config.lr, weight_decay=config.weight_decay),
+        loss_fn=token_cross_entropy if config.loss == "cross-entropy" else built.loss,
+        max_grad_norm=config.max_grad_norm, measure_activations=True,
         offload_dir=(config.offload_dir or Path(config.run_dir) / "offload")
         if plan.offload == "disk" else None)
-    sampler = BatchSampler(corpus.train, config.batch_size, model_config.seq_len, config.seed,
+    sampler = BatchSampler(corpus.train, config.batch_size, seq_len, config.seed,
                            trainer.dp_rank, trainer.dp_size)
-    val = eval_batches(corpus.val, max(1, config.batch_size // 2), model_config.seq_len,
-                       config.eval_batches)
+    val = eval_batches(corpus.val, max(1, config.batch_size // 2), seq_len, config.eval_batches)
     is_main = trainer.mesh.rank == 0
     metrics = _Metrics(Path(config.run_dir) / "metrics.jsonl", enabled=is_main)
 
@@ -67,7 +69,7 @@ def train_rank(config: RunConfig) -> dict:
         first = {"val_loss": trainer.evaluate(val)}
         metrics.write({"step": 0, "val_loss": first["val_loss"]})
 
-    tokens_per_step = config.batch_size * model_config.seq_len
+    tokens_per_step = config.batch_size * seq_len
     bar = _progress(start, config.steps, enabled=is_main and config.progress)
     loss, t_start, first_step_s = float("nan"), time.perf_counter(), float("nan")
     step_times, step_bytes = [], []
@@ -75,16 +77,18 @@ def train_rank(config: RunConfig) -> dict:
         lr = learning_rate(config, step)
         for group in trainer.optimizer.param_groups:
             group["lr"] = lr
-        before = trainer.comm.stats.total()
+        before = _sent_by_axis(trainer)
         t0 = time.perf_counter()
         loss = trainer.step(*sampler.batch(step))
         dt = time.perf_counter() - t0
         step_times.append(dt)
-        sent = trainer.comm.stats.total().sent - before.sent
+        by_axis = {a: n - before.get(a, 0) for a, n in _sent_by_axis(trainer).items()}
+        sent = sum(by_axis.values())
         step_bytes.append(sent)
         first.setdefault("train_loss", loss)
         record = {"step": step + 1, "loss": loss, "lr": lr, "step_s": dt,
-                  "tokens_per_s": tokens_per_step / dt, "bytes_sent": sent}
+                  "tokens_per_s": tokens_per_step / dt, "bytes_sent": sent,
+                  "bytes_by_axis": by_axis}
         if step == start:   # how long the user waited for training to start
             first_step_s = time.time() - (config.started_at or process_start_time())
             record["since_start_s"] = first_step_s
@@ -104,7 +108,7 @@ def train_rank(config: RunConfig) -> dict:
     trainer.close()   # offload's files go with the run
     timed = step_times[min(3, len(step_times) // 2):]  # skip warm-up steps
     median = sorted(timed)[len(timed) // 2] if timed else float("nan")
-    return {
+    summary = {
         "run_dir": str(Path(config.run_dir).resolve()), "plan": plan.describe(),
         "steps": config.steps, "resumed_from": start,
         "train_loss_start": first.get("train_loss"), "train_loss_end": loss,
@@ -115,6 +119,15 @@ def train_rank(config: RunConfig) -> dict:
         "wall_s": time.perf_counter() - t_start,
         "checkpoint": str(latest_checkpoint(Path(config.run_dir).resolve())),
     }
+    if is_main:
+        (Path(config.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _sent_by_axis(trainer: Trainer) -> dict[str, int]:
+    """Bytes this rank has sent so far, per axis the counters know (mesh axes, "world")."""
+    stats = trainer.comm.stats
+    return {axis: stats.total(axis=axis).sent for axis in sorted({a for a, _, _ in stats.counters})}
 
 
 def _checkpoint(trainer: Trainer, config: RunConfig, step: int, first: dict) -> None:

@@ -1,0 +1,142 @@
+"""Which model a run trains, from the one string `meshtrain train --model` takes:
+
+    tiny | small | gpt2-124m | ...      meshtrain's GPT preset (with --layers, --d-model, ... overrides)
+    my_pkg.my_module:build               a callable returning an nn.Module
+    path/to/config.json                  a transformers causal-LM configuration, random weights
+                                          (needs the optional extra: pip install -e ".[hf]")
+
+Every model reads token ids (B, T) and returns logits (B, T, V) over the byte vocabulary:
+transformers models through `CausalLMLogits`, which keeps the wrapped model's parameter names
+under `model.`. The loss is the model's own `.loss(logits, targets)` when it has one, else the
+mean cross-entropy over every token.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.models.gpt import GPT, PRESETS, gpt_config
+
+BYTE_VOCAB = 256
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every token: logits (B, T, V), targets (B, T) int64."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@dataclass
+class BuiltModel:
+    module: nn.Module
+    loss: Callable
+    seq_len: int
+    kind: str          # "gpt" | "callable" | "transformers"
+
+
+class ModelSpecError(ValueError):
+    """A --model that cannot be built: the message names it and the fix."""
+
+
+def kind_of(spec: str) -> str:
+    if spec in PRESETS:
+        return "gpt"
+    if spec.endswith(".json"):
+        return "transformers"
+    if ":" in spec:
+        return "callable"
+    raise ModelSpecError(f"--model {spec!r} is unknown: neither a GPT preset ({', '.join(PRESETS)}), "
+                         "a callable (package.module:function) nor a transformers config "
+                         "(a .json file)")
+
+
+def check_model_spec(spec: str, overrides: dict) -> None:
+    """Refuse a --model that cannot be built, without building it (the command's check before
+    it starts any rank)."""
+    kind = kind_of(spec)
+    if kind == "gpt":
+        gpt_config(spec, **overrides)
+    elif overrides:
+        raise ModelSpecError(f"--layers/--d-model/--heads shape meshtrain's GPT presets only; "
+                             f"{spec!r} builds its own model: drop them")
+    elif kind == "callable":
+        _resolve(spec)
+    elif not Path(spec).is_file():
+        raise ModelSpecError(f"--model {spec!r}: no such configuration file")
+
+
+def build_model(spec: str, overrides: dict, seq_len: int | None = None) -> BuiltModel:
+    """The model `spec` names (see the module docstring), freshly initialised from torch's
+    global RNG."""
+    kind = kind_of(spec)
+    if kind == "gpt":
+        config = gpt_config(spec, **overrides)
+        model = GPT(config)
+        return BuiltModel(model, model.loss, config.seq_len, kind)
+    check_model_spec(spec, overrides)
+    module = _from_callable(spec) if kind == "callable" else _from_transformers(spec)
+    loss = getattr(module, "loss", None) or token_cross_entropy
+    return BuiltModel(module, loss, seq_len or _context_of(module) or 128, kind)
+
+
+def _resolve(spec: str) -> Callable:
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:   # as `python -m` would: the user's own package
+        sys.path.insert(0, os.getcwd())
+    try:
+        fn = importlib.import_module(module_name)
+        for part in attr.split("."):
+            fn = getattr(fn, part)
+    except (ImportError, AttributeError) as exc:
+        raise ModelSpecError(f"--model {spec!r}: cannot import it ({exc}); give "
+                             "package.module:function, importable from this folder") from None
+    if not callable(fn):
+        raise ModelSpecError(f"--model {spec!r} is not callable")
+    return fn
+
+
+def _from_callable(spec: str) -> nn.Module:
+    model = _resolve(spec)()
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"--model {spec!r} returned a {type(model).__name__}, not an "
+                             "nn.Module")
+    return model
+
+
+def _from_transformers(spec: str) -> nn.Module:
+    path = Path(spec)
+    if not path.is_file():
+        raise ModelSpecError(f"--model {spec!r}: no such configuration file")
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ModelSpecError("--model given as a transformers config needs transformers: "
+                             'pip install -e ".[hf]"') from None
+    config = AutoConfig.from_pretrained(str(path))
+    if getattr(config, "vocab_size", 0) < BYTE_VOCAB:
+        raise ModelSpecError(f"{spec}: vocab_size={getattr(config, 'vocab_size', None)} is "
+                             f"smaller than the byte vocabulary ({BYTE_VOCAB})")
+    return CausalLMLogits(AutoModelForCausalLM.from_config(config))
+
+
+class CausalLMLogits(nn.Module):
+    """A transformers causal LM as logits (B, T) -> (B, T, V), its parameters under `model.`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx, use_cache=False).logits
+
+
+def _context_of(module: nn.Module) -> int | None:
+    config = getattr(getattr(module, "model", module), "config", None)
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
