@@ -9,10 +9,11 @@ from meshtrain.core.plan import Plan
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a strategy against PyTorch's own implementation")
-    p.add_argument("strategy", choices=["ddp", "zero", "collectives"],
-                   help="ddp: our DDP vs torch DDP; zero: our DDP, ZeRO-1, ZeRO-2 vs torch's "
-                        "ZeroRedundancyOptimizer; collectives: all-reduce, reduce-scatter and "
-                        "all-gather algorithms from 4 KiB to 64 MiB")
+    p.add_argument("strategy", choices=["ddp", "zero", "tp", "collectives"],
+                   help="ddp: our DDP vs torch DDP; zero: our DDP, ZeRO-1/2/3 vs torch's "
+                        "ZeroRedundancyOptimizer and FSDP2; tp: vs DTensor tensor parallel; "
+                        "collectives: all-reduce, reduce-scatter and all-gather algorithms "
+                        "from 4 KiB to 64 MiB")
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (2 4)")
     p.add_argument("--model", default="small", help="GPT preset (small: PEERS.md's shape)")
     p.add_argument("--batch", type=int, default=16, help="global batch")
@@ -25,7 +26,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from meshtrain.bench import ddp
+    from meshtrain.bench import ddp, tp
 
     for world in args.world:
         if world < 2 or args.batch % world:
@@ -42,6 +43,10 @@ def run(args) -> int:
         result = zero.run(worlds=args.world, model_name=args.model, global_batch=args.batch,
                           steps=args.steps, reps=args.reps, warmup=args.warmup, progress=progress)
         print(zero.format_report(result))
+    elif args.strategy == "tp":
+        result = tp.run(worlds=args.world, model_name=args.model, global_batch=args.batch,
+                        steps=args.steps, reps=args.reps, warmup=args.warmup, progress=progress)
+        print(tp.format_report(result))
     else:
         result = ddp.run(worlds=args.world, model_name=args.model, global_batch=args.batch,
                          steps=args.steps, reps=args.reps, warmup=args.warmup,

@@ -56,7 +56,11 @@ def add_parser(sub) -> None:
     plan = p.add_argument_group("plan (default: DDP over all ranks)")
     plan.add_argument("--dp", type=int, help="data-parallel ranks (default: all ranks)")
     plan.add_argument("--pp", type=int, default=1)
-    plan.add_argument("--tp", type=int, default=1)
+    plan.add_argument("--tp", type=int, default=1,
+                      help="tensor-parallel ranks: each layer's matrices split over them")
+    plan.add_argument("--sequence-parallel", action="store_true",
+                      help="with --tp > 1: split LayerNorm and residual activations along the "
+                           "sequence (same bytes, activations of those regions / tp)")
     plan.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                       help="ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also "
                            "parameters")
@@ -102,7 +106,8 @@ def build_config(args):
     plan = Plan(dp=args.dp or max(1, world // (args.pp * args.tp)), pp=args.pp, tp=args.tp,
                 zero=args.zero, dp_mode=args.dp_mode, microbatches=args.microbatches,
                 schedule=args.schedule, bucket_mb=args.bucket_mb, precision=args.precision,
-                offload=args.offload, recompute=args.recompute)
+                offload=args.offload, recompute=args.recompute,
+                sequence_parallel=args.sequence_parallel)
     plan.check_world_size(world)
     from meshtrain.models.registry import kind_of
     is_gpt = kind_of(args.model) == "gpt"
@@ -138,6 +143,7 @@ def run(args) -> int:
             raise PlanError("--offload-dir is where --offload disk writes; add --offload disk "
                             "or drop --offload-dir")
         check_model_spec(config.model, config.model_overrides)   # here, not on N ranks
+        check_model_plan(config, plan)
         if plan.dp and config.batch_size % plan.dp:
             raise PlanError(f"global batch {config.batch_size} does not split over dp="
                             f"{plan.dp} ranks; use --batch a multiple of {plan.dp}")
@@ -181,6 +187,20 @@ def run(args) -> int:
     print_summary(summary)
     print_report(config.run_dir)
     return 0
+
+
+def check_model_plan(config, plan: Plan) -> None:
+    """Refuse, before any rank starts, what this model cannot do under this plan."""
+    from meshtrain.models.gpt import gpt_config
+    from meshtrain.models.registry import kind_of
+
+    if kind_of(config.model) == "gpt":
+        from meshtrain.strategies.tensor_parallel.gpt import check_tensor_parallel
+        check_tensor_parallel(gpt_config(config.model, **config.model_overrides), plan)
+    elif plan.tp > 1:
+        raise PlanError(f"--tp {plan.tp}: tensor parallel from the command line shards "
+                        f"meshtrain's GPT presets; {config.model!r} needs a tp_plan, which the "
+                        "Python API takes (Trainer(..., tp_plan={...}))")
 
 
 def print_report(run_dir) -> None:

@@ -50,6 +50,10 @@ class Plan:
     recompute: str = "none"
     """Activation recomputation: "none" | "full" (keep each layer's input, recompute the
     layer in backward) | "selective" (recompute only the attention core)."""
+    sequence_parallel: bool = False
+    """With tp > 1: split the LayerNorm and residual regions along the sequence over the tp
+    ranks (Korthikanti et al. 2022), each all-reduce becoming a reduce-scatter plus an
+    all-gather; their activation memory falls by tp."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "microbatches", "virtual_stages"):
@@ -80,6 +84,13 @@ class Plan:
             raise PlanError(f"Plan.zero=3 with pp={self.pp}: ZeRO-3 gathers parameters unit "
                             "by unit inside one stage's forward and backward, which pipeline "
                             "schedules interleave; use zero=1 or 2 with pipeline stages")
+        if not isinstance(self.sequence_parallel, bool):
+            raise PlanError(f"Plan.sequence_parallel={self.sequence_parallel!r}: must be True "
+                            "or False")
+        if self.sequence_parallel and self.tp == 1:
+            raise PlanError("Plan.sequence_parallel=True splits activations over the tp axis "
+                            "and needs tp > 1 (got tp=1); set tp=2 or more (e.g. "
+                            "Plan(tp=2, sequence_parallel=True)), or drop sequence_parallel")
         if self.zero and self.dp_mode != "ddp":
             raise PlanError(f"Plan.zero={self.zero} shards over data-parallel ranks and needs "
                             f"dp_mode='ddp' (got {self.dp_mode!r})")

@@ -28,8 +28,16 @@ from meshtrain.models.gpt import GPT, PRESETS, gpt_config
 BYTE_VOCAB = 256
 
 
-def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every token: logits (B, T, V), targets (B, T) int64."""
+def logits_of(output) -> torch.Tensor:
+    """A model's logits: the output itself, or its `.logits` (transformers' outputs)."""
+    return output.logits if hasattr(output, "logits") else output
+
+
+def token_cross_entropy(output, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every token: logits (..., V) (or an output with `.logits`),
+    targets (...) int64. Passed as the Trainer's `loss_fn` with a tensor-parallel plan whose
+    output layer is "vocab", it is computed vocab-parallel, without gathering the logits."""
+    logits = logits_of(output)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 

@@ -142,16 +142,25 @@ def inflight_microbatches(schedule: str, pp: int, m: int, v: int = 1) -> float:
 
 def stage_params(spec: ModelSpec, pp: int, tp: int) -> float:
     """Parameters on the busiest rank: ceil(l/p) blocks, plus the embedding on the first stage
-    and the head on the last, everything split t ways (Megatron: vocab-parallel embedding,
-    column/row-parallel matrices; norms are small and counted as split too)."""
-    per_stage = math.ceil(spec.layers / pp) * spec.layer_params
+    and the head on the last, split t ways except what tensor parallel keeps whole on every
+    rank (Megatron: vocab-parallel embedding and column/row-parallel matrices are split; the
+    norms, the row-parallel biases and a learned position embedding are replicated)."""
+    layers_here = math.ceil(spec.layers / pp)
+    per_stage = layers_here * spec.layer_params
     if spec.measured_params:   # keep the exact total when it was read from a module
         per_stage = spec.measured_params - spec.embedding_params - spec.head_params
-        per_stage = math.ceil(spec.layers / pp) * per_stage / spec.layers
-    first = per_stage + spec.embedding_params
-    last = per_stage + spec.head_params + (spec.vocab * spec.hidden if spec.tied and pp > 1 else 0)
-    busiest = first + spec.head_params if pp == 1 else max(first, last)
-    return busiest / tp
+        per_stage = layers_here * per_stage / spec.layers
+    whole_stage = layers_here * spec.layer_replicated_params
+    first = (per_stage + spec.embedding_params, whole_stage + spec.embedding_replicated_params)
+    last = (per_stage + spec.head_params + (spec.vocab * spec.hidden if spec.tied and pp > 1 else 0),
+            whole_stage + spec.norm_params)
+    if pp == 1:
+        stages = [(first[0] + spec.head_params, first[1] + spec.norm_params)]
+    else:
+        stages = [first, last]
+    if tp == 1:
+        return max(total for total, _ in stages)
+    return max((total - whole) / tp + whole for total, whole in stages)
 
 
 def logits_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int) -> float:

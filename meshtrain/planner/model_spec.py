@@ -79,6 +79,17 @@ class ModelSpec:
         return self.layer_matmul_params + biases + 2 * self.norm_params
 
     @property
+    def layer_replicated_params(self) -> int:
+        """What tensor parallel keeps whole on every rank of a block (Megatron): the two
+        norms and the biases of the two row-parallel layers (added once, after the sum)."""
+        return 2 * self.norm_params + 2 * self.hidden * int(self.bias)
+
+    @property
+    def embedding_replicated_params(self) -> int:
+        """A learned position embedding: tensor parallel splits only the token embedding."""
+        return self.seq * self.hidden if self.learned_pos else 0
+
+    @property
     def embedding_params(self) -> int:
         return self.vocab * self.hidden + (self.seq * self.hidden if self.learned_pos else 0)
 

@@ -40,6 +40,10 @@ class LayerSharding(Protocol):
         """After the dp sync: sum over tp the gradients each tp rank holds only a part of
         (LayerNorms under sequence parallel), in place in the views `reduced(name)` gives."""
 
+    def wrap_loss(self, loss_fn: Callable) -> Callable:
+        """The loss as this sharding computes it: the same function where outputs are whole;
+        a vocab-parallel cross-entropy where the output layer's logits stay split over tp."""
+
 
 class Stages(Protocol):
     """Slot 2: which layers this rank runs along pp."""
@@ -142,6 +146,9 @@ class NoSharding:
 
     def counts(self, name: str) -> bool:
         return True
+
+    def wrap_loss(self, loss_fn: Callable) -> Callable:
+        return loss_fn
 
 
 class WholeModel:

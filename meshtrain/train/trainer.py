@@ -22,6 +22,7 @@ from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import Plan, PlanError
 from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchLoop, NoSharding,
                                         Stages, StepDriver, WholeModel)
+from meshtrain.strategies import tensor_parallel
 from meshtrain.strategies.data_parallel.ddp import DDP
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.zero.sharded import ZeRO
@@ -37,7 +38,6 @@ def refuse_unbuilt(plan: Plan) -> None:
     unbuilt = [
         (plan.pp > 1, f"pipeline parallel (pp={plan.pp}): pipeline schedules are not "
                       "available yet"),
-        (plan.tp > 1, f"tensor parallel (tp={plan.tp}) is not available yet"),
         (plan.dp_mode != "ddp", f"dp_mode={plan.dp_mode!r} is not available yet "
                                 "(only 'ddp' is)"),
     ]
@@ -58,10 +58,18 @@ def check_max_grad_norm(max_grad_norm) -> None:
 # ---- the five slots, each a plain function of the plan ---------------------------------------
 def shard_layers(model: nn.Module, plan: Plan, comm: Comm, tp_plan: dict | None) -> LayerSharding:
     """Slot 1: shard each layer's matrices over tp, in place, keeping parameter names."""
+    check_layer_sharding(model, plan, tp_plan)
+    if plan.tp == 1:
+        return NoSharding()
+    return tensor_parallel.shard(model, plan, comm, tp_plan)
+
+
+def check_layer_sharding(model: nn.Module, plan: Plan, tp_plan: dict | None) -> None:
+    """Slot 1's refusals that need no process group (run before the mesh is built)."""
     if tp_plan is not None and plan.tp == 1:
         raise PlanError("tp_plan is given but Plan.tp=1: set tp > 1 to shard layers, or "
                         "drop tp_plan")
-    return NoSharding()
+    tensor_parallel.check(model, plan, tp_plan)
 
 
 def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout) -> Stages:
@@ -105,6 +113,7 @@ class Trainer:
         if loss_fn is None and not hasattr(model, "loss"):
             raise TypeError(f"{type(model).__name__} has no .loss(output, targets): pass "
                             "loss_fn=, e.g. torch.nn.functional.cross_entropy")
+        check_layer_sharding(model, plan, tp_plan)
         self.plan, self.max_grad_norm = plan, max_grad_norm
         self.mesh = Mesh.build(plan)
         self.comm = Comm(self.mesh)
@@ -115,6 +124,7 @@ class Trainer:
         self.layout = StateLayout.of(self.model)   # names and shapes, before any slot
         # 1. tensor parallel first: stages and gradient sync then see the shards
         self.sharding = shard_layers(self.model, plan, self.comm, tp_plan)
+        self.loss_fn = self.sharding.wrap_loss(self.loss_fn)   # vocab-parallel where split
         self.activations = (ActivationMeter(self.model.parameters())
                             if measure_activations else None)
         # recomputation after tensor parallel, before stages and data parallel (torchtitan's

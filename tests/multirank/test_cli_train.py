@@ -57,6 +57,18 @@ def test_two_node_agents_under_torchrun_match_one_process(one_process, tmp_path)
     assert losses(run) == losses(one_process)
 
 
+def test_tensor_parallel_with_sequence_parallel_matches_one_process(one_process, tmp_path):
+    run = tmp_path / "run"
+    out = meshtrain("train", "--nproc", "2", "--tp", "2", "--sequence-parallel", "--steps", "6",
+                    "--run-dir", str(run), *SMALL)
+    assert out.returncode == 0, out.stderr
+    assert "Plan(tp=2, sequence_parallel=True)" in out.stdout
+    ours, theirs = losses(run), losses(one_process)
+    assert [step for step, _ in ours] == [step for step, _ in theirs]
+    for (step, a), (_, b) in zip(ours, theirs):
+        assert abs(a - b) <= 1e-5, (step, a, b)
+
+
 def test_resume_gives_the_numbers_of_an_uninterrupted_run(one_process, tmp_path):
     run = tmp_path / "run"
     first = meshtrain("train", "--nproc", "2", "--steps", "3", "--run-dir", str(run), *SMALL)
@@ -74,6 +86,11 @@ def test_resume_gives_the_numbers_of_an_uninterrupted_run(one_process, tmp_path)
     (["--model", "gpt5"], "unknown"),
     (["--nproc", "2", "--batch", "7"], "does not split over dp=2"),
     (["--resume", "/nonexistent/run"], "not a meshtrain run folder"),
+    (["--nproc", "3", "--tp", "3"], "tp=3 does not divide the GPT's n_head=4 attention heads"),
+    (["--sequence-parallel"], "sequence_parallel=True splits activations over the tp axis and "
+                              "needs tp > 1 (got tp=1)"),
+    (["--nproc", "2", "--tp", "2", "--sequence-parallel", "--seq", "15"],
+     "use a sequence length that is a multiple of 2"),
 ])
 def test_bad_input_is_refused_with_a_clear_message(args, message, tmp_path, capsys):
     from meshtrain.cli.main import main

@@ -1,4 +1,5 @@
-"""`meshtrain plan --verify` machinery on a tiny GPT: 2 DDP plans (world 1 and 2), real ranks.
+"""`meshtrain plan --verify` machinery on a tiny GPT: 2 DDP plans (world 1 and 2) and a
+tensor-parallel one (tp 2), real ranks.
 
 Model-state bytes and the exact allocated peak are deterministic and asserted against the
 Trainer's accounting; step time and resident memory depend on the machine and its load, so
@@ -11,7 +12,7 @@ import pytest
 from meshtrain.planner import verify
 
 TINY = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=32)
-PLANS = (({"dp": 1}, 4), ({"dp": 2, "microbatches": 2}, 4))
+PLANS = (({"dp": 1}, 4), ({"dp": 2, "microbatches": 2}, 4), ({"tp": 2}, 4))
 
 # A synthetic profile: predictions need rates to exist, not to be right (no timed asserts).
 _CURVE = {"sizes": [256, 2**20], "busbw": [1e6, 1e9]}
@@ -34,7 +35,7 @@ def rows_and_text():
 
 def test_model_states_predicted_equal_the_trainers_accounting(rows_and_text):
     rows, _ = rows_and_text
-    assert [r["world"] for r in rows] == [1, 2]
+    assert [r["world"] for r in rows] == [1, 2, 2]
     for r in rows:
         # the planner counts the GPT's parameters exactly: 4 + 4 (bucket) + 8 (AdamW) bytes
         # each; it leaves out only AdamW's 4-byte step counter per parameter tensor

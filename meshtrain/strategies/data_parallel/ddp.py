@@ -53,7 +53,10 @@ def broadcast_tensors(tensors, comm: Comm, axis: str = "dp") -> None:
 
 @torch.no_grad()
 def cast_to(precision: str, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
-    """Make the model compute in `precision` (floating parameters and buffers)."""
+    """Make the model compute in bf16 under mixed precision (floating parameters and
+    buffers); in "fp32" the model keeps its own dtype (a float64 model stays float64)."""
+    if precision == "fp32":
+        return
     dtype = COMPUTE_DTYPES[precision]
     for t in [*params, *buffers]:
         if t.is_floating_point() and t.dtype != dtype:

@@ -32,7 +32,8 @@ class MasterWeights:
         self.separate = self.mixed or any(t.device != device for t in compute)
         # otherwise the optimizer steps the compute tensors themselves (a parameter as it
         # is, a flat shard wrapped as a Parameter sharing its storage)
-        self.masters = [nn.Parameter(v.detach().to(device, torch.float32, copy=True))
+        self.masters = [nn.Parameter(v.detach().to(device, torch.float32 if self.mixed
+                                                    else v.dtype, copy=True))
                         if self.separate else t if isinstance(t, nn.Parameter)
                         else nn.Parameter(t.detach())
                         for t, v in zip(compute, initial or compute)]
@@ -42,7 +43,7 @@ class MasterWeights:
         master)."""
         for master, grad in zip(self.masters, grads):
             master.grad = (None if grad is None else
-                           grad.to(master.device, torch.float32) if self.separate else grad)
+                           grad.to(master.device, master.dtype) if self.separate else grad)
 
     @torch.no_grad()
     def write_back(self) -> None:

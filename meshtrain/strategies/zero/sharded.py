@@ -61,7 +61,9 @@ class ZeRO:
         self.named = {n: p for n, p in named_params if p.requires_grad}
         self.params = list(self.named.values())
         names = {id(p): n for n, p in self.named.items()}
-        compute = COMPUTE_DTYPES[plan.precision]
+        # bf16 under mixed precision; else the model's own dtype (a float64 model stays so)
+        compute = (COMPUTE_DTYPES[plan.precision] if plan.precision != "fp32"
+                   else self.params[0].dtype)
         self.buckets = self._make_buckets(plan, compute, shared)
         self.layout = FlatLayout(self.buckets, names, self.n, rank)
         self.masters = self._make_storage(plan.precision, compute)
@@ -88,8 +90,9 @@ class ZeRO:
     def _make_storage(self, precision: str, compute: torch.dtype) -> MasterWeights:
         """Whole parameters in flat buffers (`data`, one per bucket); this rank's shard of
         each is what the optimizer steps."""
-        fp32 = flatten_into_buckets(self.buckets, torch.float32)
-        self.data = fp32 if compute == torch.float32 else flatten_into_buckets(self.buckets, compute)
+        master_dtype = torch.float32 if precision != "fp32" else compute
+        fp32 = flatten_into_buckets(self.buckets, master_dtype)
+        self.data = fp32 if compute == master_dtype else flatten_into_buckets(self.buckets, compute)
         return self._masters(self.layout.my_shards(self.data), precision,
                              self.layout.my_shards(fp32))
 
@@ -248,8 +251,8 @@ class ZeRO:
         if self.stage < 3:   # whole parameters live on every rank
             for name, p in self.named.items():
                 p.copy_(params[name])
-        fp32 = self.layout.join(params, torch.float32, self.comm.mesh.device)
-        self.masters.load(self.layout.my_shards(fp32))
+        exact = self.layout.join(params, self.masters.masters[0].dtype, self.comm.mesh.device)
+        self.masters.load(self.layout.my_shards(exact))
         self.zero_grad()
         if optimizer_state is not None:
             self._load_optimizer(*optimizer_state)
@@ -263,8 +266,8 @@ class ZeRO:
             if isinstance(first, torch.Tensor) and first.dim() > 0:
                 full = {n: state.get(n, {}).get(key, torch.zeros(self.layout.by_name[n].shape))
                         for n in self.named}
-                shards = self.layout.my_shards(self.layout.join(full, torch.float32,
-                                                                self.comm.mesh.device))
+                shards = self.layout.my_shards(self.layout.join(
+                    full, self.masters.masters[0].dtype, self.comm.mesh.device))
                 for i, shard in enumerate(shards):
                     out[i][key] = shard.clone()
             else:   # one value per bucket: its first parameter's (all equal when ZeRO saved)
@@ -316,8 +319,9 @@ class _ReduceScatter:
                  accumulate: bool, release: bool) -> None:
         self.bucket, self.target, self.accumulate, self.release = bucket, target, accumulate, release
         # the sums land in the target itself where nothing is to be added or rounded
-        direct = target.dtype == torch.float32 and not accumulate
-        self.summed = target if direct else torch.empty(target.shape, dtype=torch.float32,
+        wide = torch.promote_types(target.dtype, torch.float32)   # sums in fp32 at least
+        direct = target.dtype == wide and not accumulate
+        self.summed = target if direct else torch.empty(target.shape, dtype=wide,
                                                         device=target.device)
         self.work = comm.reduce_scatter(self.summed, bucket.buffer, axis, tag="grad",
                                         async_op=True)

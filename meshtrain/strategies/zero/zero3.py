@@ -149,8 +149,9 @@ class ZeRO3(ZeRO):
 
     def _make_storage(self, precision: str, compute: torch.dtype) -> MasterWeights:
         """Only this rank's shard of each unit; the optimizer steps it (its fp32 master)."""
+        master_dtype = torch.float32 if precision != "fp32" else compute
         fp32 = self.layout.my_shards(self.layout.join(
-            {n: p.detach() for n, p in self.named.items()}, torch.float32, self.comm.mesh.device))
+            {n: p.detach() for n, p in self.named.items()}, master_dtype, self.comm.mesh.device))
         # between uses, a unit's shard lives where offload keeps things (a file for "disk")
         self.shards = [self.offload.place(s.to(compute).clone()) for s in fp32]
         self.units = [Unit(self._unit_name(b), b, shard, self.comm, self.axis, self)

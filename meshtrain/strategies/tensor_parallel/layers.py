@@ -1,0 +1,197 @@
+"""Tensor-parallel layers (Megatron, Shoeybi et al. 2019 §3): a Linear split by columns or by
+rows, an embedding split by vocabulary rows.
+
+Each layer holds only this rank's slice of its weight, under the original attribute names
+(`weight`, `bias`), so a model keeps its parameter names when its layers are swapped for
+these. Weights come in either layout: nn.Linear's (out, in), or transformers' Conv1D's
+(in, out) (`conv1d=True`), and keep that layout, sliced.
+
+The MLP pair: B·σ(A·x) with A split by columns (A_1 … A_T) and B by rows (B_1 … B_T) is
+Σ_i B_i·σ(A_i·x) for an element-wise σ, so a column-parallel layer followed by a
+row-parallel one communicates once in forward (the sum, in the row layer's `exit`) and once
+in backward (the input gradient's sum, in the column layer's `enter`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.core.comm import Comm
+from meshtrain.strategies.tensor_parallel.communications import (copy_to_tp, gather_from_sequence,
+                                                                  reduce_from_tp,
+                                                                  reduce_scatter_to_sequence)
+
+
+class Enter:
+    """How a replicated input enters a tensor-parallel region: `copy_to_tp` (identity
+    forward, all-reduce backward), or, under sequence parallel, `gather_from_sequence` (the
+    input arrives split along `sequence_dim`: all-gather forward, reduce-scatter backward)."""
+
+    def __init__(self, comm: Comm, tag: str, sequence_dim: int | None = None) -> None:
+        self.comm, self.tag, self.sequence_dim = comm, tag, sequence_dim
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_dim is None:
+            return copy_to_tp(x, self.comm, self.tag)
+        return gather_from_sequence(x, self.comm, self.sequence_dim, self.tag)
+
+    def __repr__(self) -> str:
+        if self.sequence_dim is None:
+            return "copy_to_tp (all-reduce in backward)"
+        return f"gather_from_sequence(dim={self.sequence_dim}) (reduce-scatter in backward)"
+
+
+class Exit:
+    """How partial outputs leave a region: `reduce_from_tp` (all-reduce forward, identity
+    backward), or, under sequence parallel, `reduce_scatter_to_sequence` (reduce-scatter
+    along `sequence_dim` forward, all-gather backward)."""
+
+    def __init__(self, comm: Comm, tag: str, sequence_dim: int | None = None) -> None:
+        self.comm, self.tag, self.sequence_dim = comm, tag, sequence_dim
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_dim is None:
+            return reduce_from_tp(x, self.comm, self.tag)
+        return reduce_scatter_to_sequence(x, self.comm, self.sequence_dim, self.tag)
+
+    def __repr__(self) -> str:
+        if self.sequence_dim is None:
+            return "reduce_from_tp (all-reduce)"
+        return f"reduce_scatter_to_sequence(dim={self.sequence_dim}) (all-gather in backward)"
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            conv1d: bool) -> torch.Tensor:
+    """x·Wᵀ + b for nn.Linear's (out, in) layout, x·W + b for Conv1D's (in, out)."""
+    if not conv1d:
+        return F.linear(x, weight, bias)
+    shape = (*x.shape[:-1], weight.shape[1])                       # (..., out)
+    flat = x.reshape(-1, x.size(-1))                               # (tokens, in)
+    y = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
+    return y.view(shape)
+
+
+def _parameter(t: torch.Tensor) -> nn.Parameter:
+    """`t` itself if it is a Parameter (a tied slice stays one object), else one made of it."""
+    return t if isinstance(t, nn.Parameter) else nn.Parameter(t)
+
+
+class _Sharded(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, conv1d: bool,
+                 full_in: int, full_out: int, rank: int, size: int) -> None:
+        super().__init__()
+        self.weight = _parameter(weight)
+        self.bias = _parameter(bias) if bias is not None else None
+        self.conv1d = conv1d
+        self.full_in, self.full_out = full_in, full_out
+        self.tp_rank, self.tp_size = rank, size
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[0 if self.conv1d else 1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[1 if self.conv1d else 0]
+
+
+class ColumnParallelLinear(_Sharded):
+    """Y = X·A + b with A = [A_1, …, A_T] split by columns (output features) over the tp ranks.
+
+    Rank i computes Y_i = X·A_i + b_i, its slice of Y's features: nothing is communicated in
+    forward. X is replicated (each rank needs all of it), so dL/dX = Σ_i dL/dY_i·A_iᵀ is a sum
+    over ranks: `enter` all-reduces it in backward (under sequence parallel X arrives split
+    along the sequence, and `enter` all-gathers it, reduce-scattering the gradient). `enter`
+    is None where the region was entered before this layer (q, k and v share one entry).
+
+    `blocks` > 1: a fused projection whose outputs are `blocks` equal parts (q, k, v): each
+    part is split separately, so rank i holds [q_i, k_i, v_i]. `valid` < out_features: the
+    last columns are vocabulary padding; their outputs are -inf, so a softmax gives them 0.
+    """
+
+    def __init__(self, weight, bias, *, conv1d: bool, full_in: int, full_out: int, rank: int,
+                 size: int, enter: Enter | None, blocks: int = 1, valid: int | None = None):
+        super().__init__(weight, bias, conv1d, full_in, full_out, rank, size)
+        self.enter, self.blocks = enter, blocks
+        self.valid = valid if valid is not None and valid < self.out_features else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enter is not None:
+            x = self.enter(x)
+        y = _matmul(x, self.weight, self.bias, self.conv1d)
+        if self.valid is not None:   # vocabulary padding: never a probability
+            y = torch.cat([y[..., :self.valid],
+                           y.new_full((*y.shape[:-1], self.out_features - self.valid),
+                                      float("-inf"))], dim=-1)
+        return y
+
+    def extra_repr(self) -> str:
+        parts = f" in {self.blocks} fused blocks" if self.blocks > 1 else ""
+        pad = (f", {self.out_features - self.valid} padding" if self.valid is not None else "")
+        return (f"in_features={self.in_features}, out_features={self.out_features} of "
+                f"{self.full_out}{parts}{pad} (tp rank {self.tp_rank}/{self.tp_size}), "
+                f"bias={self.bias is not None}, enter={self.enter!r}")
+
+
+class RowParallelLinear(_Sharded):
+    """Y = X·A + b with A = [A_1; …; A_T] split by rows (input features) over the tp ranks.
+
+    Rank i holds X_i, the slice of the input's features that the column-parallel layer before
+    it produced, and computes the partial product X_i·A_i. Y = Σ_i X_i·A_i + b: `exit` sums over
+    the ranks (an all-reduce; under sequence parallel a reduce-scatter along the sequence),
+    then b is added once. Backward: dL/dX_i = dL/dY·A_iᵀ, no communication.
+    """
+
+    def __init__(self, weight, bias, *, conv1d: bool, full_in: int, full_out: int, rank: int,
+                 size: int, exit: Exit):
+        super().__init__(weight, bias, conv1d, full_in, full_out, rank, size)
+        self.exit = exit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.exit(_matmul(x, self.weight, None, self.conv1d))
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} of {self.full_in}, out_features="
+                f"{self.out_features} (tp rank {self.tp_rank}/{self.tp_size}), "
+                f"bias={self.bias is not None}, exit={self.exit!r}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """E[idx] with the table's rows (the vocabulary) split over the tp ranks: rank i holds
+    rows [start, stop) = [i·V'/T, (i+1)·V'/T) of the vocabulary padded to V' (a multiple of T).
+
+    Forward: look up the tokens in this rank's range, zero the others (a masked lookup), and
+    `exit` sums over the ranks (all-reduce): every token's row comes from exactly one rank.
+    Backward: the gradient reaches only this rank's rows. Padding rows are past the last
+    token id, so no lookup ever reaches them: the padding is exact.
+    """
+
+    def __init__(self, weight, *, vocab: int, start: int, rank: int, size: int, exit: Exit):
+        super().__init__()
+        self.weight = _parameter(weight)
+        self.vocab, self.start, self.stop = vocab, start, start + weight.shape[0]
+        self.tp_rank, self.tp_size = rank, size
+        self.exit = exit
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.vocab
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.weight.shape[1]
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        outside = (idx < self.start) | (idx >= self.stop)            # (B, T)
+        local = (idx - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight)                           # (B, T, d)
+        return self.exit(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def extra_repr(self) -> str:
+        pad = max(0, self.stop - self.vocab)
+        return (f"rows {self.start}..{self.stop - 1} of {self.vocab}"
+                + (f" (+{pad} padding)" if pad else "")
+                + f", embedding_dim={self.embedding_dim} (tp rank {self.tp_rank}/"
+                  f"{self.tp_size}), exit={self.exit!r}")

@@ -1,0 +1,132 @@
+"""Tensor parallel for any model: a tp_plan maps module-name patterns to styles.
+
+    Trainer(model, Plan(tp=2), ..., tp_plan={"transformer.h.*.mlp.c_fc": "column", ...})
+
+Patterns are fnmatch patterns over `model.named_modules()` names ("*" also crosses dots).
+Each matched module must be an nn.Linear, transformers' Conv1D or an nn.Embedding:
+    "column"  output features split; its input enters the region (all-reduce in backward);
+              its output stays split, for the "row" layer after it
+    "row"     input features split; the partial outputs are all-reduced, then the bias added
+    "qkv"     a fused [q; k; v] projection (GPT-2's c_attn): "column" within each of its
+              three equal parts, so each rank holds q, k and v of the same n_heads/T heads;
+              its parent's `num_heads` and `split_size` (where it has them) are divided by T
+    "vocab"   on an Embedding: rows (the vocabulary) split, masked lookup, all-reduce; on a
+              Linear/Conv1D: the output layer, columns (the vocabulary) split, the logits
+              kept split for the vocab-parallel loss. The vocabulary is padded to a multiple
+              of T with rows no token reaches and logits of -inf: exact.
+Sizes a style splits must divide by T (except the padded vocabulary). Every check runs in
+`resolve`, which needs no process group.
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from meshtrain.core.comm import Comm
+from meshtrain.core.plan import PlanError
+from meshtrain.strategies.tensor_parallel.layers import Enter, Exit
+from meshtrain.strategies.tensor_parallel.sharder import Sharder, is_conv1d, linear_sizes
+from meshtrain.strategies.tensor_parallel.sharding import TensorParallel
+
+STYLES = ("column", "row", "qkv", "vocab")
+HEAD_ATTRIBUTES = ("num_heads", "split_size")   # divided by T on a "qkv" module's parent
+
+
+def resolve(model: nn.Module, tp_plan: dict, tp: int) -> list[tuple[str, str]]:
+    """(module name, style) for every module the plan shards, in model order; refuses a
+    pattern that matches nothing, a module of another kind, sizes tp does not divide."""
+    if not isinstance(tp_plan, dict) or not tp_plan:
+        raise PlanError(f"tp_plan={tp_plan!r}: must be a non-empty dict of module-name pattern "
+                        f"-> style ({', '.join(STYLES)})")
+    modules = dict(model.named_modules())
+    chosen: dict[str, tuple[str, str]] = {}
+    for pattern, style in tp_plan.items():
+        if style not in STYLES:
+            raise PlanError(f"tp_plan[{pattern!r}] = {style!r}: choose one of "
+                            f"{', '.join(map(repr, STYLES))}")
+        matched = [n for n in modules if n and fnmatchcase(n, pattern)]
+        if not matched:
+            examples = ", ".join(n for n, m in modules.items() if _kind(m))[:300]
+            raise PlanError(f"tp_plan pattern {pattern!r} matches no module of "
+                            f"{type(model).__name__}; shardable modules are named like: "
+                            f"{examples}")
+        for name in matched:
+            earlier = chosen.get(name)
+            if earlier and earlier[0] != style:
+                raise PlanError(f"{name} is matched by tp_plan patterns {earlier[1]!r} "
+                                f"({earlier[0]!r}) and {pattern!r} ({style!r}); make them "
+                                "agree")
+            chosen[name] = (style, pattern)
+    for name, (style, pattern) in chosen.items():
+        _check(name, modules[name], style, pattern, tp, model)
+    return [(name, chosen[name][0]) for name in modules if name in chosen]
+
+
+def _kind(module: nn.Module) -> str | None:
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if isinstance(module, nn.Linear) or is_conv1d(module):
+        return "linear"
+    return None
+
+
+def _check(name: str, module: nn.Module, style: str, pattern: str, tp: int,
+           model: nn.Module) -> None:
+    kind = _kind(module)
+    if kind is None:
+        raise PlanError(f"tp_plan pattern {pattern!r} matches {name}, a "
+                        f"{type(module).__name__}: only nn.Linear, transformers' Conv1D and "
+                        f"nn.Embedding can be sharded; match those inside it instead")
+    if kind == "embedding":
+        if style != "vocab":
+            raise PlanError(f"{name} is an nn.Embedding, sharded only as 'vocab' (rows split), "
+                            f"not {style!r}")
+        if module.padding_idx is not None or module.max_norm is not None or module.sparse:
+            raise PlanError(f"{name}: a vocab-parallel embedding does plain lookups; "
+                            "padding_idx, max_norm and sparse are not supported")
+        return
+    full_in, full_out = linear_sizes(module)
+    if style == "column" and full_out % tp:
+        raise PlanError(f"tp={tp} does not divide {name}'s out_features={full_out} ('column' "
+                        f"splits them); choose tp dividing {full_out}")
+    if style == "row" and full_in % tp:
+        raise PlanError(f"tp={tp} does not divide {name}'s in_features={full_in} ('row' "
+                        f"splits them); choose tp dividing {full_in}")
+    if style == "qkv":
+        if full_out % (3 * tp):
+            raise PlanError(f"{name}'s out_features={full_out} are not 3 equal parts that "
+                            f"tp={tp} divides ('qkv' splits each of q, k, v)")
+        parent = model.get_submodule(name.rpartition(".")[0])
+        heads = getattr(parent, "num_heads", None)
+        if isinstance(heads, int) and heads % tp:
+            raise PlanError(f"tp={tp} does not divide the {heads} attention heads of "
+                            f"{name.rpartition('.')[0]} (num_heads): each rank computes whole "
+                            f"heads; choose tp dividing {heads}")
+
+
+def shard_with_plan(model: nn.Module, comm: Comm, tp_plan: dict) -> TensorParallel:
+    """Swap every module the plan names for its tensor-parallel layer, in place."""
+    tp = comm.mesh.size("tp")
+    sharder = Sharder(model, comm)
+    for name, style in resolve(model, tp_plan, tp):
+        module = model.get_submodule(name)
+        if style == "vocab" and isinstance(module, nn.Embedding):
+            sharder.vocab_embedding(name, Exit(comm, name))
+        elif style == "row":
+            sharder.row(name, Exit(comm, name))
+        else:
+            blocks = 3 if style == "qkv" else 1
+            sharder.column(name, Enter(comm, name), blocks=blocks, vocab=style == "vocab")
+            if style == "qkv":
+                _divide_heads(model.get_submodule(name.rpartition(".")[0]), tp)
+    return sharder.finish()
+
+
+def _divide_heads(attention: nn.Module, tp: int) -> None:
+    """The attention module now computes n_heads/T heads over (3h/T)-wide fused outputs."""
+    for attr in HEAD_ATTRIBUTES:
+        value = getattr(attention, attr, None)
+        if isinstance(value, int):
+            setattr(attention, attr, value // tp)
+
