@@ -12,6 +12,7 @@ COMMANDS = {
     "plan": "plan_cmd",
     "bench": "bench_cmd",
     "report": "report_cmd",
+    "generate": "generate_cmd",
 }
 
 

@@ -53,6 +53,9 @@ def add_parser(sub) -> None:
                    help="continue the run in RUN_DIR from its latest checkpoint "
                         "(--steps may raise its step count)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard event files into RUN_DIR/tensorboard "
+                        "(needs pip install -e \".[tb]\")")
     plan = p.add_argument_group("plan (default: DDP over all ranks)")
     plan.add_argument("--dp", type=int, help="data-parallel ranks (default: all ranks)")
     plan.add_argument("--pp", type=int, default=1)
@@ -92,6 +95,7 @@ def build_config(args):
     if args.resume:
         config = RunConfig.load(args.resume)
         config.resume, config.progress = True, not args.no_progress
+        config.tensorboard = config.tensorboard or args.tensorboard
         config.steps = args.steps or config.steps
         world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
         old = Plan.from_dict(config.plan)
@@ -121,7 +125,7 @@ def build_config(args):
                      batch_size=args.batch, lr=args.lr, warmup=args.warmup, seed=args.seed,
                      eval_every=args.eval_every, ckpt_every=args.ckpt_every,
                      max_grad_norm=args.max_grad_norm, offload_dir=args.offload_dir,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, tensorboard=args.tensorboard)
 
 
 def run(args) -> int:
@@ -144,6 +148,9 @@ def run(args) -> int:
                             "or drop --offload-dir")
         check_model_spec(config.model, config.model_overrides)   # here, not on N ranks
         check_model_plan(config, plan)
+        if config.tensorboard:
+            from meshtrain.train.tensorboard import require_tensorboard
+            require_tensorboard()
         if plan.dp and config.batch_size % plan.dp:
             raise PlanError(f"global batch {config.batch_size} does not split over dp="
                             f"{plan.dp} ranks; use --batch a multiple of {plan.dp}")

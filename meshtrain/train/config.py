@@ -38,6 +38,7 @@ class RunConfig:
     started_at: float | None = None  # when the command started (for the time to first step)
     resume: bool = False
     progress: bool = True
+    tensorboard: bool = False        # also write TensorBoard event files (<run_dir>/tensorboard)
 
     def save(self) -> None:
         path = Path(self.run_dir) / "config.json"

@@ -55,7 +55,8 @@ def train_rank(config: RunConfig) -> dict:
                            trainer.dp_rank, trainer.dp_size)
     val = eval_batches(corpus.val, max(1, config.batch_size // 2), seq_len, config.eval_batches)
     is_main = trainer.mesh.rank == 0
-    metrics = _Metrics(Path(config.run_dir) / "metrics.jsonl", enabled=is_main)
+    metrics = _Metrics(Path(config.run_dir) / "metrics.jsonl", enabled=is_main,
+                       tensorboard=config.tensorboard)
 
     start, first = 0, {}
     ckpt = latest_checkpoint(config.run_dir) if config.resume else None
@@ -105,6 +106,7 @@ def train_rank(config: RunConfig) -> dict:
     final_val = trainer.evaluate(val)
     metrics.write({"step": config.steps, "val_loss": final_val})
     memory = trainer.comm.gather_objects(trainer.memory_report().to_dict(), tag="report")
+    metrics.close(memory, config.steps)
     trainer.close()   # offload's files go with the run
     timed = step_times[min(3, len(step_times) // 2):]  # skip warm-up steps
     median = sorted(timed)[len(timed) // 2] if timed else float("nan")
@@ -140,8 +142,14 @@ def _checkpoint(trainer: Trainer, config: RunConfig, step: int, first: dict) -> 
 
 
 class _Metrics:
-    def __init__(self, path: Path, enabled: bool) -> None:
+    """metrics.jsonl (rank 0), and the same records as TensorBoard events if asked."""
+
+    def __init__(self, path: Path, enabled: bool, tensorboard: bool = False) -> None:
         self.path, self.enabled = path, enabled
+        self.tensorboard = None
+        if enabled and tensorboard:
+            from meshtrain.train.tensorboard import TensorBoardLog
+            self.tensorboard = TensorBoardLog(path.parent)
 
     def truncate_after(self, step: int) -> None:
         if self.enabled and self.path.exists():
@@ -153,6 +161,13 @@ class _Metrics:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+
+    def close(self, memory_per_rank: list[dict], step: int) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.write_memory(memory_per_rank, step)
+            self.tensorboard.close()
 
 
 def _progress(start: int, total: int, enabled: bool):

@@ -16,9 +16,9 @@ SMALL = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "32", "--b
 BIN = Path(sys.executable).parent
 
 
-def meshtrain(*args, timeout=120):
+def meshtrain(*args, timeout=120, cwd=None):
     return subprocess.run([str(BIN / "meshtrain"), *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, cwd=cwd)
 
 
 def metrics(run_dir) -> list[dict]:

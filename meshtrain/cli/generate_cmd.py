@@ -1,0 +1,50 @@
+"""`meshtrain generate RUN_DIR`: sample text from a byte-level run's latest checkpoint, in one
+process, whatever plan trained it.
+
+    meshtrain generate runs/2026-11-23_10-00-00 --prompt "def " --tokens 200
+"""
+from __future__ import annotations
+
+import argparse
+import codecs
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="sample text from a trained run's latest checkpoint",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by meshtrain train")
+    p.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
+    p.add_argument("--tokens", type=int, default=200, help="bytes to generate (default: 200)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="softmax temperature; 0 takes the most likely byte (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=40,
+                   help="sample among the k most likely bytes (default: 40; 0 for all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from meshtrain.train.errors import CheckpointError
+    from meshtrain.train.generate import check_sampling, generate, load_trained
+
+    top_k = args.top_k or None
+    try:
+        check_sampling(args.tokens, args.temperature, top_k)
+        model, seq_len, steps = load_trained(args.run_dir)
+    except (ValueError, FileNotFoundError, CheckpointError) as exc:
+        print(f"meshtrain generate: {exc}", file=sys.stderr)
+        return 2
+    print(f"# {args.run_dir}, step {steps}: {args.tokens} bytes after {args.prompt!r}",
+          file=sys.stderr)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")   # bytes may split a char
+    sys.stdout.write(args.prompt)
+
+    def show(byte: int) -> None:
+        sys.stdout.write(decoder.decode(bytes([byte])))
+        sys.stdout.flush()
+
+    generate(model, args.prompt, args.tokens, seq_len, args.temperature, top_k, args.seed,
+             on_token=show)
+    sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    return 0

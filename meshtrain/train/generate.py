@@ -1,0 +1,72 @@
+"""Text from a trained byte-level run: the latest checkpoint, one process, whatever plan
+trained it (checkpoints hold the consolidated one-process state).
+
+    model, seq_len, step = load_trained("runs/2026-11-23_10-00-00")
+    text = generate(model, "def ", tokens=200, seq_len=seq_len, temperature=0.8, top_k=40)
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshtrain.models.registry import BYTE_VOCAB, build_model, logits_of
+from meshtrain.train.config import RunConfig, latest_checkpoint
+from meshtrain.train.errors import CheckpointError
+
+
+def load_trained(run_dir) -> tuple[nn.Module, int, int]:
+    """The run's model with its latest checkpoint's weights, in eval mode: (model, context
+    length, steps trained)."""
+    from meshtrain.train import checkpoint
+    from meshtrain.train.state import StateLayout
+
+    config = RunConfig.load(run_dir)
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise CheckpointError(f"{run_dir} has no checkpoint yet (checkpoints/latest is "
+                              "missing): let the run reach a checkpoint, or train it to the end")
+    built = build_model(config.model, config.model_overrides, config.seq_len)
+    layout = StateLayout.of(built.module)
+    model_state, _, extra = checkpoint.load(path, layout)
+    built.module.load_state_dict(model_state)
+    return built.module.eval(), built.seq_len, int(extra.get("steps_done", 0))
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: str, tokens: int, seq_len: int,
+             temperature: float = 0.8, top_k: int | None = 40, seed: int = 0,
+             on_token=None) -> bytes:
+    """`tokens` bytes sampled after `prompt` (UTF-8), each from the model's next-byte
+    distribution over the last `seq_len` bytes: logits / temperature, then only the top_k
+    most likely (temperature 0 takes the most likely byte). `on_token(byte)` sees each byte
+    as it is drawn."""
+    check_sampling(tokens, temperature, top_k)
+    context = list(prompt.encode("utf-8")) or [ord("\n")]   # an empty prompt starts a line
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(tokens):
+        window = torch.tensor([context[-seq_len:]], dtype=torch.long)
+        logits = logits_of(model(window))[0, -1, :BYTE_VOCAB].float()
+        if temperature == 0:
+            byte = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < logits.numel():
+                cutoff = logits.topk(top_k).values[-1]
+                logits = logits.masked_fill(logits < cutoff, float("-inf"))
+            byte = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+        context.append(byte)
+        out.append(byte)
+        if on_token is not None:
+            on_token(byte)
+    return bytes(out)
+
+
+def check_sampling(tokens: int, temperature: float, top_k: int | None) -> None:
+    if tokens < 1:
+        raise ValueError(f"--tokens {tokens}: give how many bytes to generate (>= 1)")
+    if not temperature >= 0:
+        raise ValueError(f"--temperature {temperature}: must be >= 0 (0 takes the most likely "
+                         "byte, 1 samples the model's own distribution)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"--top-k {top_k}: must be >= 1 (or leave it out for no cut)")
