@@ -110,6 +110,8 @@ def candidates_for(spec: ModelSpec, setup: Setup, cluster: Cluster):
                     if zero and dp == 1 and zero < 3:
                         continue  # nothing to shard; ZeRO with dp = 1 only as a host for offload
                     offloads = ("none", "cpu") if zero else ("none",)
+                    if zero == 3 and dp == 1:
+                        offloads = ("cpu",)   # one rank: ZeRO-3 shards nothing, only offloads
                     group = []
                     for offload in offloads:
                         for rc in recomputes:

@@ -2,7 +2,8 @@
 
 The guide (the classic "efficient training on many GPUs" decision list, e.g. Hugging Face
 Transformers' performance docs) says: fits on one device -> DDP (or ZeRO); does not fit ->
-pipeline, ZeRO or tensor parallel; largest layer does not fit -> tensor parallel or ZeRO-3;
+pipeline, ZeRO or tensor parallel; largest layer does not fit -> tensor parallel, ZeRO-3 or
+offload;
 one device that cannot hold it -> ZeRO with offload; many nodes with fast links -> ZeRO or
 DP+PP+TP; many nodes with slow links -> DP+PP+TP with ZeRO-1. Here each question gets the
 number that decides it, the guide's family is matched against the top-ranked plan, and any
@@ -47,7 +48,10 @@ FAMILIES = {  # name -> (words, predicate over a candidate's Plan)
             lambda p: p.pp == 1 and p.tp == 1 and p.offload == "none"),
     "split": ("pipeline, ZeRO or tensor parallel",
               lambda p: p.pp > 1 or p.tp > 1 or p.zero >= 1),
-    "big-layer": ("tensor parallel or ZeRO-3", lambda p: p.tp > 1 or p.zero == 3),
+    # a layer too big for one device: split it (tp), shard it (ZeRO-3), or move its
+    # gradient and optimizer state off the device (offload)
+    "big-layer": ("tensor parallel, ZeRO-3 or ZeRO with offload",
+                  lambda p: p.tp > 1 or p.zero == 3 or p.offload != "none"),
     "offload": ("ZeRO with offload", lambda p: p.offload != "none"),
     "fast": ("ZeRO, or DP+PP+TP", lambda p: (p.pp == 1 and p.tp == 1 and p.zero >= 1)
              or (p.pp > 1 and p.tp > 1)),

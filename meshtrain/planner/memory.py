@@ -121,14 +121,17 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
     return sbh * (replicated / (tp if sp else 1) + (divided + scores) / tp)
 
 
-def inflight_microbatches(schedule: str, pp: int, m: int, v: int = 1) -> float:
-    """Micro-batches whose activations the first stage holds at its peak.
+def inflight_microbatches(schedule: str, pp: int, m: int, v: int = 1, stage: int = 0) -> float:
+    """Micro-batches whose activations pipeline stage `stage` holds at its peak.
 
     pp = 1: micro-batches run one after another (gradient accumulation): 1.
-    GPipe (Huang et al. 2019): all m forwards before any backward: m.
-    1F1B (PipeDream-Flush, Narayanan et al. 2021 §2.2.1): at most p: min(m, p).
-    Interleaved with v chunks per rank (Korthikanti 2022 §4.2.3): p (1 + (p-1)/(p v)) of a
-    stage's layers, i.e. the first stage also holds part of later chunks.
+    GPipe (Huang et al. 2019): all m forwards before any backward: m, on every stage.
+    1F1B (PipeDream-Flush, Narayanan et al. 2021 §2.2.1): stage s runs p - s forwards before
+    its first backward: min(m, p - s) (p on the first stage, 1 on the last).
+    Interleaved with v chunks per rank (Megatron 2021 §2.2.2 warm-up of 2(p - s - 1) +
+    (v - 1) p chunk-forwards, then one more before the first backward): in units of a whole
+    stage's layers, (2(p - s - 1) + (v - 1) p + 1) / v; on the first stage that is
+    p (1 + (p-1)/(p v)), Korthikanti 2022 §4.2.3.
     Naive model parallel: one micro-batch moves through at a time: 1.
     """
     if pp == 1 or schedule == "naive":
@@ -136,15 +139,16 @@ def inflight_microbatches(schedule: str, pp: int, m: int, v: int = 1) -> float:
     if schedule == "gpipe":
         return m
     if schedule == "interleaved":
-        return min(m, pp * (1 + (pp - 1) / (pp * v)))
-    return min(m, pp)
+        return min(m, (2 * (pp - stage - 1) + (v - 1) * pp + 1) / v)
+    return min(m, pp - stage)
 
 
-def stage_params(spec: ModelSpec, pp: int, tp: int) -> float:
-    """Parameters on the busiest rank: ceil(l/p) blocks, plus the embedding on the first stage
-    and the head on the last, split t ways except what tensor parallel keeps whole on every
-    rank (Megatron: vocab-parallel embedding and column/row-parallel matrices are split; the
-    norms, the row-parallel biases and a learned position embedding are replicated)."""
+def stage_params(spec: ModelSpec, pp: int, tp: int, stage: int | None = None) -> float:
+    """Parameters on pipeline stage `stage` (None: the busiest): ceil(l/p) blocks, plus the
+    embedding on the first stage and the head on the last, split t ways except what tensor
+    parallel keeps whole on every rank (Megatron: vocab-parallel embedding and column/row-
+    parallel matrices are split; the norms, the row-parallel biases and a learned position
+    embedding are replicated)."""
     layers_here = math.ceil(spec.layers / pp)
     per_stage = layers_here * spec.layer_params
     if spec.measured_params:   # keep the exact total when it was read from a module
@@ -157,10 +161,14 @@ def stage_params(spec: ModelSpec, pp: int, tp: int) -> float:
     if pp == 1:
         stages = [(first[0] + spec.head_params, first[1] + spec.norm_params)]
     else:
-        stages = [first, last]
-    if tp == 1:
-        return max(total for total, _ in stages)
-    return max((total - whole) / tp + whole for total, whole in stages)
+        stages = [first] + [(per_stage, whole_stage)] * (pp - 2) + [last]
+
+    def on_rank(total: float, whole: float) -> float:
+        return total if tp == 1 else (total - whole) / tp + whole
+
+    if stage is not None:
+        return on_rank(*stages[stage])
+    return max(on_rank(*st) for st in stages)
 
 
 def logits_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int) -> float:
@@ -191,27 +199,44 @@ def transient_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
 
 def memory(spec: ModelSpec, cand: Candidate, setup: Setup, bucket_bytes: float | None = None,
            runtime: tuple[float, float] = (0.0, 0.0)) -> Memory:
-    """Device memory on the busiest rank of `cand`, and what offload puts on the host.
+    """Device memory on the busiest rank of `cand` (the stage that needs most), and what
+    offload puts on the host.
 
     `runtime` = (fixed bytes, bytes per activation byte): the process's working memory that
     no tensor accounts for, calibrated on the machine (`meshtrain plan --calibrate`; see
     `calibrate.fit_runtime_memory`). On GPU presets it is 0: `Cluster.reserve` covers the
     CUDA context and the caching allocator's fragmentation instead."""
+    return max(stage_memories(spec, cand, setup, bucket_bytes, runtime), key=lambda m: m.total)
+
+
+def stage_memories(spec: ModelSpec, cand: Candidate, setup: Setup,
+                   bucket_bytes: float | None = None,
+                   runtime: tuple[float, float] = (0.0, 0.0)) -> list[Memory]:
+    """Device memory of a rank on each pipeline stage (one entry when pp = 1): the first
+    stage holds the embedding and the most micro-batches in flight, the last the head and
+    the output layer's activations and logits."""
+    return [_stage_memory(spec, cand, setup, stage, bucket_bytes, runtime)
+            for stage in range(cand.plan.pp)]
+
+
+def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
+                  bucket_bytes: float | None, runtime: tuple[float, float]) -> Memory:
     p = cand.plan
-    psi = stage_params(spec, p.pp, p.tp)
+    last = stage == p.pp - 1
+    psi = stage_params(spec, p.pp, p.tp, stage)
     states = model_states(psi, setup, p.zero, p.dp, p.offload)
     per_layer = layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
                                        cand.recompute, setup.act_bytes)
     layers_here = math.ceil(spec.layers / p.pp)
-    inflight = inflight_microbatches(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    inflight = inflight_microbatches(p.schedule, p.pp, p.microbatches, p.virtual_stages, stage)
     acts = per_layer * layers_here * inflight
     if cand.recompute == "full":  # backward re-runs one layer's forward: its full set is live
         acts += layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
                                        "none", setup.act_bytes)
-    # the last stage's output layer: the final norm's and the projection's inputs (2 s b h
-    # elements) and the fp32 logits; with pp == 1 they sit beside the first stage's layers
-    acts += 2 * setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden / (p.tp if cand.sp else 1)
-    acts += logits_bytes(spec, spec.seq, cand.micro_batch, p.tp)
+    if last:   # the output layer lives on the last stage: the final norm's and the
+        # projection's inputs (2 s b h elements) and the fp32 logits, for one micro-batch
+        acts += 2 * setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden / (p.tp if cand.sp else 1)
+        acts += logits_bytes(spec, spec.seq, cand.micro_batch, p.tp)
     # DDP and ZeRO-1 reduce gradients in place (they are views of the flat buckets, as in
     # PyTorch DDP with gradient_as_bucket_view and meshtrain's DDP); ZeRO-2 needs a bucket to
     # reduce-scatter from before keeping only its shard.
@@ -221,7 +246,9 @@ def memory(spec: ModelSpec, cand: Candidate, setup: Setup, bucket_bytes: float |
     if p.zero == 3:  # a gathered unit and the prefetched next one, and its full gradient
         unit = spec.largest_layer_params / p.tp
         buffers += unit * (2 * setup.param_bytes + setup.grad_bytes)
-    transient = transient_bytes(spec, cand, setup)
+    # the loss's backward works on logits-shaped tensors: on the last stage only
+    transient = transient_bytes(spec, cand, setup) if last else (
+        setup.grad_bytes * spec.largest_tensor_params / p.tp)
     fixed, per_act = runtime
     runtime_bytes = fixed + per_act * acts
     return Memory(states.params, states.grads, states.optim, acts, buffers, states.host,
