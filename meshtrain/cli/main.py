@@ -13,6 +13,7 @@ COMMANDS = {
     "bench": "bench_cmd",
     "report": "report_cmd",
     "generate": "generate_cmd",
+    "export": "export_cmd",
 }
 
 

@@ -1,7 +1,8 @@
 """Checkpoints: torch.distributed.checkpoint, written atomically, readable by any plan.
 
 Layout of a checkpoint folder:
-    meshtrain.json     plan, step and extras, and every parameter's name and shape
+    meshtrain.json     plan, step and extras, every parameter's name and shape, and the
+                       manifest: every other file's size and SHA-256, verified on load
     *.distcp, .metadata   torch.distributed.checkpoint's own files (model + optimizer)
 
 What is saved is the consolidated, one-process state (train/state.py): the model's own
@@ -24,6 +25,7 @@ refused with `UnsafeCheckpoint` before anything from it runs.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -73,9 +75,10 @@ def save(path, model_state: dict[str, torch.Tensor], optimizer_state: dict | Non
         dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed())
     _barrier()
     if _rank() == 0:
-        meta = {"format": 2, "plan": plan.to_dict(), "extra": extra,
+        meta = {"format": 3, "plan": plan.to_dict(), "extra": extra,
                 "has_optimizer_state": optimizer_state is not None,
-                "shapes": {k: list(v.shape) for k, v in model_state.items()}}
+                "shapes": {k: list(v.shape) for k, v in model_state.items()},
+                "files": manifest(partial)}
         tmp = partial / (META + ".tmp")
         tmp.write_text(json.dumps(meta, indent=1))
         os.replace(tmp, partial / META)
@@ -107,11 +110,55 @@ def read_meta(path) -> dict:
     return meta
 
 
+def manifest(folder: Path) -> dict[str, dict]:
+    """Every file of a checkpoint (but meshtrain.json) with its size and SHA-256."""
+    return {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+            for f in sorted(Path(folder).iterdir()) if f.is_file() and f.name != META
+            and not f.name.endswith(".tmp")}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_manifest(path, meta: dict) -> None:
+    """Refuse a checkpoint whose files differ from its manifest: missing, truncated,
+    changed or added after the save. (Checkpoints of format 2 carry no manifest.)"""
+    listed = meta.get("files")
+    if listed is None:
+        return
+    if not isinstance(listed, dict):
+        raise CheckpointError(f"{Path(path) / META} is corrupted (its manifest is not a "
+                              "mapping); use an earlier checkpoint")
+    present = manifest(path) if Path(path).is_dir() else {}
+    for name, want in listed.items():
+        got = present.get(name)
+        if got is None:
+            problem = "is missing"
+        elif got["bytes"] != want.get("bytes"):
+            problem = f"has {got['bytes']} bytes, the manifest says {want.get('bytes')} (truncated?)"
+        elif got["sha256"] != want.get("sha256"):
+            problem = "does not match its checksum (corrupted)"
+        else:
+            continue
+        raise CheckpointError(f"checkpoint {path}: {name} {problem}; use an earlier checkpoint")
+    extra = sorted(set(present) - set(listed))
+    if extra:
+        raise CheckpointError(f"checkpoint {path} holds files its manifest does not list "
+                              f"({', '.join(extra[:3])}): it was changed after it was saved; "
+                              "use an earlier checkpoint")
+
+
 def inspect(path) -> dict:
-    """Check, in this process alone and cheaply, what can be checked before any rank loads:
-    meshtrain.json, and everything DCP would unpickle, read the restricted way. Returns
-    meshtrain.json."""
+    """Check, in this process alone, what can be checked before any rank loads:
+    meshtrain.json, every file against the manifest's size and checksum, and everything DCP
+    would unpickle, read the restricted way. Returns meshtrain.json."""
     meta = read_meta(path)
+    verify_manifest(path, meta)
     check_checkpoint_files(path)
     return meta
 

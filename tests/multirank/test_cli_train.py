@@ -132,8 +132,11 @@ def test_a_copied_run_resumes_where_it_is(one_process, three_steps, tmp_path):
 def test_a_crafted_checkpoint_is_refused_in_one_line(three_steps, tmp_path):
     run, marker = tmp_path / "run", tmp_path / "marker"
     shutil.copytree(three_steps, run)
+    from tests.unit.test_checkpoint_safety import resign
+
     for metadata in run.glob("checkpoints/step_*/.metadata"):
         metadata.write_bytes(pickle.dumps(_System(f"touch {marker}")))
+        resign(metadata.parent)   # the manifest rewritten too: the unpickler must refuse it
     before = tree(run)
     out = meshtrain("train", "--resume", str(run), "--steps", "6", "--no-progress")
     assert out.returncode != 0

@@ -91,3 +91,35 @@ def test_a_folder_that_is_not_a_run_or_has_no_checkpoint_is_refused(tmp_path, ca
     RunConfig(run_dir=str(tmp_path)).save()
     assert main(["generate", str(tmp_path)]) == 2
     assert "has no checkpoint yet" in capsys.readouterr().err
+
+
+# ---- meshtrain export -----------------------------------------------------------------------
+def test_export_writes_the_checkpoints_weights_as_safetensors(run_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from meshtrain.models.registry import build_model
+    from meshtrain.train import checkpoint
+    from meshtrain.train.config import latest_checkpoint
+    from meshtrain.train.state import StateLayout
+
+    out = tmp_path / "model.safetensors"
+    assert main(["export", str(run_dir), str(out)]) == 0
+    config = RunConfig.load(run_dir)
+    model = build_model(config.model, config.model_overrides, config.seq_len).module
+    saved, _, _ = checkpoint.load(latest_checkpoint(run_dir), StateLayout.of(model))
+    model.load_state_dict(load_file(str(out)))    # every key, strict
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+
+
+def test_export_refuses_bad_targets(run_dir, tmp_path, capsys):
+    (tmp_path / "there.safetensors").write_bytes(b"keep me")
+    cases = [(tmp_path / "there.safetensors", "exists; pass --force"),
+             (tmp_path / "model.pt", "ending in .safetensors"),
+             (tmp_path / "no" / "m.safetensors", "is not a folder")]
+    for out, message in cases:
+        assert main(["export", str(run_dir), str(out)]) == 2
+        assert message in capsys.readouterr().err
+    assert (tmp_path / "there.safetensors").read_bytes() == b"keep me"
+    assert main(["export", str(tmp_path), str(tmp_path / "m.safetensors")]) == 2
+    assert "is not a meshtrain run folder" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Loading a checkpoint never runs code from it: crafted pickles in DCP's `.metadata` or in
 a non-tensor value of the state dict are refused by name, and their side effect never
 happens; genuine checkpoints still load to the same numbers."""
+import json
 import os
 import pickle
 import shutil
@@ -12,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 import meshtrain as mt
 from meshtrain.data.sampler import BatchSampler
+from meshtrain.train import checkpoint
 from meshtrain.train.checkpoint import CheckpointError, UnsafeCheckpoint
 from tests.multirank import ddp_cases
 
@@ -72,12 +74,24 @@ def test_a_genuine_checkpoint_loads_to_the_same_numbers(genuine):
         assert torch.equal(restored.full_state_dict()[name], value), name
 
 
+def resign(path) -> None:
+    """What an attacker who edits files also does: rewrite meshtrain.json's manifest (plain
+    JSON) to match them, so that only the restricted unpicklers stand in the way."""
+    meta_file = path / checkpoint.META
+    meta = json.loads(meta_file.read_text())
+    meta["files"] = checkpoint.manifest(path)
+    meta_file.write_text(json.dumps(meta))
+
+
 @pytest.mark.parametrize("kind", list(payloads("x")))
 def test_a_crafted_metadata_file_is_refused_and_never_runs(genuine, tmp_path, kind):
     marker = tmp_path / "marker"
     crafted = tmp_path / "ck"
     shutil.copytree(genuine[0], crafted)
     (crafted / ".metadata").write_bytes(payloads(marker)[kind])
+    with pytest.raises(CheckpointError, match="does not match its checksum|the manifest says"):
+        make_trainer(1).load(crafted)      # the manifest notices first
+    resign(crafted)
     with pytest.raises(UnsafeCheckpoint) as info:
         make_trainer(1).load(crafted)
     assert not marker.exists()
@@ -101,6 +115,7 @@ def save_with_value(path, value) -> None:
     for f in list(path.glob("*.distcp")) + [path / ".metadata"]:
         f.unlink()
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), no_dist=True)
+    resign(path)
 
 
 @pytest.mark.parametrize("kind", ["os.system", "builtins.eval", "subprocess.Popen"])
@@ -133,5 +148,46 @@ def test_metadata_that_is_not_a_pickle_is_refused_clearly(genuine, tmp_path):
     crafted = tmp_path / "ck"
     shutil.copytree(genuine[0], crafted)
     (crafted / ".metadata").write_bytes(b"not a pickle at all")
+    resign(crafted)
     with pytest.raises(CheckpointError, match="is not a checkpoint's metadata"):
         make_trainer(1).load(crafted)
+
+
+# ---- the manifest: every file's size and checksum, verified on load ------------------------
+def damage(kind: str, path):
+    shard = sorted(path.glob("*.distcp"))[0]
+    if kind == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-100])
+        return f"{shard.name} has "
+    if kind == "flipped byte":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+        return f"{shard.name} does not match its checksum (corrupted)"
+    if kind == "missing":
+        shard.unlink()
+        return f"{shard.name} is missing"
+    (path / "extra.distcp").write_bytes(b"x")
+    return "holds files its manifest does not list (extra.distcp)"
+
+
+@pytest.mark.parametrize("kind", ["truncated", "flipped byte", "missing", "added"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(genuine, tmp_path, kind):
+    damaged = tmp_path / "ck"
+    shutil.copytree(genuine[0], damaged)
+    expected = damage(kind, damaged)
+    with pytest.raises(CheckpointError) as info:
+        make_trainer(1).load(damaged)
+    assert expected in str(info.value) and "use an earlier checkpoint" in str(info.value)
+
+
+def test_the_manifest_lists_every_file_with_its_checksum(genuine):
+    import hashlib
+
+    path = genuine[0]
+    files = json.loads((path / checkpoint.META).read_text())["files"]
+    on_disk = sorted(f.name for f in path.iterdir() if f.name != checkpoint.META)
+    assert sorted(files) == on_disk and ".metadata" in files
+    for name, entry in files.items():
+        data = (path / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}

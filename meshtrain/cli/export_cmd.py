@@ -1,0 +1,58 @@
+"""`meshtrain export RUN_DIR OUT.safetensors`: the run's latest checkpoint as one safetensors
+file of consolidated weights (the model's own state-dict keys, whatever plan trained it),
+loadable with `safetensors.torch.load_file` into the model.
+
+    meshtrain export runs/2026-11-23_10-00-00 gpt.safetensors
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a run's latest weights as one safetensors file",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by meshtrain train")
+    p.add_argument("out", metavar="OUT", help="the .safetensors file to write")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(run=run)
+
+
+def export(run_dir, out, force: bool = False) -> tuple[Path, int, int]:
+    """Write the latest checkpoint's model state to `out` (atomically); returns (path,
+    tensors, steps trained)."""
+    out = Path(out)
+    if out.suffix != ".safetensors":
+        raise ValueError(f"{out}: give a file name ending in .safetensors")
+    if out.exists() and not force:
+        raise ValueError(f"{out} exists; pass --force to replace it, or choose another name")
+    if not out.parent.is_dir():
+        raise ValueError(f"{out.parent} is not a folder; create it first")
+    if not os.access(out.parent, os.W_OK):
+        raise ValueError(f"{out.parent} is not writable; choose another folder")
+    from safetensors.torch import save_file
+
+    from meshtrain.train.generate import load_trained
+
+    model, _, steps = load_trained(run_dir)
+    # tied weights are one tensor under several keys: safetensors wants each key its own
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    tmp = out.with_name(out.name + ".tmp")
+    save_file(state, str(tmp), metadata={"meshtrain_run": str(run_dir), "step": str(steps)})
+    os.replace(tmp, out)
+    return out, len(state), steps
+
+
+def run(args) -> int:
+    from meshtrain.train.errors import CheckpointError
+
+    try:
+        out, count, steps = export(args.run_dir, args.out, args.force)
+    except (ValueError, FileNotFoundError, CheckpointError, OSError) as exc:
+        print(f"meshtrain export: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {count} tensors of {args.run_dir} at step {steps} to {out}")
+    return 0
