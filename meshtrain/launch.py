@@ -47,9 +47,13 @@ class LaunchError(RuntimeError):
     `raised` maps each rank whose function raised to {"type", "message", "traceback"},
     earliest first, so that a caller can answer a known error in one line."""
 
-    def __init__(self, text: str, raised: dict[int, dict] | None = None) -> None:
+    def __init__(self, text: str, raised: dict[int, dict] | None = None,
+                 culprits: list[str] | None = None) -> None:
         super().__init__(text)
         self.raised = raised or {}
+        self.culprits = culprits or []
+        """One line per failed rank, the likely cause first: a rank that died (a signal, an
+        exit without raising) before one that raised, whose error is often only the echo."""
 
     def first_raised(self) -> dict | None:
         return next(iter(self.raised.values()), None)
@@ -70,8 +74,32 @@ def init_distributed(timeout_s: float = 600.0):
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     torch.set_num_threads(threads_per_rank(local_world))
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store = _store_of_this_attempt(timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout, store=store,
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
     return backend
+
+
+def _store_of_this_attempt(timeout):
+    """After an elastic restart, the agent's store under a prefix of this attempt (None on
+    the first attempt: env:// as usual).
+
+    torch elastic hands every attempt the same store, unprefixed (it is the rendezvous's
+    own); a restarted group would find the dead attempt's keys there, gloo's peer
+    addresses among them, and could wait forever on a dead port."""
+    import torch.distributed as dist
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not attempt or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"meshtrain/attempt{attempt}", store)
 
 
 def shutdown_distributed() -> None:
@@ -92,6 +120,9 @@ def _worker(ref, payload: bytes, result_dir: str):
         fn = resolve_function(ref)
         args, kwargs = pickle.loads(payload)
         rank = int(os.environ["RANK"])
+        for stale in (f"rank{rank}.err", f"rank{rank}.stopped"):   # a failed attempt's
+            (Path(result_dir) / stale).unlink(missing_ok=True)
+        _note_when_stopped(Path(result_dir) / f"rank{rank}.stopped")
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:  # see [Note: the first failure is often an echo]
@@ -107,14 +138,35 @@ def _worker(ref, payload: bytes, result_dir: str):
     run()
 
 
+def _note_when_stopped(marker: Path) -> None:
+    """The agent stops the survivors of a failure with SIGTERM: leave a mark first, so that
+    a rank with neither a result, an error nor this mark is known to have died on its own
+    (kill -9, the OOM killer, a crash)."""
+    import signal
+
+    def stopped(signum, frame):
+        marker.touch()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, stopped)
+
+
 def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
-           start_method: str = "forkserver", timeout_s: float = 900.0) -> list:
-    """Run `fn(*args, **kwargs)` on `nproc` local ranks; return the results in rank order."""
+           start_method: str = "forkserver", timeout_s: float = 900.0,
+           max_restarts: int = 0) -> list:
+    """Run `fn(*args, **kwargs)` on `nproc` local ranks; return the results in rank order.
+
+    With `max_restarts` K, a failure of any rank (an exception, kill -9, the OOM killer)
+    makes the elastic agent stop the group and start it again, up to K times; each new
+    attempt sees TORCHELASTIC_RESTART_COUNT (train_rank resumes from its last checkpoint)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc={nproc!r}: launch needs a whole number of ranks >= 1")
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts={max_restarts!r}: give a whole number >= 0")
     ref = function_ref(fn)
     payload = pickle.dumps((tuple(args), dict(kwargs or {})))
     _quiet_elastic_logs()
@@ -123,8 +175,8 @@ def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"meshtrain-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
-        rdzv_configs={"timeout": int(timeout_s)}, max_restarts=0, start_method=start_method,
-        monitor_interval=0.05)
+        rdzv_configs={"timeout": int(timeout_s)}, max_restarts=max_restarts,
+        start_method=start_method, monitor_interval=0.05)
     with tempfile.TemporaryDirectory(prefix="meshtrain-launch-") as result_dir:
         failure = None
         try:
@@ -133,13 +185,16 @@ def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
             failure = err
         results = _read_results(Path(result_dir), nproc)
         raised = _read_raised(Path(result_dir))
+        died = [rank for rank in range(nproc) if results[rank] is _MISSING
+                and rank not in raised and not (Path(result_dir) / f"rank{rank}.stopped").exists()]
     if failure is None or all(r is not _MISSING for r in results):
         if failure is not None:
             warnings.warn(f"a rank ended abnormally after returning its result (the known "
                           f"gloo teardown abort); results kept:\n{_failure_text(failure)}",
                           RuntimeWarning, stacklevel=2)
         return results
-    raise LaunchError(_failure_text(failure, raised), raised) from None
+    raise LaunchError(_failure_text(failure, raised), raised,
+                      _culprits(failure, raised, died)) from None
 
 
 _MISSING = object()
@@ -175,6 +230,20 @@ def _failure_text(err, raised: dict[int, dict] | None = None) -> str:
         why = f"signal {signal_name}" if signal_name else f"exit code {failure.exitcode}"
         lines.append(f"rank {rank} failed ({why}):\n{message}")
     return "\n".join(lines)
+
+
+def _culprits(err, raised: dict[int, dict], died: list[int]) -> list[str]:
+    lines = []
+    for rank in died:
+        failure = err.failures.get(rank)
+        how = (f"signal {failure.signal_name()}" if failure and failure.signal_name() else
+               f"exit code {failure.exitcode}" if failure else
+               "killed or crashed: a signal such as kill -9 or the out-of-memory killer")
+        lines.append(f"rank {rank} died without an error of its own ({how})")
+    echo = " (likely an echo of the rank that died)" if lines else ""
+    first_line = lambda text: (text.strip().splitlines() or [""])[0][:100]
+    return lines + [f"rank {rank} raised {info['type']}: {first_line(info['message'])}{echo}"
+                   for rank, info in raised.items()]
 
 
 def _quiet_elastic_logs() -> None:

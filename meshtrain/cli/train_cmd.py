@@ -52,6 +52,10 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its latest checkpoint "
                         "(--steps may raise its step count)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="when a rank dies, restart the group up to K times; each restart "
+                        "resumes from the latest complete checkpoint (under torchrun, use "
+                        "torchrun's own --max-restarts)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files into RUN_DIR/tensorboard "
@@ -143,6 +147,11 @@ def run(args) -> int:
         plan = Plan.from_dict(config.plan)
         refuse_unbuilt(plan)
         check_max_grad_norm(config.max_grad_norm)
+        if args.max_restarts < 0:
+            raise ValueError(f"--max-restarts {args.max_restarts}: give 0 (no restart) or more")
+        if args.max_restarts and _under_torchrun():
+            raise ValueError("under torchrun, pass --max-restarts to torchrun itself (the "
+                             "ranks resume from the latest checkpoint on their own)")
         if config.offload_dir and plan.offload != "disk":
             raise PlanError("--offload-dir is where --offload disk writes; add --offload disk "
                             "or drop --offload-dir")
@@ -183,13 +192,19 @@ def run(args) -> int:
           f"{config.run_dir}", file=sys.stderr)
     try:
         # by name: this process need not import the training stack the ranks run
-        summary = launch(TRAIN_RANK, nproc=plan.world_size, args=(config,))[0]
+        summary = launch(TRAIN_RANK, nproc=plan.world_size, args=(config,),
+                         max_restarts=args.max_restarts)[0]
     except LaunchError as exc:
         first = exc.first_raised()
         if first and first["type"] in ("CheckpointError", "UnsafeCheckpoint"):
             return _refused(first["message"], config.run_dir)
-        print(f"meshtrain train: a rank failed; the run folder {config.run_dir} keeps the last "
-              f"checkpoint (continue with --resume {config.run_dir}).\n{exc}", file=sys.stderr)
+        log = Path(config.run_dir) / "failure.log"
+        log.write_text(str(exc) + "\n")
+        print(f"meshtrain train: the run failed: {'; '.join(exc.culprits) or 'a rank failed'}.\n"
+              f"  Each rank's error in full: {log}. The run folder keeps its last checkpoint: "
+              f"continue with --resume {config.run_dir} (or add --max-restarts K to restart "
+              "on a failure).",
+              file=sys.stderr)
         return 1
     print_summary(summary)
     print_report(config.run_dir)
@@ -236,7 +251,8 @@ def print_summary(s: dict) -> None:
     lines = [
         "",
         f"plan          {s['plan']}, {s['steps']} steps"
-        + (f" (resumed at step {s['resumed_from']})" if s["resumed_from"] else ""),
+        + (f" (resumed at step {s['resumed_from']})" if s["resumed_from"] else "")
+        + (f"; restarted {s['restarts']}x after a rank failed" if s.get("restarts") else ""),
         f"train loss    {s['train_loss_start']:.4f} -> {s['train_loss_end']:.4f}",
         f"val loss      {s['val_loss_start']:.4f} -> {s['val_loss_end']:.4f} ({ratio:.2f}x)",
         f"throughput    {s['tokens_per_s']:,.0f} tokens/s (median step {s['median_step_s'] * 1e3:.1f} ms; "

@@ -40,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 from meshtrain.train.checkpoint_reader import (CheckpointError, SafeFileSystemReader,
                                                SafeLoadPlanner, UnsafeCheckpoint,
                                                check_checkpoint_files)
+from meshtrain.train import faults
 from meshtrain.train.state import StateLayout
 
 META = "meshtrain.json"
@@ -73,6 +74,7 @@ def save(path, model_state: dict[str, torch.Tensor], optimizer_state: dict | Non
         state["optim"] = optimizer_state
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed())
+    faults.maybe_kill(_rank(), int(extra.get("steps_done", -1)), "checkpoint")
     _barrier()
     if _rank() == 0:
         meta = {"format": 3, "plan": plan.to_dict(), "extra": extra,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -30,6 +31,7 @@ from meshtrain.train.config import RunConfig, latest_checkpoint, learning_rate, 
 from meshtrain.data.corpus import check_fits, load_corpus
 from meshtrain.data.sampler import BatchSampler, eval_batches
 from meshtrain.models.registry import build_model, token_cross_entropy
+from meshtrain.train import faults
 from meshtrain.train.trainer import Trainer
 
 
@@ -59,11 +61,13 @@ def train_rank(config: RunConfig) -> dict:
                        tensorboard=config.tensorboard)
 
     start, first = 0, {}
-    ckpt = latest_checkpoint(config.run_dir) if config.resume else None
+    restarted = faults.attempt() > 0   # the elastic agent restarted the group after a failure
+    ckpt = latest_checkpoint(config.run_dir) if config.resume or restarted else None
     if ckpt is not None:
         extra = trainer.load(ckpt)
         start, first = trainer.steps_done, extra.get("first", {})
-        metrics.truncate_after(start)  # steps past the checkpoint are redone
+    if ckpt is not None or restarted:   # steps past the checkpoint are redone
+        metrics.truncate_after(start if ckpt is not None else -1)
     if is_main:   # only now: a refused checkpoint leaves the run folder as it was
         config.save()
     if not first:
@@ -75,6 +79,7 @@ def train_rank(config: RunConfig) -> dict:
     loss, t_start, first_step_s = float("nan"), time.perf_counter(), float("nan")
     step_times, step_bytes = [], []
     for step in range(start, config.steps):
+        faults.maybe_kill(trainer.mesh.rank, step, "step")
         lr = learning_rate(config, step)
         for group in trainer.optimizer.param_groups:
             group["lr"] = lr
@@ -112,7 +117,7 @@ def train_rank(config: RunConfig) -> dict:
     median = sorted(timed)[len(timed) // 2] if timed else float("nan")
     summary = {
         "run_dir": str(Path(config.run_dir).resolve()), "plan": plan.describe(),
-        "steps": config.steps, "resumed_from": start,
+        "steps": config.steps, "resumed_from": start, "restarts": faults.attempt(),
         "train_loss_start": first.get("train_loss"), "train_loss_end": loss,
         "val_loss_start": first["val_loss"], "val_loss_end": final_val,
         "median_step_s": median, "tokens_per_s": tokens_per_step / median,
@@ -137,8 +142,10 @@ def _checkpoint(trainer: Trainer, config: RunConfig, step: int, first: dict) -> 
     trainer.save(Path(config.run_dir) / "checkpoints" / name, extra={"first": first})
     if trainer.mesh.rank == 0:
         write_latest(config.run_dir, name)
-        for old in sorted((Path(config.run_dir) / "checkpoints").glob("step_*"))[:-2]:
-            shutil.rmtree(old, ignore_errors=True)  # keep the last two
+        folders = sorted((Path(config.run_dir) / "checkpoints").glob("step_*"))
+        complete = [f for f in folders if re.fullmatch(r"step_\d{8}", f.name)]
+        for old in complete[:-2] + [f for f in folders if f not in complete]:
+            shutil.rmtree(old, ignore_errors=True)  # keep the last two; drop what a kill left
 
 
 class _Metrics:
@@ -154,7 +161,7 @@ class _Metrics:
     def truncate_after(self, step: int) -> None:
         if self.enabled and self.path.exists():
             keep = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= step]
+                    if _record_step(line) <= step]
             self.path.write_text("".join(line + "\n" for line in keep))
 
     def write(self, record: dict) -> None:
@@ -168,6 +175,14 @@ class _Metrics:
         if self.tensorboard is not None:
             self.tensorboard.write_memory(memory_per_rank, step)
             self.tensorboard.close()
+
+
+def _record_step(line: str) -> float:
+    """The step of one metrics line; infinity for a line a killed rank left half-written."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
 
 
 def _progress(start: int, total: int, enabled: bool):
