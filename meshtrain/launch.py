@@ -110,13 +110,13 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _worker(ref, payload: bytes, result_dir: str):
+def _worker(ref, payload: bytes, result_dir: str, collective_timeout_s: float = 600.0):
     """Entry point of one elastic worker: init, run, save the result, then tear down."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     @record  # writes this rank's traceback where the agent reads it
     def run():
-        init_distributed()
+        init_distributed(collective_timeout_s)
         fn = resolve_function(ref)
         args, kwargs = pickle.loads(payload)
         rank = int(os.environ["RANK"])
@@ -154,12 +154,14 @@ def _note_when_stopped(marker: Path) -> None:
 
 def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
            start_method: str = "forkserver", timeout_s: float = 900.0,
-           max_restarts: int = 0) -> list:
+           max_restarts: int = 0, collective_timeout_s: float = 600.0) -> list:
     """Run `fn(*args, **kwargs)` on `nproc` local ranks; return the results in rank order.
 
     With `max_restarts` K, a failure of any rank (an exception, kill -9, the OOM killer)
     makes the elastic agent stop the group and start it again, up to K times; each new
-    attempt sees TORCHELASTIC_RESTART_COUNT (train_rank resumes from its last checkpoint)."""
+    attempt sees TORCHELASTIC_RESTART_COUNT (train_rank resumes from its last checkpoint).
+    A collective that waits longer than `collective_timeout_s` fails (the watchdog then
+    names the rank behind or gone)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -180,7 +182,7 @@ def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
     with tempfile.TemporaryDirectory(prefix="meshtrain-launch-") as result_dir:
         failure = None
         try:
-            elastic_launch(config, _worker)(ref, payload, result_dir)
+            elastic_launch(config, _worker)(ref, payload, result_dir, collective_timeout_s)
         except ChildFailedError as err:
             failure = err
         results = _read_results(Path(result_dir), nproc)
@@ -242,8 +244,10 @@ def _culprits(err, raised: dict[int, dict], died: list[int]) -> list[str]:
         lines.append(f"rank {rank} died without an error of its own ({how})")
     echo = " (likely an echo of the rank that died)" if lines else ""
     first_line = lambda text: (text.strip().splitlines() or [""])[0][:100]
-    return lines + [f"rank {rank} raised {info['type']}: {first_line(info['message'])}{echo}"
-                   for rank, info in raised.items()]
+    ours = ("CollectiveFailure", "CollectiveMismatch")   # already one line, naming the culprit
+    return lines + [f"rank {rank} raised {info['type']}: " + (
+        info["message"] if info["type"] in ours else first_line(info["message"]) + echo)
+        for rank, info in raised.items()]
 
 
 def _quiet_elastic_logs() -> None:

@@ -37,7 +37,8 @@ class RankError(RuntimeError):
     """A rank failed, crashed or hung; the message names the rank and says how."""
 
 
-def _rank_main(ref, payload, rank, world, port, results, sys_path, timeout_s) -> None:
+def _rank_main(ref, payload, rank, world, port, results, sys_path, timeout_s,
+               collective_timeout_s) -> None:
     import torch
     import torch.distributed as dist
 
@@ -49,7 +50,7 @@ def _rank_main(ref, payload, rank, world, port, results, sys_path, timeout_s) ->
         store = dist.TCPStore("127.0.0.1", port, is_master=False,
                               timeout=timedelta(seconds=timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=collective_timeout_s or timeout_s))
         result = fn(*args, **kwargs)
         results.put((rank, True, pickle.dumps(result)))
     except BaseException:
@@ -60,8 +61,10 @@ def _rank_main(ref, payload, rank, world, port, results, sys_path, timeout_s) ->
     dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 60.0, **kwargs) -> list:
-    """Run `fn(*args, **kwargs)` on `world` gloo ranks; return their results in rank order."""
+def run_ranks(world: int, fn, *args, timeout: float = 60.0,
+              collective_timeout: float | None = None, **kwargs) -> list:
+    """Run `fn(*args, **kwargs)` on `world` gloo ranks; return their results in rank order.
+    The process group's own timeout is `collective_timeout` (default: `timeout`)."""
     import torch.distributed as dist
 
     ref = function_ref(fn)
@@ -72,7 +75,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 60.0, **kwargs) -> list:
     payload = pickle.dumps((args, kwargs))
     procs = [ctx.Process(target=_rank_main, daemon=True, name=f"meshtrain-rank{r}",
                          args=(ref, payload, r, world, store.port, results, list(sys.path),
-                               timeout))
+                               timeout, collective_timeout))
              for r in range(world)]
     for p in procs:
         p.start()

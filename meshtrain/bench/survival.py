@@ -28,7 +28,7 @@ PLANS = {
 }
 STEPS, CKPT_EVERY, WORLD = 6, 2, 2
 SHAPE = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "32", "--batch", "8",
-         "--eval-every", "100", "--no-progress"]
+         "--eval-every", "100", "--no-progress", "--check-collectives"]
 
 
 @dataclass

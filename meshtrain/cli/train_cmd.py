@@ -56,6 +56,12 @@ def add_parser(sub) -> None:
                    help="when a rank dies, restart the group up to K times; each restart "
                         "resumes from the latest complete checkpoint (under torchrun, use "
                         "torchrun's own --max-restarts)")
+    p.add_argument("--collective-timeout", type=float, metavar="SECONDS",
+                   help="a collective that waits longer fails, naming the rank behind, "
+                        "diverged or gone and the call (default 300)")
+    p.add_argument("--check-collectives", action="store_true",
+                   help="after the first step, compare every rank's collective calls (op, "
+                        "axis, shape, dtype) and stop at the first difference")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files into RUN_DIR/tensorboard "
@@ -100,6 +106,8 @@ def build_config(args):
         config = RunConfig.load(args.resume)
         config.resume, config.progress = True, not args.no_progress
         config.tensorboard = config.tensorboard or args.tensorboard
+        config.check_collectives = args.check_collectives
+        config.collective_timeout = args.collective_timeout or config.collective_timeout
         config.steps = args.steps or config.steps
         world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
         old = Plan.from_dict(config.plan)
@@ -129,7 +137,9 @@ def build_config(args):
                      batch_size=args.batch, lr=args.lr, warmup=args.warmup, seed=args.seed,
                      eval_every=args.eval_every, ckpt_every=args.ckpt_every,
                      max_grad_norm=args.max_grad_norm, offload_dir=args.offload_dir,
-                     progress=not args.no_progress, tensorboard=args.tensorboard)
+                     progress=not args.no_progress, tensorboard=args.tensorboard,
+                     collective_timeout=args.collective_timeout or 300.0,
+                     check_collectives=args.check_collectives)
 
 
 def run(args) -> int:
@@ -147,6 +157,9 @@ def run(args) -> int:
         plan = Plan.from_dict(config.plan)
         refuse_unbuilt(plan)
         check_max_grad_norm(config.max_grad_norm)
+        if not config.collective_timeout > 0:
+            raise ValueError(f"--collective-timeout {config.collective_timeout:g}: give a "
+                             "positive number of seconds")
         if args.max_restarts < 0:
             raise ValueError(f"--max-restarts {args.max_restarts}: give 0 (no restart) or more")
         if args.max_restarts and _under_torchrun():
@@ -193,7 +206,8 @@ def run(args) -> int:
     try:
         # by name: this process need not import the training stack the ranks run
         summary = launch(TRAIN_RANK, nproc=plan.world_size, args=(config,),
-                         max_restarts=args.max_restarts)[0]
+                         max_restarts=args.max_restarts,
+                         collective_timeout_s=config.collective_timeout)[0]
     except LaunchError as exc:
         first = exc.first_raised()
         if first and first["type"] in ("CheckpointError", "UnsafeCheckpoint"):

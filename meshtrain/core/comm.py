@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.core.mesh import Mesh
+from meshtrain.core.watchdog import CollectiveLog
 
 
 @dataclass
@@ -143,9 +144,15 @@ class Comm:
     def __init__(self, mesh: Mesh, stats: CommStats | None = None) -> None:
         self.mesh = mesh
         self.stats = stats if stats is not None else CommStats()
+        self.log = CollectiveLog()   # the call sequence the watchdog compares between ranks
 
     def _active(self, axis: str) -> bool:
         return self.mesh.size(axis) > 1
+
+    def _account(self, axis: str, op: str, tag: str, sent: int, received: int,
+                 tensor: torch.Tensor) -> None:
+        self.stats.record(axis, op, tag, sent, received)
+        self.log.enter(op, axis, tag, tensor)
 
     # ---- collectives --------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, axis: str, op: str = "sum", tag: str = "",
@@ -157,7 +164,7 @@ class Comm:
         n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
         sent = ring_all_reduce_elements(tensor.numel(), n, r) * tensor.element_size()
         received = ring_all_reduce_received_elements(tensor.numel(), n, r) * tensor.element_size()
-        self.stats.record(axis, "all_reduce", tag, sent, received)
+        self._account(axis, "all_reduce", tag, sent, received, tensor)
         return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.mesh.group(axis),
                                async_op=async_op)
 
@@ -175,7 +182,7 @@ class Comm:
             return _Done() if async_op else None
         n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
         nbytes = ring_half_elements(input.numel(), n, r) * input.element_size()
-        self.stats.record(axis, "reduce_scatter", tag, nbytes, nbytes)
+        self._account(axis, "reduce_scatter", tag, nbytes, nbytes, input)
         group = self.mesh.group(axis)
         if dist.get_backend(group) != "gloo" and output.dtype == input.dtype:
             return dist.reduce_scatter_single(output, input, op=_REDUCE_OPS[op], group=group,
@@ -201,7 +208,7 @@ class Comm:
             return _Done() if async_op else None
         n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
         nbytes = ring_half_elements(output.numel(), n, r) * output.element_size()
-        self.stats.record(axis, "all_gather", tag, nbytes, nbytes)
+        self._account(axis, "all_gather", tag, nbytes, nbytes, input)
         return dist.all_gather_single(output, input, group=self.mesh.group(axis),
                                       async_op=async_op)
 
@@ -212,8 +219,8 @@ class Comm:
             return _Done() if async_op else None
         n, nbytes = self.mesh.size(axis), tensor.numel() * tensor.element_size()
         is_src = self.mesh.axis_rank(axis) == src
-        self.stats.record(axis, "broadcast", tag, (n - 1) * nbytes if is_src else 0,
-                          0 if is_src else nbytes)
+        self._account(axis, "broadcast", tag, (n - 1) * nbytes if is_src else 0,
+                      0 if is_src else nbytes, tensor)
         return dist.broadcast(tensor, src=self.mesh.global_rank(axis, src),
                               group=self.mesh.group(axis), async_op=async_op)
 
@@ -246,19 +253,19 @@ class Comm:
     def _gather_world(self, output: torch.Tensor, input: torch.Tensor, tag: str,
                       rank: int) -> None:
         nbytes = ring_half_elements(output.numel(), self.mesh.world_size, rank) * output.element_size()
-        self.stats.record("world", "all_gather", tag, nbytes, nbytes)
+        self._account("world", "all_gather", tag, nbytes, nbytes, input)
         dist.all_gather_single(output, input)
 
     # ---- point to point -----------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, axis: str, tag: str = ""):
         """Start sending `tensor` to the member with axis rank `dst`; returns a handle."""
-        self.stats.record(axis, "send", tag, tensor.numel() * tensor.element_size(), 0)
+        self._account(axis, "send", tag, tensor.numel() * tensor.element_size(), 0, tensor)
         return dist.isend(tensor.contiguous(), dst=self.mesh.global_rank(axis, dst),
                           group=self.mesh.group(axis))
 
     def irecv(self, tensor: torch.Tensor, src: int, axis: str, tag: str = ""):
         """Start receiving into `tensor` from the member with axis rank `src`."""
-        self.stats.record(axis, "recv", tag, 0, tensor.numel() * tensor.element_size())
+        self._account(axis, "recv", tag, 0, tensor.numel() * tensor.element_size(), tensor)
         return dist.irecv(tensor, src=self.mesh.global_rank(axis, src),
                           group=self.mesh.group(axis))
 

@@ -39,6 +39,8 @@ class RunConfig:
     resume: bool = False
     progress: bool = True
     tensorboard: bool = False        # also write TensorBoard event files (<run_dir>/tensorboard)
+    collective_timeout: float = 300.0  # seconds a collective may wait before the watchdog
+    check_collectives: bool = False  # compare the ranks' first-step call sequences
 
     def save(self) -> None:
         path = Path(self.run_dir) / "config.json"

@@ -40,7 +40,7 @@ def train_rank(config: RunConfig) -> dict:
     from meshtrain.launch import init_distributed
 
     if "RANK" in os.environ and not dist.is_initialized():
-        init_distributed()
+        init_distributed(config.collective_timeout)
     plan = Plan.from_dict(config.plan)
     corpus = load_corpus(config.data)
     torch.manual_seed(config.seed)
@@ -85,7 +85,10 @@ def train_rank(config: RunConfig) -> dict:
             group["lr"] = lr
         before = _sent_by_axis(trainer)
         t0 = time.perf_counter()
+        trainer.comm.log.record_all = config.check_collectives and step == start
         loss = trainer.step(*sampler.batch(step))
+        if trainer.comm.log.record_all:
+            check_same_collectives(trainer)
         dt = time.perf_counter() - t0
         step_times.append(dt)
         by_axis = {a: n - before.get(a, 0) for a, n in _sent_by_axis(trainer).items()}
@@ -129,6 +132,24 @@ def train_rank(config: RunConfig) -> dict:
     if is_main:
         (Path(config.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def check_same_collectives(trainer: Trainer) -> None:
+    """--check-collectives: the ranks of each pipeline stage made the same collective calls
+    in the first step (op, axis, shape, dtype); raise naming the first difference."""
+    from meshtrain.core.watchdog import CollectiveMismatch, first_difference
+
+    log = trainer.comm.log
+    log.record_all = False
+    calls = trainer.comm.gather_objects({"pp": trainer.mesh.axis_rank("pp"),
+                                         "calls": log.all_calls}, tag="check")
+    log.all_calls = []
+    for stage in sorted({c["pp"] for c in calls}):
+        ranks = [r for r, c in enumerate(calls) if c["pp"] == stage]
+        difference = first_difference([calls[r]["calls"] for r in ranks], ranks)
+        if difference:
+            raise CollectiveMismatch(f"--check-collectives: the ranks {ranks} made different "
+                                     f"collective calls in the first step: {difference}")
 
 
 def _sent_by_axis(trainer: Trainer) -> dict[str, int]:

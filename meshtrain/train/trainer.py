@@ -11,12 +11,14 @@ by name before anything is built.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
 from torch import nn
 
 from meshtrain.core.comm import Comm
+from meshtrain.core.watchdog import CollectiveFailure, is_communication_error, watch
 from meshtrain.core.memory import ActivationMeter, MemoryReport, peak_process_bytes
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import Plan, PlanError
@@ -117,6 +119,7 @@ class Trainer:
         self.plan, self.max_grad_norm = plan, max_grad_norm
         self.mesh = Mesh.build(plan)
         self.comm = Comm(self.mesh)
+        self.watchdog = watch(self.comm)   # names the culprit when a collective fails
         self.model = model.to(self.mesh.device)
         self.loss_fn = loss_fn or model.loss
         if plan.precision != "fp32":   # the loss in fp32 whatever the compute precision
@@ -158,7 +161,12 @@ class Trainer:
 
         The shard is split into `plan.microbatches` micro-batches; their gradients are
         synchronised over dp once, and the returned loss is the global mean (the same on
-        every rank)."""
+        every rank). A collective that times out or loses a peer raises CollectiveFailure
+        naming the rank behind, diverged or gone, and the call."""
+        with self._watched():
+            return self._step(inputs, targets)
+
+    def _step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         sync = self.data_parallel
         sync.zero_grad()
         local_loss = self.driver.run(inputs, targets, sync)
@@ -194,7 +202,10 @@ class Trainer:
         """Mean loss over `batches`, the same on every rank, no gradient. The data-parallel
         replicas split the batches between them (replica r takes every dp_size-th from r)
         and sum their losses in float64."""
-        batches = list(batches)
+        with self._watched():
+            return self._evaluate(list(batches))
+
+    def _evaluate(self, batches: list) -> float:
         mine = batches[self.dp_rank::self.dp_size]
         self.model.eval()
         try:
@@ -205,6 +216,15 @@ class Trainer:
                              device=self.mesh.device)
         self.comm.all_reduce(total, "dp", tag="eval")
         return (total[0] / total[1].clamp(min=1)).item()
+
+    @contextmanager
+    def _watched(self):
+        try:
+            yield
+        except RuntimeError as exc:
+            if self.watchdog is None or not is_communication_error(exc):
+                raise
+            raise CollectiveFailure(self.watchdog.diagnose(exc)) from exc
 
     # ---- state --------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
