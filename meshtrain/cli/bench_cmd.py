@@ -28,6 +28,10 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from meshtrain.bench import ddp, tp
 
+    problem = check_bench_args(args)
+    if problem:
+        print(f"meshtrain bench: {problem}", file=sys.stderr)
+        return 2
     for world in args.world:
         if world < 2 or args.batch % world:
             print(f"meshtrain bench: world {world} needs to be >= 2 and divide the global "
@@ -56,3 +60,18 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def check_bench_args(args) -> str | None:
+    """What makes these arguments unusable, in words, or None."""
+    from meshtrain.models.gpt import PRESETS
+
+    for flag, value, least in (("--reps", args.reps, 1), ("--steps", args.steps, 1),
+                               ("--warmup", args.warmup, 0), ("--batch", args.batch, 1)):
+        if value < least:
+            return f"{flag} {value}: give a whole number >= {least}"
+    if not args.bucket_mb > 0:
+        return f"--bucket-mb {args.bucket_mb:g}: give a positive size in MiB"
+    if args.strategy != "collectives" and args.model not in PRESETS:
+        return f"--model {args.model!r}: the benchmarks run a GPT preset ({', '.join(PRESETS)})"
+    return None

@@ -59,6 +59,15 @@ def _fail(message: str) -> int:
     return 2
 
 
+def check_counts(args) -> None:
+    """The whole-number options, each at least its least sensible value."""
+    for flag, value, least in (("--top", args.top, 1), ("--nproc", args.nproc, 1),
+                               ("--micro-batch", args.micro_batch, 0), ("--seq", args.seq, 1),
+                               ("--gpus-per-node", args.gpus_per_node, 1)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} {value}: must be a whole number >= {least}")
+
+
 def build_inputs(args):
     """(ModelSpec, Setup, Cluster) from the parsed arguments; raises ValueError subclasses."""
     from meshtrain.planner import hardware, model_spec
@@ -97,6 +106,7 @@ def run(args) -> int:
     from meshtrain.planner.advisor import advise, require_fit
 
     try:
+        check_counts(args)
         if args.calibrate:
             from meshtrain.planner.calibrate import calibrate_command
             return calibrate_command(args)

@@ -102,13 +102,16 @@ def _under_torchrun() -> bool:
 def build_config(args):
     from meshtrain.train.config import RunConfig
 
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc}: give the number of local ranks, 1 or more")
     if args.resume:
         config = RunConfig.load(args.resume)
         config.resume, config.progress = True, not args.no_progress
         config.tensorboard = config.tensorboard or args.tensorboard
         config.check_collectives = args.check_collectives
-        config.collective_timeout = args.collective_timeout or config.collective_timeout
-        config.steps = args.steps or config.steps
+        if args.collective_timeout is not None:
+            config.collective_timeout = args.collective_timeout
+        config.steps = config.steps if args.steps is None else args.steps
         world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
         old = Plan.from_dict(config.plan)
         if world and world != old.world_size:
@@ -133,12 +136,14 @@ def build_config(args):
     run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return RunConfig(run_dir=run_dir, plan=plan.to_dict(), model=args.model,
                      model_overrides=overrides, seq_len=None if is_gpt else args.seq,
-                     loss=args.loss, data=args.data, steps=args.steps or 250,
+                     loss=args.loss, data=args.data,
+                     steps=250 if args.steps is None else args.steps,
                      batch_size=args.batch, lr=args.lr, warmup=args.warmup, seed=args.seed,
                      eval_every=args.eval_every, ckpt_every=args.ckpt_every,
                      max_grad_norm=args.max_grad_norm, offload_dir=args.offload_dir,
                      progress=not args.no_progress, tensorboard=args.tensorboard,
-                     collective_timeout=args.collective_timeout or 300.0,
+                     collective_timeout=300.0 if args.collective_timeout is None
+                     else args.collective_timeout,
                      check_collectives=args.check_collectives)
 
 
@@ -149,7 +154,7 @@ def run(args) -> int:
     from meshtrain.launch import LaunchError, launch
     from meshtrain.models.registry import check_model_spec
     from meshtrain.train import errors
-    from meshtrain.train.config import latest_checkpoint
+    from meshtrain.train.config import check_run_config, latest_checkpoint
     from meshtrain.train.trainer import check_max_grad_norm, refuse_unbuilt
 
     try:
@@ -157,9 +162,7 @@ def run(args) -> int:
         plan = Plan.from_dict(config.plan)
         refuse_unbuilt(plan)
         check_max_grad_norm(config.max_grad_norm)
-        if not config.collective_timeout > 0:
-            raise ValueError(f"--collective-timeout {config.collective_timeout:g}: give a "
-                             "positive number of seconds")
+        check_run_config(config)
         if args.max_restarts < 0:
             raise ValueError(f"--max-restarts {args.max_restarts}: give 0 (no restart) or more")
         if args.max_restarts and _under_torchrun():

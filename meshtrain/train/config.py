@@ -62,6 +62,35 @@ class RunConfig:
                              "folder a previous `meshtrain train` printed") from None
 
 
+def check_run_config(config: RunConfig) -> None:
+    """Refuse, in the command's process and before any rank starts, a value no rank could
+    train with: each message names the option and what it accepts."""
+    whole = {"--steps": (config.steps, 1), "--batch": (config.batch_size, 1),
+             "--eval-every": (config.eval_every, 1), "--ckpt-every": (config.ckpt_every, 1),
+             "--warmup": (config.warmup, 0), "--seed": (config.seed, 0)}
+    for flag, (value, least) in whole.items():
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"{flag} {value}: give a whole number >= {least}")
+    if config.seed >= 2**63:
+        raise ValueError(f"--seed {config.seed}: give a number below 2**63")
+    if not config.lr > 0:
+        raise ValueError(f"--lr {config.lr:g}: the learning rate must be a positive number")
+    if not config.collective_timeout > 0:
+        raise ValueError(f"--collective-timeout {config.collective_timeout:g}: give a positive "
+                         "number of seconds")
+    run_dir = Path(config.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--run-dir {run_dir}: a file of that name exists; give a folder")
+    if config.data is not None:
+        data = Path(config.data)
+        if not data.exists():
+            raise FileNotFoundError(f"--data {data}: no such file or folder; give a text file "
+                                    "or a folder of text files (default: Python's standard "
+                                    "library)")
+        if data.is_file() and data.stat().st_size == 0:
+            raise ValueError(f"--data {data}: the file is empty; give a text file with text")
+
+
 def learning_rate(config: RunConfig, step: int) -> float:
     """Linear warm-up, then constant: a function of the step alone (resume-exact)."""
     return config.lr * min(1.0, (step + 1) / max(1, config.warmup))

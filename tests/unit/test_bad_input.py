@@ -1,0 +1,103 @@
+"""Bad input, table-driven, across the commands: each exits non-zero with a short message
+naming the problem (and the option), no Python traceback, before any rank starts."""
+import pytest
+
+from meshtrain.cli.main import main
+
+# (argv, a piece of the message)
+CASES = [
+    # train: counts and numbers
+    ("train --nproc 0", "--nproc 0: give the number of local ranks"),
+    ("train --nproc -1", "--nproc -1"),
+    ("train --nproc abc", "invalid int value: 'abc'"),
+    ("train --steps 0", "--steps 0: give a whole number >= 1"),
+    ("train --steps -5", "--steps -5"),
+    ("train --batch 0", "--batch 0: give a whole number >= 1"),
+    ("train --batch 3", "global batch 3 does not split over dp=2"),
+    ("train --lr -1", "--lr -1: the learning rate must be a positive number"),
+    ("train --lr abc", "invalid float value: 'abc'"),
+    ("train --warmup -1", "--warmup -1"),
+    ("train --seed -1", "--seed -1"),
+    ("train --eval-every 0", "--eval-every 0"),
+    ("train --ckpt-every 0", "--ckpt-every 0"),
+    ("train --max-grad-norm 0", "max_grad_norm=0.0: must be a positive number"),
+    ("train --max-grad-norm -1", "max_grad_norm=-1.0"),
+    ("train --max-restarts -1", "--max-restarts -1"),
+    ("train --collective-timeout 0", "--collective-timeout 0: give a positive number"),
+    ("train --bucket-mb 0", "bucket_mb=0.0: must be a positive size"),
+    ("train --microbatches 0", "microbatches=0: must be a whole number >= 1"),
+    # train: data, folders, models
+    ("train --data nowhere/file.txt", "--data nowhere/file.txt: no such file or folder"),
+    ("train --data empty.txt", "--data empty.txt: the file is empty"),
+    ("train --run-dir afile", "--run-dir afile: a file of that name exists"),
+    ("train --resume nowhere", "nowhere is not a meshtrain run folder"),
+    ("train --resume notarun", "notarun is not a meshtrain run folder"),
+    ("train --model nosuchpreset", "--model 'nosuchpreset' is unknown"),
+    ("train --model nosuch.module:fn", "cannot import it"),
+    ("train --layers 0", "n_layer=0: must be a whole number >= 1"),
+    ("train --seq 0", "seq_len=0"),
+    ("train --heads 3 --d-model 32", "d_model=32 is not divisible by n_head=3"),
+    # train: plans
+    ("train --tp 3 --nproc 3", "tp=3 does not divide the GPT's n_head=4"),
+    ("train --dp 3 --nproc 2", "needs dp*pp*tp = 3 ranks but the world has 2"),
+    ("train --zero 4", "invalid choice: 4"),
+    ("train --precision fp8", "invalid choice: 'fp8'"),
+    ("train --offload cpu", "offload='cpu' needs ZeRO"),
+    ("train --offload-dir somewhere", "--offload-dir is where --offload disk writes"),
+    ("train --sequence-parallel", "sequence_parallel=True splits activations over the tp axis"),
+    ("train --dp-mode nonsense", "dp_mode='nonsense': choose one of"),
+    ("train --schedule nonsense", "schedule='nonsense': choose one of"),
+    # plan
+    ("plan", "no model: give --model PRESET"),
+    ("plan --model nosuch", "unknown model preset 'nosuch'"),
+    ("plan --model tiny --gpu-mem 80", "size '80' has no unit"),
+    ("plan --model tiny --nodes 0", "--nodes 0"),
+    ("plan --model tiny --global-batch 0", "--global-batch 0"),
+    ("plan --model tiny --gpu NOSUCH", "unknown GPU preset 'NOSUCH'"),
+    ("plan --model tiny --intra-bw fast", "bandwidth 'fast' does not start with a number"),
+    ("plan --model tiny --top 0", "--top 0"),
+    ("plan --model tiny --seq 0", "--seq 0"),
+    ("plan --model tiny --efficiency 2", "efficiency=2.0: must be in (0, 1]"),
+    ("plan --model tiny --optimizer nadam", "--optimizer 'nadam'"),
+    ("plan --calibrate --nproc 0", "--nproc 0"),
+    ("plan --verify --profile nowhere/profile.json", "no calibrated profile at"),
+    # bench
+    ("bench nosuch", "invalid choice: 'nosuch'"),
+    ("bench zero --world 1", "world 1 needs to be >= 2"),
+    ("bench ddp --world 3", "world 3 needs to be >= 2 and divide the global batch 16"),
+    ("bench ddp --reps 0", "--reps 0"),
+    ("bench tp --model nosuch", "--model 'nosuch': the benchmarks run a GPT preset"),
+    # export, generate, report
+    ("export nowhere out.safetensors", "nowhere is not a meshtrain run folder"),
+    ("export notarun out.txt", "out.txt: give a file name ending in .safetensors"),
+    ("generate nowhere", "nowhere is not a meshtrain run folder"),
+    ("report notarun", "notarun is not a meshtrain run folder"),
+]
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "notarun").mkdir()
+    return tmp_path
+
+
+def test_the_table_is_large_enough():
+    assert len(CASES) >= 40
+    assert {argv.split()[0] for argv, _ in CASES} >= {"train", "plan", "bench", "export"}
+
+
+@pytest.mark.parametrize("argv, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_exits_with_a_message(argv, message, workdir, capsys):
+    try:
+        code = main(argv.split())
+    except SystemExit as exc:   # argparse's own refusals
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code not in (0, None), f"{argv!r} was accepted"
+    assert "Traceback" not in err
+    assert message in err, err
+    assert len(err.strip().splitlines()) <= 3 or "usage:" in err   # short
+    assert not (workdir / "runs").exists()   # refused before a run folder was made
