@@ -1,6 +1,7 @@
 """DDP beyond equivalence: the overlap is real, the bytes are ring theory's, bad plans are
 refused by name, unused parameters behave as in one process, memory equals its formula,
 and checkpoints resume under another plan."""
+import json
 import shutil
 
 import pytest
@@ -309,6 +310,13 @@ def test_bad_checkpoints_are_refused_clearly(saved_at_5, tmp_path):
     shutil.copytree(saved_at_5, corrupt)
     shard = sorted(corrupt.glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    message = load_error(corrupt)   # the manifest catches it before torch reads a byte
+    assert f"checkpoint {corrupt}: {shard.name} has {shard.stat().st_size} bytes, the " \
+        "manifest says" in message and "(truncated?); use an earlier checkpoint" in message
+    # a checkpoint without a manifest (format 2): torch's reader fails, named as such
+    meta = json.loads((corrupt / "meshtrain.json").read_text())
+    del meta["files"]
+    (corrupt / "meshtrain.json").write_text(json.dumps(meta))
     message = load_error(corrupt)
     assert f"checkpoint {corrupt} could not be read" in message
     assert "corrupted or incomplete: use an earlier checkpoint" in message
