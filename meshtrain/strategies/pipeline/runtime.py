@@ -1,0 +1,227 @@
+"""Slot 5 for pp > 1: one executor that runs any schedule's action list (schedules.py) on
+this rank's stages. No schedule has a loop of its own here: the list is the program.
+
+    forward   stage 0 reads its micro-batch, the others the activation received; the last
+              stage computes the loss (divided by M, so the micro-batches average)
+    backward  from the loss, or from the gradient received for the stage's output; the
+              input's gradient is what the previous stage receives; the micro-batch's
+              activations are dropped at once
+    send/recv consecutive communication actions are posted as one batch of isend/irecv
+              through the accounted Comm (axis "pp", tags "act" and "grad"); receives are
+              waited for at once, sends only when their buffer is needed no more
+
+Gradient sync over dp (slot 3) is driven as the micro-batch loop drives it: every backward
+but this rank's last runs inside `no_sync`, so the dp reduction starts during the last
+backward and overlaps the cool-down; the Trainer calls `finish_gradient_sync` after `run`.
+
+[Note: activation shapes]
+A receiver must size its buffer before the data arrives. Every rank is given the same
+batch, so both ends of a boundary know the micro-batch's input shape; the first time an
+input shape meets a boundary, the sender sends the activation's shape and dtype ahead of
+it (tag "shape"), and both ends remember it. A gradient has its activation's shape, which
+its receiver sent itself.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+from meshtrain.core.comm import P2P, Comm
+from meshtrain.core.plan import Plan
+from meshtrain.strategies.pipeline.schedules import (COMPUTE, RECVS, Action, Kind,
+                                                     build_schedule, evaluation_schedule,
+                                                     message, message_tag, stage_of)
+from meshtrain.strategies.pipeline.stages import PipelineStages
+from meshtrain.strategies.slots import GradientSync, split_microbatches
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
+           torch.int32)
+_HEADER = 8   # dtype, ndim, up to 6 sizes
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step that could not go on (a neighbouring stage failed or hung)."""
+
+
+class PipelineSchedule:
+    """StepDriver protocol (strategies/slots.py) over a schedule's action list."""
+
+    def __init__(self, stages: PipelineStages, plan: Plan, comm: Comm, loss_fn: Callable,
+                 recv_timeout: float | None = None) -> None:
+        self.stages, self.comm, self.loss_fn = stages, comm, loss_fn
+        self.pp, self.rank, self.microbatches = plan.pp, stages.rank, plan.microbatches
+        self.actions = build_schedule(plan.schedule, plan.pp, plan.microbatches,
+                                      plan.virtual_stages)[self.rank]
+        self.eval_actions = evaluation_schedule(plan.pp, plan.virtual_stages)[self.rank]
+        self.recv_timeout = recv_timeout
+        """Seconds a receive may wait (None: the process group's timeout)."""
+        self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+        self.peak_held = 0
+        """The most micro-batches (x chunks) whose activations this rank held at once in
+        the last step: the runtime's own accounting of activation memory."""
+
+    # ---- StepDriver ----------------------------------------------------------------------
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor,
+            sync: GradientSync) -> torch.Tensor:
+        return self._execute(self.actions, inputs, targets, self.microbatches, sync)
+
+    def global_loss(self, dp_mean: float) -> float:
+        """Only the last stage computed a loss: every rank takes its value."""
+        loss = torch.tensor(dp_mean, dtype=torch.float64, device=self.comm.mesh.device)
+        self.comm.broadcast(loss, self.pp - 1, "pp", tag="loss")
+        return loss.item()
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = self._execute(self.eval_actions, inputs, targets, 1, None)
+        return self.global_loss(loss.item())
+
+    # ---- the executor -----------------------------------------------------------------------
+    def _execute(self, actions: list[Action], inputs, targets, microbatches: int,
+                 sync: GradientSync | None) -> torch.Tensor:
+        step = _Step(self, split_microbatches(inputs, microbatches),
+                     split_microbatches(targets, microbatches), sync)
+        last_backward = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD),
+                            default=-1)
+        i = 0
+        while i < len(actions):
+            if actions[i].kind in COMPUTE:
+                step.compute(actions[i], final=i == last_backward)
+                i += 1
+                continue
+            j = i
+            while j < len(actions) and actions[j].kind not in COMPUTE:
+                j += 1
+            step.communicate(actions[i:j])
+            i = j
+        step.finish()
+        self.peak_held = step.peak_held
+        return step.loss_sum
+
+
+class _Step:
+    """What one step holds: micro-batches, activations awaiting backward, messages."""
+
+    def __init__(self, driver: PipelineSchedule, xs, ys, sync) -> None:
+        self.d, self.xs, self.ys, self.sync = driver, xs, ys, sync
+        self.device = driver.comm.mesh.device
+        self.last_stage = driver.stages.stages - 1
+        self.held: dict[tuple[int, int], tuple] = {}      # (mb, chunk) -> (input, output)
+        self.inbox: dict[tuple[bool, int, int], torch.Tensor] = {}   # received
+        self.outbox: dict[tuple[bool, int, int], torch.Tensor] = {}  # to send
+        self.sending: list = []                            # (work, tensor) in flight
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.peak_held = 0
+
+    def stage(self, a: Action) -> int:
+        return stage_of(self.d.rank, a.chunk, self.d.pp)
+
+    # ---- compute ----------------------------------------------------------------------------
+    def compute(self, a: Action, final: bool) -> None:
+        key, s = (a.microbatch, a.chunk), self.stage(a)
+        if a.kind is Kind.FORWARD:
+            if s == 0:
+                x = self.xs[a.microbatch].to(self.device)
+            else:
+                x = self.inbox.pop((False, *key))
+                x.requires_grad_(x.is_floating_point() and torch.is_grad_enabled())
+            y = self.d.stages.chunks[a.chunk](x)
+            if s == self.last_stage:
+                y = self.d.loss_fn(y, self.ys[a.microbatch].to(self.device)) / len(self.xs)
+                self.loss_sum += y.detach()
+            else:
+                self.outbox[(False, *key)] = y.detach()
+            if torch.is_grad_enabled():
+                self.held[key] = (x, y)
+                self.peak_held = max(self.peak_held, len(self.held))
+            return
+        x, y = self.held.pop(key)   # dropped after this backward: see the module docstring
+        grad = None if s == self.last_stage else self.inbox.pop((True, *key))
+        with (self.sync.no_sync() if self.sync is not None and not final else nullcontext()):
+            torch.autograd.backward(y, grad)
+        if s > 0:
+            self.outbox[(True, *key)] = x.grad
+
+    # ---- communication -------------------------------------------------------------------------
+    def communicate(self, actions: list[Action]) -> None:
+        """Post a run of sends and receives as one batch; wait for the receives."""
+        self._reap_sends()
+        entries = []   # (tag, op, action, key)
+        for a in actions:
+            grad = a.kind in (Kind.SEND_GRAD, Kind.RECV_GRAD)
+            key = (grad, a.microbatch, a.chunk)
+            match = message_tag(message(a, self.d.rank, self.d.pp), self.last_stage + 1)
+            if a.kind in RECVS:
+                op = P2P(self._receive_buffer(a, key, match), a.peer, send=False, match=match)
+            else:
+                op = P2P(self.outbox.pop(key).contiguous(), a.peer, send=True, match=match)
+                if not grad:
+                    self._send_shape(a, op.tensor, match)
+            entries.append(("grad" if grad else "act", op, a, key))
+        # one batch per tag, so that the counters tell activations from gradients apart
+        posted = []
+        for tag in ("act", "grad"):
+            batch = [e for e in entries if e[0] == tag]
+            posted += zip(batch, self.d.comm.batch_isend_irecv([e[1] for e in batch], "pp",
+                                                               tag=tag))
+        for (_, op, a, key), work in posted:
+            if op.send:
+                self.sending.append((work, op.tensor))
+            else:
+                self._wait(work, a)
+                self.inbox[key] = op.tensor
+
+    def _shape_key(self, a: Action, stage: int) -> tuple:
+        return (stage, tuple(self.xs[a.microbatch].shape))
+
+    def _send_shape(self, a: Action, tensor: torch.Tensor, match: int) -> None:
+        key = self._shape_key(a, self.stage(a) + 1)
+        if key in self.d._shapes:
+            return
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+        work, = self.d.comm.batch_isend_irecv([P2P(header, a.peer, True, match + (1 << 24))],
+                                              "pp", tag="shape")
+        self.sending.append((work, header))
+        self.d._shapes[key] = (tensor.shape, tensor.dtype)
+
+    def _receive_buffer(self, a: Action, key, match: int) -> torch.Tensor:
+        if key[0]:   # a gradient: shaped as the output it belongs to
+            return torch.empty_like(self.held[key[1:]][1])
+        shape_key = self._shape_key(a, self.stage(a))
+        if shape_key not in self.d._shapes:
+            header = torch.zeros(_HEADER, dtype=torch.int64)
+            work, = self.d.comm.batch_isend_irecv([P2P(header, a.peer, False, match + (1 << 24))],
+                                                  "pp", tag="shape")
+            self._wait(work, a)
+            dims = header[2:2 + int(header[1])].tolist()
+            self.d._shapes[shape_key] = (torch.Size(dims), _DTYPES[int(header[0])])
+        shape, dtype = self.d._shapes[shape_key]
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _wait(self, work, a: Action) -> None:
+        try:
+            if self.d.recv_timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=timedelta(seconds=self.d.recv_timeout))
+        except RuntimeError as exc:
+            raise PipelineError(f"pp rank {self.d.rank}: {a.kind.value} of micro-batch "
+                                f"{a.microbatch} (chunk {a.chunk}) from pp rank {a.peer} "
+                                f"failed; that stage failed or hung: {exc}") from exc
+
+    def _reap_sends(self) -> None:
+        self.sending = [(w, t) for w, t in self.sending if not w.is_completed()]
+
+    def finish(self) -> None:
+        for work, _ in self.sending:
+            work.wait()
+        self.sending.clear()
+        if self.held or self.inbox or self.outbox:
+            raise PipelineError(f"pp rank {self.d.rank}: the schedule left work undone "
+                                f"(held {sorted(self.held)}, received {sorted(self.inbox)}, "
+                                f"unsent {sorted(self.outbox)})")
