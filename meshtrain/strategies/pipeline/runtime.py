@@ -147,32 +147,39 @@ class _Step:
 
     # ---- communication -------------------------------------------------------------------------
     def communicate(self, actions: list[Action]) -> None:
-        """Post a run of sends and receives as one batch; wait for the receives."""
+        """Post a run of sends, then its receives, each as a batch of isend/irecv; wait for
+        the receives. Sends go first: a receive may block on a shape header (see [Note:
+        activation shapes]), and the peer may be waiting for one of these sends first."""
         self._reap_sends()
-        entries = []   # (tag, op, action, key)
+        sends, recvs = [], []   # (tag, op, action, key)
         for a in actions:
             grad = a.kind in (Kind.SEND_GRAD, Kind.RECV_GRAD)
             key = (grad, a.microbatch, a.chunk)
             match = message_tag(message(a, self.d.rank, self.d.pp), self.last_stage + 1)
             if a.kind in RECVS:
-                op = P2P(self._receive_buffer(a, key, match), a.peer, send=False, match=match)
+                recvs.append((a, key, match))
             else:
                 op = P2P(self.outbox.pop(key).contiguous(), a.peer, send=True, match=match)
                 if not grad:
                     self._send_shape(a, op.tensor, match)
-            entries.append(("grad" if grad else "act", op, a, key))
-        # one batch per tag, so that the counters tell activations from gradients apart
+                sends.append(("grad" if grad else "act", op, a, key))
+        for (_, op, _, _), work in self._post(sends):
+            self.sending.append((work, op.tensor))
+        received = [("grad" if key[0] else "act",
+                     P2P(self._receive_buffer(a, key, match), a.peer, send=False, match=match),
+                     a, key) for a, key, match in recvs]
+        for (_, op, a, key), work in self._post(received):
+            self._wait(work, a)
+            self.inbox[key] = op.tensor
+
+    def _post(self, entries: list[tuple]) -> list[tuple]:
+        """One batch per tag, so that the counters tell activations from gradients apart."""
         posted = []
         for tag in ("act", "grad"):
             batch = [e for e in entries if e[0] == tag]
             posted += zip(batch, self.d.comm.batch_isend_irecv([e[1] for e in batch], "pp",
                                                                tag=tag))
-        for (_, op, a, key), work in posted:
-            if op.send:
-                self.sending.append((work, op.tensor))
-            else:
-                self._wait(work, a)
-                self.inbox[key] = op.tensor
+        return posted
 
     def _shape_key(self, a: Action, stage: int) -> tuple:
         return (stage, tuple(self.xs[a.microbatch].shape))
