@@ -101,7 +101,7 @@ def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_f
                 activations: ActivationMeter | None) -> StepDriver:
     """Slot 5: the order of forwards, backwards and communication in a step."""
     if plan.pp > 1:
-        return pipeline.PipelineSchedule(stages, plan, comm, loss_fn)
+        return pipeline.PipelineSchedule(stages, plan, comm, loss_fn, activations)
     return MicrobatchLoop(model, loss_fn, plan.microbatches, comm.mesh.device, activations)
 
 

@@ -197,3 +197,24 @@ def test_compute_orders_never_mention_a_chunk_beyond_v():
     for schedule, p, m, v in CASES:
         for order in compute_order(schedule, p, m, v):
             assert all(0 <= c < v and 0 <= i < m and k in COMPUTE for k, i, c in order)
+
+
+# ---- meshtrain schedule ----------------------------------------------------------------------
+def test_schedule_command_prints_the_timeline_and_the_bubble(tmp_path, capsys):
+    from meshtrain.cli.main import main
+
+    out = tmp_path / "t.png"
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved",
+                 "--virtual-stages", "2", "--backward-cost", "1", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "bubble        0.1579 simulated, (P-1)/(V*M+P-1) = 0.1579" in text
+    assert text.count("rank ") == 4 and "F7.1" in text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_schedule_command_refuses_a_bad_plan(capsys):
+    from meshtrain.cli.main import main
+
+    assert main(["schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved",
+                 "--virtual-stages", "2"]) == 2
+    assert "must be a multiple of pp=4" in capsys.readouterr().err

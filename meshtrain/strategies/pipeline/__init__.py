@@ -6,7 +6,7 @@ driven by a schedule that is data.
     schedules.py   naive, GPipe, 1F1B, interleaved 1F1B as per-rank action lists
     simulator.py   runs all ranks' lists in one process: deadlocks, timeline, bubble
     runtime.py     PipelineSchedule: the StepDriver slot, one executor for every list
-    timeline.py    the schedule drawn (PNG) and printed (text)
+(report/timeline.py draws a simulated timeline; `meshtrain schedule` prints it.)
 """
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from meshtrain.core.comm import P2P, Comm
+from meshtrain.core.memory import ActivationMeter
 from meshtrain.core.plan import Plan
 from meshtrain.strategies.pipeline.schedules import (COMPUTE, RECVS, Action, Kind,
                                                      build_schedule, evaluation_schedule,
@@ -50,8 +51,10 @@ class PipelineSchedule:
     """StepDriver protocol (strategies/slots.py) over a schedule's action list."""
 
     def __init__(self, stages: PipelineStages, plan: Plan, comm: Comm, loss_fn: Callable,
+                 activations: ActivationMeter | None = None,
                  recv_timeout: float | None = None) -> None:
         self.stages, self.comm, self.loss_fn = stages, comm, loss_fn
+        self.activations = activations
         self.pp, self.rank, self.microbatches = plan.pp, stages.rank, plan.microbatches
         self.actions = build_schedule(plan.schedule, plan.pp, plan.microbatches,
                                       plan.virtual_stages)[self.rank]
@@ -61,7 +64,8 @@ class PipelineSchedule:
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
         self.peak_held = 0
         """The most micro-batches (x chunks) whose activations this rank held at once in
-        the last step: the runtime's own accounting of activation memory."""
+        the last step: the runtime's own accounting of activation memory. With an
+        ActivationMeter, its `last_bytes` becomes the bytes held at that peak."""
 
     # ---- StepDriver ----------------------------------------------------------------------
     def run(self, inputs: torch.Tensor, targets: torch.Tensor,
@@ -98,7 +102,10 @@ class PipelineSchedule:
             step.communicate(actions[i:j])
             i = j
         step.finish()
-        self.peak_held = step.peak_held
+        if sync is not None:   # a training step, not an evaluation
+            self.peak_held = step.peak_held
+            if self.activations is not None:
+                self.activations.last_bytes = step.peak_bytes
         return step.loss_sum
 
 
@@ -114,7 +121,8 @@ class _Step:
         self.outbox: dict[tuple[bool, int, int], torch.Tensor] = {}  # to send
         self.sending: list = []                            # (work, tensor) in flight
         self.loss_sum = torch.zeros((), device=self.device)
-        self.peak_held = 0
+        self.held_bytes: dict[tuple[int, int], int] = {}  # what autograd saved, per entry
+        self.peak_held = self.peak_bytes = 0
 
     def stage(self, a: Action) -> int:
         return stage_of(self.d.rank, a.chunk, self.d.pp)
@@ -128,17 +136,23 @@ class _Step:
             else:
                 x = self.inbox.pop((False, *key))
                 x.requires_grad_(x.is_floating_point() and torch.is_grad_enabled())
-            y = self.d.stages.chunks[a.chunk](x)
+            meter = self.d.activations if torch.is_grad_enabled() else None
+            with (meter.measure() if meter is not None else nullcontext()):
+                y = self.d.stages.chunks[a.chunk](x)
+                if s == self.last_stage:
+                    y = self.d.loss_fn(y, self.ys[a.microbatch].to(self.device)) / len(self.xs)
             if s == self.last_stage:
-                y = self.d.loss_fn(y, self.ys[a.microbatch].to(self.device)) / len(self.xs)
                 self.loss_sum += y.detach()
             else:
                 self.outbox[(False, *key)] = y.detach()
             if torch.is_grad_enabled():
                 self.held[key] = (x, y)
+                self.held_bytes[key] = meter.last_bytes if meter is not None else 0
                 self.peak_held = max(self.peak_held, len(self.held))
+                self.peak_bytes = max(self.peak_bytes, sum(self.held_bytes.values()))
             return
         x, y = self.held.pop(key)   # dropped after this backward: see the module docstring
+        self.held_bytes.pop(key)
         grad = None if s == self.last_stage else self.inbox.pop((True, *key))
         with (self.sync.no_sync() if self.sync is not None and not final else nullcontext()):
             torch.autograd.backward(y, grad)
