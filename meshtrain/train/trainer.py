@@ -38,9 +38,6 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 def refuse_unbuilt(plan: Plan) -> None:
     """Name the first strategy in `plan` that meshtrain cannot run yet."""
     unbuilt = [
-        (plan.pp > 1 and plan.dp * plan.tp > 1,
-         f"pipeline parallel with dp={plan.dp}, tp={plan.tp} (pp={plan.pp}): pipeline "
-         "stages combined with other axes are not available yet; use Plan(pp=P) alone"),
         (plan.dp_mode != "ddp", f"dp_mode={plan.dp_mode!r} is not available yet "
                                 "(only 'ddp' is)"),
     ]
@@ -190,7 +187,10 @@ class Trainer:
         """Gradients the dp sync leaves partial along another axis: a weight tied across
         pipeline stages (summed over the stages holding it), a LayerNorm under sequence
         parallel (summed over tp)."""
-        reduced = self.data_parallel.reduced_gradient
+        held = {name for name, _ in self.stages.named_parameters()}
+
+        def reduced(name: str):   # None for what another pipeline stage holds
+            return self.data_parallel.reduced_gradient(name) if name in held else None
         self.stages.sum_shared_gradients(reduced)
         self.sharding.sum_partial_gradients(reduced)
 

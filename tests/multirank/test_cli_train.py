@@ -90,7 +90,6 @@ def test_resume_gives_the_numbers_of_an_uninterrupted_run(one_process, tmp_path)
      "virtual_stages=2 needs schedule='interleaved'"),
     (["--nproc", "4", "--pp", "4", "--schedule", "interleaved", "--virtual-stages", "2",
       "--microbatches", "4", "--layers", "2"], "8 stages, but 'tiny' has 4 layers"),
-    (["--nproc", "4", "--pp", "2", "--dp", "2"], "pipeline stages combined with other axes"),
     (["--model", "gpt5"], "unknown"),
     (["--nproc", "2", "--batch", "7"], "does not split over dp=2"),
     (["--resume", "/nonexistent/run"], "not a meshtrain run folder"),

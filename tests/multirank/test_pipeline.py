@@ -160,3 +160,30 @@ def test_a_failed_stage_does_not_block_its_neighbour_forever():
     assert own == "own failure: stage 0 broke"
     assert "pp rank 1: recv_act of micro-batch 0 (chunk 0) from pp rank 0 failed" in neighbour
     assert float(neighbour.split(" after ")[-1].split()[0]) < 10
+
+
+# ---- composed with the other axes: the schedule calls the gradient-sync protocol --------------
+HYBRID = {4: [("tied_pipe", dict(dp=2, pp=2, microbatches=4), 1.0),
+              ("gpt_pipe", dict(dp=2, pp=2, microbatches=4, schedule="interleaved",
+                                virtual_stages=2), 0.2),
+              ("tied_pipe", dict(dp=2, pp=2, microbatches=4, zero=1), 1.0),
+              ("tied_pipe", dict(dp=2, pp=2, microbatches=4, zero=2), 1.0),
+              ("gpt_pipe", dict(pp=2, tp=2, microbatches=2), 0.2),
+              ("gpt_pipe", dict(pp=2, tp=2, microbatches=2, sequence_parallel=True), None),
+              ("gpt_pipe", dict(pp=4, microbatches=4, recompute="full"), None)],
+          8: [("gpt_pipe", dict(dp=2, pp=2, tp=2, zero=1, microbatches=2), 0.2)]}
+
+
+def train_hybrid() -> list[dict]:
+    return [eq.train(mt.Plan(**plan), model, max_grad_norm=clip)
+            for model, plan, clip in HYBRID[dist.get_world_size()]]
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_pipeline_under_ddp_zero_and_tensor_parallel_matches_one_process(world):
+    refs = {(model, clip): eq.reference(model, max_grad_norm=clip)
+            for model, _, clip in HYBRID[world]}
+    for rank, results in enumerate(run_ranks(world, train_hybrid, timeout=120)):
+        for (model, plan, clip), result in zip(HYBRID[world], results):
+            eq.assert_equivalent(result, refs[(model, clip)],
+                                 what=f"rank {rank} {model} {plan}")
