@@ -61,7 +61,9 @@ class PipelineSchedule:
         self.eval_actions = evaluation_schedule(plan.pp, plan.virtual_stages)[self.rank]
         self.recv_timeout = recv_timeout
         """Seconds a receive may wait (None: the process group's timeout)."""
-        self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+        self.shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+        """(receiving stage, micro-batch input shape) -> the activation's shape and dtype:
+        see [Note: activation shapes]."""
         self.peak_held = 0
         """The most micro-batches (x chunks) whose activations this rank held at once in
         the last step: the runtime's own accounting of activation memory. With an
@@ -200,7 +202,7 @@ class _Step:
 
     def _send_shape(self, a: Action, tensor: torch.Tensor, match: int) -> None:
         key = self._shape_key(a, self.stage(a) + 1)
-        if key in self.d._shapes:
+        if key in self.d.shapes:
             return
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
@@ -208,20 +210,20 @@ class _Step:
         work, = self.d.comm.batch_isend_irecv([P2P(header, a.peer, True, match + (1 << 24))],
                                               "pp", tag="shape")
         self.sending.append((work, header))
-        self.d._shapes[key] = (tensor.shape, tensor.dtype)
+        self.d.shapes[key] = (tensor.shape, tensor.dtype)
 
     def _receive_buffer(self, a: Action, key, match: int) -> torch.Tensor:
         if key[0]:   # a gradient: shaped as the output it belongs to
             return torch.empty_like(self.held[key[1:]][1])
         shape_key = self._shape_key(a, self.stage(a))
-        if shape_key not in self.d._shapes:
+        if shape_key not in self.d.shapes:
             header = torch.zeros(_HEADER, dtype=torch.int64)
             work, = self.d.comm.batch_isend_irecv([P2P(header, a.peer, False, match + (1 << 24))],
                                                   "pp", tag="shape")
             self._wait(work, a)
             dims = header[2:2 + int(header[1])].tolist()
-            self.d._shapes[shape_key] = (torch.Size(dims), _DTYPES[int(header[0])])
-        shape, dtype = self.d._shapes[shape_key]
+            self.d.shapes[shape_key] = (torch.Size(dims), _DTYPES[int(header[0])])
+        shape, dtype = self.d.shapes[shape_key]
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _wait(self, work, a: Action) -> None:
