@@ -141,6 +141,8 @@ class Trainer:
                                           self.activations.keep if self.activations else None)
         # 2. pipeline stages: the data-parallel sync covers only what this stage keeps
         self.stages = keep_stages(self.model, plan, self.comm, self.layout, stage_cuts)
+        if self.activations is not None:
+            self.activations.track(p for _, p in self.stages.named_parameters())
         # 3-4. gradient sync before the optimizer: the optimizer must see what the sync owns
         self.data_parallel = sync_gradients(self.stages, plan, self.comm, zero3_units,
                                             offload_dir)

@@ -113,7 +113,8 @@ def evaluate_and_state() -> dict:
                          optimizer=eq.sgd)
     batches = eq.batches("gpt_pipe", 3)
     return {"eval": trainer.evaluate(batches), "state": trainer.full_state_dict(),
-            "params": [n for n, _ in trainer.stages.named_parameters()]}
+            "params": [n for n, _ in trainer.stages.named_parameters()],
+            "in_memory": [n for n, p in trainer.model.named_parameters() if not p.is_meta]}
 
 
 def test_evaluate_and_state_dict_keep_the_model_names():
@@ -127,9 +128,12 @@ def test_evaluate_and_state_dict_keep_the_model_names():
         assert list(r["state"]) == list(model.state_dict())
         for name, value in model.state_dict().items():
             torch.testing.assert_close(r["state"][name], value, rtol=0, atol=0)
-    # each rank holds only its stages: two chunks each, nothing held twice
+    # each rank holds only its stages: two chunks each, nothing held twice; the other stages'
+    # parameters have no storage on this rank
     held = results[0]["params"] + results[1]["params"]
     assert sorted(held) == sorted(n for n, _ in model.named_parameters())
+    for r in results:
+        assert sorted(r["in_memory"]) == sorted(r["params"])
 
 
 # ---- a failed stage ------------------------------------------------------------------------
