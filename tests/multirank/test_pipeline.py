@@ -210,3 +210,61 @@ def test_plan_verify_runs_a_pipeline_plan():
     assert 0 <= measured["model_states"] - predicted["model_states"] <= 4 * 64
     assert measured["activations"] > 0
     assert predicted["peak_alloc"] == pytest.approx(measured["peak_alloc"], rel=0.15)
+
+
+# ---- checkpoints do not depend on the plan ---------------------------------------------------
+def resume_under_pp(one_process_ckpt: str, out: str) -> dict:
+    import copy
+
+    torch.manual_seed(1)   # other weights: everything must come from the checkpoint
+    trainer = mt.Trainer(eq.tied_pipe(), mt.Plan(pp=2, schedule="interleaved", microbatches=4,
+                                                 virtual_stages=2),
+                         optimizer=eq.sgd, loss_fn=eq.token_loss)
+    trainer.load(one_process_ckpt)
+    loaded = trainer.full_state_dict(), copy.deepcopy(trainer.full_optimizer_state())
+    for x, y in eq.batches("tied_pipe", 4)[2:]:
+        trainer.step(x, y)
+    trainer.save(out)
+    return {"loaded": loaded, "final": (trainer.full_state_dict(),
+                                        trainer.full_optimizer_state())}
+
+
+def test_checkpoints_move_between_one_process_and_pipeline_stages(tmp_path):
+    import copy
+
+    one, pp_ckpt = str(tmp_path / "one"), str(tmp_path / "pp")
+    torch.manual_seed(0)
+    single = mt.Trainer(eq.tied_pipe(), mt.Plan(), optimizer=eq.sgd, loss_fn=eq.token_loss)
+    for x, y in eq.batches("tied_pipe", 2):
+        single.step(x, y)
+    single.save(one)
+    saved = single.full_state_dict(), copy.deepcopy(single.full_optimizer_state())
+    ranks = run_ranks(2, resume_under_pp, one, pp_ckpt)
+    for rank, result in enumerate(ranks):
+        assert_same_state(saved, result["loaded"], f"one process -> pp rank {rank}")
+    # the tied weight is one tensor under both its names, on every rank
+    assert ranks[0]["final"][0]["0.weight"] is ranks[0]["final"][0]["7.weight"]
+    back = mt.Trainer(eq.tied_pipe(), mt.Plan(), optimizer=eq.sgd, loss_fn=eq.token_loss)
+    back.load(pp_ckpt)
+    assert_same_state(ranks[0]["final"], (back.full_state_dict(), back.full_optimizer_state()),
+                      "pp -> one process")
+    for x, y in eq.batches("tied_pipe", 4)[2:]:
+        single.step(x, y)
+    # the continued runs differ only by micro-batching's round-off (M=4 against 1)
+    assert_same_state((single.full_state_dict(), single.full_optimizer_state()),
+                      (back.full_state_dict(), back.full_optimizer_state()),
+                      "pp run vs one-process run", atol=1e-5)
+
+
+def assert_same_state(a, b, what: str, atol: float = 0.0) -> None:
+    """Model and optimizer states equal (exactly, by default) under the same names."""
+    (model_a, optim_a), (model_b, optim_b) = a, b
+    assert model_a.keys() == model_b.keys(), what
+    for name in model_a:
+        torch.testing.assert_close(model_a[name], model_b[name], rtol=0, atol=atol,
+                                   msg=lambda m: f"{what} {name}: {m}")
+    assert optim_a["state"].keys() == optim_b["state"].keys(), what
+    for name, states in optim_a["state"].items():
+        for key, value in states.items():
+            torch.testing.assert_close(optim_b["state"][name][key], value, rtol=0, atol=atol,
+                                       msg=lambda m: f"{what} {name}.{key}: {m}")
