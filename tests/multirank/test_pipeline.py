@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import meshtrain as mt
 from meshtrain.strategies.pipeline import PipelineError
+from meshtrain.strategies.pipeline.schedules import compute_order
 from meshtrain.testing import run_ranks
 from tests.multirank import equivalence as eq
 
@@ -71,7 +72,12 @@ def accounting(cases: list[tuple[str, int, int]]) -> list[dict]:
         trainer.step(*second)
         traffic = {(op, tag): vars(trainer.comm.stats.total("pp", op, tag))
                    for op in ("send", "recv") for tag in ("act", "grad", "shape")}
-        out.append({"peak": trainer.driver.peak_held, "traffic": traffic})
+        trace = trainer.driver.trace
+        out.append({"peak": trainer.driver.peak_held, "traffic": traffic,
+                     "trace": [(b.kind.value, b.microbatch, b.chunk) for b in trace.blocks],
+                     "ordered": all(a.end <= b.start for a, b in zip(trace.blocks,
+                                                                     trace.blocks[1:])),
+                     "idle": trace.bubble})
     return out
 
 
@@ -104,6 +110,10 @@ def test_activations_held_and_bytes_per_boundary():
             assert t[("recv", "grad")] == {"calls": m * starts, "sent": 0,
                                            "received": m * starts * element_bytes}, case
             assert t[("send", "shape")]["calls"] == 0, case   # shapes only in the first step
+            # the measured trace: this rank's compute, in the schedule's order, timed
+            order = compute_order(schedule, p, m, v)[rank]
+            assert r[i]["trace"] == [(k.value, mb, c) for k, mb, c in order], case
+            assert r[i]["ordered"] and 0 <= r[i]["idle"] < 1, case
 
 
 def evaluate_and_state() -> dict:

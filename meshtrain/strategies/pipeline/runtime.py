@@ -6,9 +6,11 @@ this rank's stages. No schedule has a loop of its own here: the list is the prog
     backward  from the loss, or from the gradient received for the stage's output; the
               input's gradient is what the previous stage receives; the micro-batch's
               activations are dropped at once
-    send/recv consecutive communication actions are posted as one batch of isend/irecv
-              through the accounted Comm (axis "pp", tags "act" and "grad"); receives are
-              waited for at once, sends only when their buffer is needed no more
+    send/recv consecutive communication actions are posted as batches of isend/irecv
+              (their sends, then their receives) through the accounted Comm (axis "pp",
+              tags "act" and "grad"); receives are waited for at once, sends only when
+              their buffer is needed no more
+    trace     each forward and backward is timed: `trace` is this rank's measured timeline
 
 Gradient sync over dp (slot 3) is driven as the micro-batch loop drives it: every backward
 but this rank's last runs inside `no_sync`, so the dp reduction starts during the last
@@ -23,6 +25,7 @@ its receiver sent itself.
 """
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Callable
@@ -35,6 +38,7 @@ from meshtrain.core.plan import Plan
 from meshtrain.strategies.pipeline.schedules import (COMPUTE, RECVS, Action, Kind,
                                                      build_schedule, evaluation_schedule,
                                                      message, message_tag, stage_of)
+from meshtrain.strategies.pipeline.simulator import Block, Timeline
 from meshtrain.strategies.pipeline.stages import PipelineStages
 from meshtrain.strategies.slots import GradientSync, split_microbatches
 
@@ -64,6 +68,9 @@ class PipelineSchedule:
         self.shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
         """(receiving stage, micro-batch input shape) -> the activation's shape and dtype:
         see [Note: activation shapes]."""
+        self.trace: Timeline | None = None
+        """This rank's forwards and backwards in the last step, timed (seconds from the
+        step's start): `trace.bubble` is the fraction of the step this rank was idle."""
         self.peak_held = 0
         """The most micro-batches (x chunks) whose activations this rank held at once in
         the last step: the runtime's own accounting of activation memory. With an
@@ -92,10 +99,15 @@ class PipelineSchedule:
                      split_microbatches(targets, microbatches), sync)
         last_backward = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD),
                             default=-1)
+        blocks, start = [], time.perf_counter()
         i = 0
         while i < len(actions):
-            if actions[i].kind in COMPUTE:
-                step.compute(actions[i], final=i == last_backward)
+            a = actions[i]
+            if a.kind in COMPUTE:
+                begin = time.perf_counter() - start
+                step.compute(a, final=i == last_backward)
+                blocks.append(Block(self.rank, a.kind, a.microbatch, a.chunk, begin,
+                                    time.perf_counter() - start))
                 i += 1
                 continue
             j = i
@@ -105,6 +117,8 @@ class PipelineSchedule:
             i = j
         step.finish()
         if sync is not None:   # a training step, not an evaluation
+            self.trace = Timeline(blocks, 1, time.perf_counter() - start,
+                                  [sum(b.end - b.start for b in blocks)])
             self.peak_held = step.peak_held
             if self.activations is not None:
                 self.activations.last_bytes = step.peak_bytes
@@ -145,6 +159,9 @@ class _Step:
                     y = self.d.loss_fn(y, self.ys[a.microbatch].to(self.device)) / len(self.xs)
             if s == self.last_stage:
                 self.loss_sum += y.detach()
+            elif not isinstance(y, torch.Tensor):
+                raise PipelineError(f"stage {s} returns a {type(y).__name__}: a stage "
+                                    "boundary carries one tensor")
             else:
                 self.outbox[(False, *key)] = y.detach()
             if torch.is_grad_enabled():
@@ -204,7 +221,11 @@ class _Step:
         key = self._shape_key(a, self.stage(a) + 1)
         if key in self.d.shapes:
             return
-        header = torch.zeros(_HEADER, dtype=torch.int64)
+        if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+            raise PipelineError(f"stage {self.stage(a)} outputs a {tensor.dim()}-dim "
+                                f"{tensor.dtype} tensor; a stage boundary carries at most "
+                                f"{_HEADER - 2} dims of {', '.join(map(str, _DTYPES))}")
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
         header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
         work, = self.d.comm.batch_isend_irecv([P2P(header, a.peer, True, match + (1 << 24))],
@@ -217,7 +238,7 @@ class _Step:
             return torch.empty_like(self.held[key[1:]][1])
         shape_key = self._shape_key(a, self.stage(a))
         if shape_key not in self.d.shapes:
-            header = torch.zeros(_HEADER, dtype=torch.int64)
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
             work, = self.d.comm.batch_isend_irecv([P2P(header, a.peer, False, match + (1 << 24))],
                                                   "pp", tag="shape")
             self._wait(work, a)
