@@ -10,9 +10,6 @@ driven by a schedule that is data.
 """
 from __future__ import annotations
 
-from torch import nn
-
-from meshtrain.core.plan import Plan
 from meshtrain.strategies.pipeline.partition import check
 from meshtrain.strategies.pipeline.runtime import PipelineError, PipelineSchedule
 from meshtrain.strategies.pipeline.stages import PipelineStages, keep_stages
