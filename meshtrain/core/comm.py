@@ -287,8 +287,8 @@ class Comm:
         p2p = []
         for op in ops:
             nbytes = op.tensor.numel() * op.tensor.element_size()
-            self.stats.record(axis, "send" if op.send else "recv", tag,
-                              nbytes if op.send else 0, 0 if op.send else nbytes)
+            self._account(axis, "send" if op.send else "recv", tag,
+                          nbytes if op.send else 0, 0 if op.send else nbytes, op.tensor)
             p2p.append(dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor,
                                   self.mesh.global_rank(axis, op.peer),
                                   group=self.mesh.group(axis), tag=op.match))

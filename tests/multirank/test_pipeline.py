@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import meshtrain as mt
+from meshtrain.core.watchdog import CollectiveFailure
 from meshtrain.strategies.pipeline import PipelineError
 from meshtrain.strategies.pipeline.schedules import compute_order
 from meshtrain.testing import run_ranks
@@ -161,8 +162,8 @@ def fail_on_stage_zero() -> str:
     start = time.monotonic()
     try:
         trainer.step(*batches[1])
-    except PipelineError as exc:
-        return f"{exc} after {time.monotonic() - start:.1f} s"
+    except (PipelineError, CollectiveFailure) as exc:   # the watchdog's diagnosis wraps ours
+        return f"{type(exc).__name__}: {exc}\n{exc.__cause__} after {time.monotonic() - start:.1f} s"
     except RuntimeError as exc:
         return f"own failure: {exc}"
     return "no failure"
