@@ -14,6 +14,7 @@ COMMANDS = {
     "report": "report_cmd",
     "generate": "generate_cmd",
     "export": "export_cmd",
+    "schedule": "schedule_cmd",
 }
 
 

@@ -87,7 +87,10 @@ def add_parser(sub) -> None:
                       help="bf16: bf16 compute and gradients, fp32 master weights")
     plan.add_argument("--dp-mode", default="ddp")
     plan.add_argument("--microbatches", type=int, default=1)
-    plan.add_argument("--schedule", default="1f1b")
+    plan.add_argument("--schedule", default="1f1b",
+                      help="pipeline schedule with --pp > 1: naive | gpipe | 1f1b | interleaved")
+    plan.add_argument("--virtual-stages", type=int, default=1,
+                      help="model chunks per pipeline rank (with --schedule interleaved)")
     plan.add_argument("--bucket-mb", type=float, default=Plan().bucket_mb)
     p.set_defaults(run=run)
 
@@ -124,7 +127,8 @@ def build_config(args):
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or 2)
     plan = Plan(dp=args.dp or max(1, world // (args.pp * args.tp)), pp=args.pp, tp=args.tp,
                 zero=args.zero, dp_mode=args.dp_mode, microbatches=args.microbatches,
-                schedule=args.schedule, bucket_mb=args.bucket_mb, precision=args.precision,
+                schedule=args.schedule, virtual_stages=args.virtual_stages,
+                bucket_mb=args.bucket_mb, precision=args.precision,
                 offload=args.offload, recompute=args.recompute,
                 sequence_parallel=args.sequence_parallel)
     plan.check_world_size(world)
@@ -179,6 +183,10 @@ def run(args) -> int:
         if plan.dp and config.batch_size % plan.dp:
             raise PlanError(f"global batch {config.batch_size} does not split over dp="
                             f"{plan.dp} ranks; use --batch a multiple of {plan.dp}")
+        if (config.batch_size // plan.dp) % plan.microbatches:
+            raise PlanError(f"each dp rank's batch of {config.batch_size // plan.dp} does not "
+                            f"split into --microbatches {plan.microbatches}; use --batch a "
+                            f"multiple of {plan.dp * plan.microbatches}")
         if config.resume:   # refuse a bad checkpoint here, before any rank starts
             ckpt = latest_checkpoint(config.run_dir)
             if ckpt is not None:
@@ -235,7 +243,14 @@ def check_model_plan(config, plan: Plan) -> None:
 
     if kind_of(config.model) == "gpt":
         from meshtrain.strategies.tensor_parallel.gpt import check_tensor_parallel
-        check_tensor_parallel(gpt_config(config.model, **config.model_overrides), plan)
+        gpt = gpt_config(config.model, **config.model_overrides)
+        check_tensor_parallel(gpt, plan)
+        stages = plan.pp * plan.virtual_stages
+        if plan.pp > 1 and stages > gpt.n_layer + 2:
+            raise PlanError(f"--pp {plan.pp} x --virtual-stages {plan.virtual_stages} = "
+                            f"{stages} stages, but {config.model!r} has {gpt.n_layer + 2} layers "
+                            f"(embedding, {gpt.n_layer} blocks, head); use fewer stages or "
+                            "--layers")
     elif plan.tp > 1:
         raise PlanError(f"--tp {plan.tp}: tensor parallel from the command line shards "
                         f"meshtrain's GPT presets; {config.model!r} needs a tp_plan, which the "

@@ -108,6 +108,17 @@ def ring_half_elements(numel: int, n: int, rank: int) -> int:
     return numel - ring_chunk_sizes(numel, n)[(rank + 1) % n]
 
 
+@dataclass
+class P2P:
+    """One transfer of a point-to-point batch: send `tensor` to the axis rank `peer`, or
+    receive into it from `peer`. `match` is the c10d tag that pairs a send with its
+    receive, so that several messages between two ranks never mix."""
+    tensor: torch.Tensor
+    peer: int
+    send: bool
+    match: int = 0
+
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
 
@@ -268,6 +279,20 @@ class Comm:
         self._account(axis, "recv", tag, 0, tensor.numel() * tensor.element_size(), tensor)
         return dist.irecv(tensor, src=self.mesh.global_rank(axis, src),
                           group=self.mesh.group(axis))
+
+    def batch_isend_irecv(self, ops: list["P2P"], axis: str, tag: str = "") -> list:
+        """Post every send and receive of `ops` at once (one c10d batch: none waits for
+        another, so a send and a receive between two ranks cannot block each other); each
+        charged its exact bytes. Returns one handle per op."""
+        p2p = []
+        for op in ops:
+            nbytes = op.tensor.numel() * op.tensor.element_size()
+            self._account(axis, "send" if op.send else "recv", tag,
+                          nbytes if op.send else 0, 0 if op.send else nbytes, op.tensor)
+            p2p.append(dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor,
+                                  self.mesh.global_rank(axis, op.peer),
+                                  group=self.mesh.group(axis), tag=op.match))
+        return dist.batch_isend_irecv(p2p) if p2p else []
 
     def send(self, tensor: torch.Tensor, dst: int, axis: str, tag: str = "") -> None:
         self.isend(tensor, dst, axis, tag).wait()

@@ -67,6 +67,11 @@ class ActivationMeter:
         self._seen: dict[int, int] | None = None   # storages seen in the current measure()
         self.last_bytes: int | None = None
 
+    def track(self, params: Iterable[torch.Tensor]) -> None:
+        """Recognise `params` from now on, in place of the earlier ones (a pipeline stage
+        keeps only its own: the others must not be held alive here)."""
+        self._params = list(params)
+
     def keep(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors held for backward outside autograd's saved tensors (the inputs
         recomputation keeps), while a measurement runs."""

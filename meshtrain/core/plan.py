@@ -80,6 +80,11 @@ class Plan:
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise PlanError(f"Plan.virtual_stages={self.virtual_stages} needs "
                             f"schedule='interleaved' (got {self.schedule!r})")
+        if self.schedule == "interleaved" and self.pp > 1 and self.microbatches % self.pp:
+            raise PlanError(f"Plan.schedule='interleaved' sends micro-batches round the "
+                            f"{self.pp} stages in groups of pp: microbatches="
+                            f"{self.microbatches} must be a multiple of pp={self.pp} (e.g. "
+                            f"microbatches={self.pp * max(1, round(self.microbatches / self.pp))})")
         if self.zero == 3 and self.pp > 1:
             raise PlanError(f"Plan.zero=3 with pp={self.pp}: ZeRO-3 gathers parameters unit "
                             "by unit inside one stage's forward and backward, which pipeline "

@@ -24,7 +24,7 @@ from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import Plan, PlanError
 from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchLoop, NoSharding,
                                         Stages, StepDriver, WholeModel)
-from meshtrain.strategies import tensor_parallel
+from meshtrain.strategies import pipeline, tensor_parallel
 from meshtrain.strategies.data_parallel.ddp import DDP
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.zero.sharded import ZeRO
@@ -38,8 +38,6 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 def refuse_unbuilt(plan: Plan) -> None:
     """Name the first strategy in `plan` that meshtrain cannot run yet."""
     unbuilt = [
-        (plan.pp > 1, f"pipeline parallel (pp={plan.pp}): pipeline schedules are not "
-                      "available yet"),
         (plan.dp_mode != "ddp", f"dp_mode={plan.dp_mode!r} is not available yet "
                                 "(only 'ddp' is)"),
     ]
@@ -74,9 +72,12 @@ def check_layer_sharding(model: nn.Module, plan: Plan, tp_plan: dict | None) -> 
     tensor_parallel.check(model, plan, tp_plan)
 
 
-def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout) -> Stages:
+def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout,
+                stage_cuts: list[int] | None = None) -> Stages:
     """Slot 2: keep only this rank's pipeline stages (chunks) of the model."""
-    return WholeModel(model, layout.canonical)
+    if plan.pp == 1:
+        return WholeModel(model, layout.canonical)
+    return pipeline.keep_stages(model, plan, comm, layout, stage_cuts)
 
 
 def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
@@ -96,6 +97,8 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
 def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_fn: Callable,
                 activations: ActivationMeter | None) -> StepDriver:
     """Slot 5: the order of forwards, backwards and communication in a step."""
+    if plan.pp > 1:
+        return pipeline.PipelineSchedule(stages, plan, comm, loss_fn, activations)
     return MicrobatchLoop(model, loss_fn, plan.microbatches, comm.mesh.device, activations)
 
 
@@ -103,7 +106,8 @@ class Trainer:
     def __init__(self, model: nn.Module, plan: Plan, optimizer: OptimizerFactory,
                  loss_fn: Callable | None = None, tp_plan: dict | None = None,
                  max_grad_norm: float | None = None, measure_activations: bool = False,
-                 zero3_units: list[str] | None = None, offload_dir=None) -> None:
+                 zero3_units: list[str] | None = None, offload_dir=None,
+                 stage_cuts: list[int] | None = None) -> None:
         refuse_unbuilt(plan)
         check_max_grad_norm(max_grad_norm)
         if offload_dir is not None and plan.offload != "disk":
@@ -116,6 +120,7 @@ class Trainer:
             raise TypeError(f"{type(model).__name__} has no .loss(output, targets): pass "
                             "loss_fn=, e.g. torch.nn.functional.cross_entropy")
         check_layer_sharding(model, plan, tp_plan)
+        pipeline.check(model, plan, stage_cuts)   # stages need layers: before any group
         self.plan, self.max_grad_norm = plan, max_grad_norm
         self.mesh = Mesh.build(plan)
         self.comm = Comm(self.mesh)
@@ -135,7 +140,9 @@ class Trainer:
         self.recomputed = apply_recompute(self.model, plan.recompute,
                                           self.activations.keep if self.activations else None)
         # 2. pipeline stages: the data-parallel sync covers only what this stage keeps
-        self.stages = keep_stages(self.model, plan, self.comm, self.layout)
+        self.stages = keep_stages(self.model, plan, self.comm, self.layout, stage_cuts)
+        if self.activations is not None:
+            self.activations.track(p for _, p in self.stages.named_parameters())
         # 3-4. gradient sync before the optimizer: the optimizer must see what the sync owns
         self.data_parallel = sync_gradients(self.stages, plan, self.comm, zero3_units,
                                             offload_dir)
@@ -182,7 +189,10 @@ class Trainer:
         """Gradients the dp sync leaves partial along another axis: a weight tied across
         pipeline stages (summed over the stages holding it), a LayerNorm under sequence
         parallel (summed over tp)."""
-        reduced = self.data_parallel.reduced_gradient
+        held = {name for name, _ in self.stages.named_parameters()}
+
+        def reduced(name: str):   # None for what another pipeline stage holds
+            return self.data_parallel.reduced_gradient(name) if name in held else None
         self.stages.sum_shared_gradients(reduced)
         self.sharding.sum_partial_gradients(reduced)
 

@@ -73,6 +73,26 @@ def tied_sequential() -> nn.Sequential:
                          nn.Linear(TIED_HIDDEN, TIED_WIDTH), nn.LayerNorm(TIED_WIDTH), head)
 
 
+PIPE_CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=6, n_head=2, d_model=16,
+                        bias=False)
+
+
+def gpt_pipe() -> nn.Module:
+    """The GPT with 8 layers (embed, 6 blocks, head): enough for 4 ranks x 2 chunks."""
+    return GPT(PIPE_CONFIG)
+
+
+def tied_pipe() -> nn.Sequential:
+    """The tied model with 8 layers (embedding ... output layer sharing its weight), enough
+    for 4 pipeline ranks x 2 chunks: (B, T) int64 -> (B, T, 37)."""
+    embed = nn.Embedding(TIED_VOCAB, TIED_WIDTH)
+    head = nn.Linear(TIED_WIDTH, TIED_VOCAB, bias=False)
+    head.weight = embed.weight
+    return nn.Sequential(embed, nn.Linear(TIED_WIDTH, TIED_HIDDEN), nn.GELU(),
+                         nn.Linear(TIED_HIDDEN, TIED_WIDTH), nn.Tanh(),
+                         nn.Linear(TIED_WIDTH, TIED_WIDTH), nn.LayerNorm(TIED_WIDTH), head)
+
+
 class WithExtras(nn.Module):
     """The tied model, scaled by a constant buffer, beside a Linear no step ever uses:
     buffers and gradient-less parameters, for the strategies that shard."""
@@ -95,6 +115,8 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 MODELS = {"gpt": (gpt, None, CONFIG.vocab_size, CONFIG.seq_len),
           "gpt_tp": (gpt_tp, None, TP_CONFIG.vocab_size, TP_CONFIG.seq_len),
           "tied": (tied_sequential, token_loss, TIED_VOCAB, TIED_SEQ),
+          "gpt_pipe": (gpt_pipe, None, PIPE_CONFIG.vocab_size, PIPE_CONFIG.seq_len),
+          "tied_pipe": (tied_pipe, token_loss, TIED_VOCAB, TIED_SEQ),
           "extras": (WithExtras, token_loss, TIED_VOCAB, TIED_SEQ),
           "hf_gpt2": (hf_gpt2, token_cross_entropy, HF_VOCAB, HF_SEQ)}
 

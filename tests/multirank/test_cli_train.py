@@ -82,7 +82,14 @@ def test_resume_gives_the_numbers_of_an_uninterrupted_run(one_process, tmp_path)
 
 @pytest.mark.parametrize("args, message", [
     (["--nproc", "2", "--dp", "4"], "needs dp*pp*tp = 4 ranks but the world has 2"),
-    (["--nproc", "2", "--pp", "2"], "pipeline schedules are not available yet"),
+    (["--nproc", "2", "--pp", "2", "--microbatches", "3"],
+     "each dp rank's batch of 32 does not split into --microbatches 3"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+      "--microbatches", "3"], "microbatches=3 must be a multiple of pp=2"),
+    (["--nproc", "2", "--pp", "2", "--virtual-stages", "2", "--microbatches", "2"],
+     "virtual_stages=2 needs schedule='interleaved'"),
+    (["--nproc", "4", "--pp", "4", "--schedule", "interleaved", "--virtual-stages", "2",
+      "--microbatches", "4", "--layers", "2"], "8 stages, but 'tiny' has 4 layers"),
     (["--model", "gpt5"], "unknown"),
     (["--nproc", "2", "--batch", "7"], "does not split over dp=2"),
     (["--resume", "/nonexistent/run"], "not a meshtrain run folder"),

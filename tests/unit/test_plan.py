@@ -54,7 +54,13 @@ def test_virtual_stages_need_interleaved(schedule):
     with pytest.raises(PlanError, match=rf"virtual_stages=2 needs schedule='interleaved' "
                                         rf"\(got '{schedule}'\)"):
         Plan(pp=2, virtual_stages=2, schedule=schedule)
-    assert Plan(pp=2, virtual_stages=2, schedule="interleaved").virtual_stages == 2
+    assert Plan(pp=2, virtual_stages=2, schedule="interleaved",
+                microbatches=2).virtual_stages == 2
+
+
+def test_interleaved_needs_microbatches_a_multiple_of_pp():
+    with pytest.raises(PlanError, match="microbatches=1 must be a multiple of pp=2"):
+        Plan(pp=2, virtual_stages=2, schedule="interleaved")
 
 
 @pytest.mark.parametrize("bucket_mb", [0, -1.0, "4", None])

@@ -1,0 +1,271 @@
+"""Slot 5 for pp > 1: one executor that runs any schedule's action list (schedules.py) on
+this rank's stages. No schedule has a loop of its own here: the list is the program.
+
+    forward   stage 0 reads its micro-batch, the others the activation received; the last
+              stage computes the loss (divided by M, so the micro-batches average)
+    backward  from the loss, or from the gradient received for the stage's output; the
+              input's gradient is what the previous stage receives; the micro-batch's
+              activations are dropped at once
+    send/recv consecutive communication actions are posted as batches of isend/irecv
+              (their sends, then their receives) through the accounted Comm (axis "pp",
+              tags "act" and "grad"); receives are waited for at once, sends only when
+              their buffer is needed no more
+    trace     each forward and backward is timed: `trace` is this rank's measured timeline
+
+Gradient sync over dp (slot 3) is driven as the micro-batch loop drives it: every backward
+but this rank's last runs inside `no_sync`, so the dp reduction starts during the last
+backward and overlaps the cool-down; the Trainer calls `finish_gradient_sync` after `run`.
+
+[Note: activation shapes]
+A receiver must size its buffer before the data arrives. Every rank is given the same
+batch, so both ends of a boundary know the micro-batch's input shape; the first time an
+input shape meets a boundary, the sender sends the activation's shape and dtype ahead of
+it (tag "shape"), and both ends remember it. A gradient has its activation's shape, which
+its receiver sent itself.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+from meshtrain.core.comm import P2P, Comm
+from meshtrain.core.memory import ActivationMeter
+from meshtrain.core.plan import Plan
+from meshtrain.strategies.pipeline.schedules import (COMPUTE, RECVS, Action, Kind,
+                                                     build_schedule, evaluation_schedule,
+                                                     message, message_tag, stage_of)
+from meshtrain.strategies.pipeline.simulator import Block, Timeline
+from meshtrain.strategies.pipeline.stages import PipelineStages
+from meshtrain.strategies.slots import GradientSync, split_microbatches
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
+           torch.int32)
+_HEADER = 8   # dtype, ndim, up to 6 sizes
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step that could not go on (a neighbouring stage failed or hung)."""
+
+
+class PipelineSchedule:
+    """StepDriver protocol (strategies/slots.py) over a schedule's action list."""
+
+    def __init__(self, stages: PipelineStages, plan: Plan, comm: Comm, loss_fn: Callable,
+                 activations: ActivationMeter | None = None,
+                 recv_timeout: float | None = None) -> None:
+        self.stages, self.comm, self.loss_fn = stages, comm, loss_fn
+        self.activations = activations
+        self.pp, self.rank, self.microbatches = plan.pp, stages.rank, plan.microbatches
+        self.actions = build_schedule(plan.schedule, plan.pp, plan.microbatches,
+                                      plan.virtual_stages)[self.rank]
+        self.eval_actions = evaluation_schedule(plan.pp, plan.virtual_stages)[self.rank]
+        self.recv_timeout = recv_timeout
+        """Seconds a receive may wait (None: the process group's timeout)."""
+        self.shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+        """(receiving stage, micro-batch input shape) -> the activation's shape and dtype:
+        see [Note: activation shapes]."""
+        self.trace: Timeline | None = None
+        """This rank's forwards and backwards in the last step, timed (seconds from the
+        step's start): `trace.bubble` is the fraction of the step this rank was idle."""
+        self.peak_held = 0
+        """The most micro-batches (x chunks) whose activations this rank held at once in
+        the last step: the runtime's own accounting of activation memory. With an
+        ActivationMeter, its `last_bytes` becomes the bytes held at that peak."""
+
+    # ---- StepDriver ----------------------------------------------------------------------
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor,
+            sync: GradientSync) -> torch.Tensor:
+        return self._execute(self.actions, inputs, targets, self.microbatches, sync)
+
+    def global_loss(self, dp_mean: float) -> float:
+        """Only the last stage computed a loss: every rank takes its value."""
+        loss = torch.tensor(dp_mean, dtype=torch.float64, device=self.comm.mesh.device)
+        self.comm.broadcast(loss, self.pp - 1, "pp", tag="loss")
+        return loss.item()
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = self._execute(self.eval_actions, inputs, targets, 1, None)
+        return self.global_loss(loss.item())
+
+    # ---- the executor -----------------------------------------------------------------------
+    def _execute(self, actions: list[Action], inputs, targets, microbatches: int,
+                 sync: GradientSync | None) -> torch.Tensor:
+        step = _Step(self, split_microbatches(inputs, microbatches),
+                     split_microbatches(targets, microbatches), sync)
+        last_backward = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD),
+                            default=-1)
+        blocks, start = [], time.perf_counter()
+        i = 0
+        while i < len(actions):
+            a = actions[i]
+            if a.kind in COMPUTE:
+                begin = time.perf_counter() - start
+                step.compute(a, final=i == last_backward)
+                blocks.append(Block(self.rank, a.kind, a.microbatch, a.chunk, begin,
+                                    time.perf_counter() - start))
+                i += 1
+                continue
+            j = i
+            while j < len(actions) and actions[j].kind not in COMPUTE:
+                j += 1
+            step.communicate(actions[i:j])
+            i = j
+        step.finish()
+        if sync is not None:   # a training step, not an evaluation
+            self.trace = Timeline(blocks, 1, time.perf_counter() - start,
+                                  [sum(b.end - b.start for b in blocks)])
+            self.peak_held = step.peak_held
+            if self.activations is not None:
+                self.activations.last_bytes = step.peak_bytes
+        return step.loss_sum
+
+
+class _Step:
+    """What one step holds: micro-batches, activations awaiting backward, messages."""
+
+    def __init__(self, driver: PipelineSchedule, xs, ys, sync) -> None:
+        self.d, self.xs, self.ys, self.sync = driver, xs, ys, sync
+        self.device = driver.comm.mesh.device
+        self.last_stage = driver.stages.stages - 1
+        self.held: dict[tuple[int, int], tuple] = {}      # (mb, chunk) -> (input, output)
+        self.inbox: dict[tuple[bool, int, int], torch.Tensor] = {}   # received
+        self.outbox: dict[tuple[bool, int, int], torch.Tensor] = {}  # to send
+        self.sending: list = []                            # (work, tensor) in flight
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.held_bytes: dict[tuple[int, int], int] = {}  # what autograd saved, per entry
+        self.peak_held = self.peak_bytes = 0
+
+    def stage(self, a: Action) -> int:
+        return stage_of(self.d.rank, a.chunk, self.d.pp)
+
+    # ---- compute ----------------------------------------------------------------------------
+    def compute(self, a: Action, final: bool) -> None:
+        key, s = (a.microbatch, a.chunk), self.stage(a)
+        if a.kind is Kind.FORWARD:
+            if s == 0:
+                x = self.xs[a.microbatch].to(self.device)
+            else:
+                x = self.inbox.pop((False, *key))
+                x.requires_grad_(x.is_floating_point() and torch.is_grad_enabled())
+            meter = self.d.activations if torch.is_grad_enabled() else None
+            with (meter.measure() if meter is not None else nullcontext()):
+                y = self.d.stages.chunks[a.chunk](x)
+                if s == self.last_stage:
+                    y = self.d.loss_fn(y, self.ys[a.microbatch].to(self.device)) / len(self.xs)
+            if s == self.last_stage:
+                self.loss_sum += y.detach()
+            elif not isinstance(y, torch.Tensor):
+                raise PipelineError(f"stage {s} returns a {type(y).__name__}: a stage "
+                                    "boundary carries one tensor")
+            else:
+                self.outbox[(False, *key)] = y.detach()
+            if torch.is_grad_enabled():
+                self.held[key] = (x, y)
+                self.held_bytes[key] = meter.last_bytes if meter is not None else 0
+                self.peak_held = max(self.peak_held, len(self.held))
+                self.peak_bytes = max(self.peak_bytes, sum(self.held_bytes.values()))
+            return
+        x, y = self.held.pop(key)   # dropped after this backward: see the module docstring
+        self.held_bytes.pop(key)
+        grad = None if s == self.last_stage else self.inbox.pop((True, *key))
+        with (self.sync.no_sync() if self.sync is not None and not final else nullcontext()):
+            torch.autograd.backward(y, grad)
+        if s > 0:
+            self.outbox[(True, *key)] = x.grad
+
+    # ---- communication -------------------------------------------------------------------------
+    def communicate(self, actions: list[Action]) -> None:
+        """Post a run of sends, then its receives, each as a batch of isend/irecv; wait for
+        the receives. Sends go first: a receive may block on a shape header (see [Note:
+        activation shapes]), and the peer may be waiting for one of these sends first."""
+        self._reap_sends()
+        sends, recvs = [], []   # (tag, op, action, key)
+        for a in actions:
+            grad = a.kind in (Kind.SEND_GRAD, Kind.RECV_GRAD)
+            key = (grad, a.microbatch, a.chunk)
+            match = message_tag(message(a, self.d.rank, self.d.pp), self.last_stage + 1)
+            if a.kind in RECVS:
+                recvs.append((a, key, match))
+            else:
+                op = P2P(self.outbox.pop(key).contiguous(), a.peer, send=True, match=match)
+                if not grad:
+                    self._send_shape(a, op.tensor, match)
+                sends.append(("grad" if grad else "act", op, a, key))
+        for (_, op, _, _), work in self._post(sends):
+            self.sending.append((work, op.tensor))
+        received = [("grad" if key[0] else "act",
+                     P2P(self._receive_buffer(a, key, match), a.peer, send=False, match=match),
+                     a, key) for a, key, match in recvs]
+        for (_, op, a, key), work in self._post(received):
+            self._wait(work, a)
+            self.inbox[key] = op.tensor
+
+    def _post(self, entries: list[tuple]) -> list[tuple]:
+        """One batch per tag, so that the counters tell activations from gradients apart."""
+        posted = []
+        for tag in ("act", "grad"):
+            batch = [e for e in entries if e[0] == tag]
+            posted += zip(batch, self.d.comm.batch_isend_irecv([e[1] for e in batch], "pp",
+                                                               tag=tag))
+        return posted
+
+    def _shape_key(self, a: Action, stage: int) -> tuple:
+        return (stage, tuple(self.xs[a.microbatch].shape))
+
+    def _send_shape(self, a: Action, tensor: torch.Tensor, match: int) -> None:
+        key = self._shape_key(a, self.stage(a) + 1)
+        if key in self.d.shapes:
+            return
+        if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+            raise PipelineError(f"stage {self.stage(a)} outputs a {tensor.dim()}-dim "
+                                f"{tensor.dtype} tensor; a stage boundary carries at most "
+                                f"{_HEADER - 2} dims of {', '.join(map(str, _DTYPES))}")
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+        work, = self.d.comm.batch_isend_irecv([P2P(header, a.peer, True, match + (1 << 24))],
+                                              "pp", tag="shape")
+        self.sending.append((work, header))
+        self.d.shapes[key] = (tensor.shape, tensor.dtype)
+
+    def _receive_buffer(self, a: Action, key, match: int) -> torch.Tensor:
+        if key[0]:   # a gradient: shaped as the output it belongs to
+            return torch.empty_like(self.held[key[1:]][1])
+        shape_key = self._shape_key(a, self.stage(a))
+        if shape_key not in self.d.shapes:
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+            work, = self.d.comm.batch_isend_irecv([P2P(header, a.peer, False, match + (1 << 24))],
+                                                  "pp", tag="shape")
+            self._wait(work, a)
+            dims = header[2:2 + int(header[1])].tolist()
+            self.d.shapes[shape_key] = (torch.Size(dims), _DTYPES[int(header[0])])
+        shape, dtype = self.d.shapes[shape_key]
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _wait(self, work, a: Action) -> None:
+        try:
+            if self.d.recv_timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=timedelta(seconds=self.d.recv_timeout))
+        except RuntimeError as exc:
+            raise PipelineError(f"pp rank {self.d.rank}: {a.kind.value} of micro-batch "
+                                f"{a.microbatch} (chunk {a.chunk}) from pp rank {a.peer} "
+                                f"failed; that stage failed or hung: {exc}") from exc
+
+    def _reap_sends(self) -> None:
+        self.sending = [(w, t) for w, t in self.sending if not w.is_completed()]
+
+    def finish(self) -> None:
+        for work, _ in self.sending:
+            work.wait()
+        self.sending.clear()
+        if self.held or self.inbox or self.outbox:
+            raise PipelineError(f"pp rank {self.d.rank}: the schedule left work undone "
+                                f"(held {sorted(self.held)}, received {sorted(self.inbox)}, "
+                                f"unsent {sorted(self.outbox)})")
