@@ -25,6 +25,7 @@ PLANS = {
     "zero2": ["--zero", "2"],
     "zero3": ["--zero", "3"],
     "tp": ["--tp", "2"],
+    "pp": ["--pp", "2", "--microbatches", "2"],
 }
 STEPS, CKPT_EVERY, WORLD = 6, 2, 2
 SHAPE = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "32", "--batch", "8",

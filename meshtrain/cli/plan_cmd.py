@@ -49,6 +49,9 @@ def add_parser(subparsers) -> None:
                    "and collective bandwidths on local ranks; save a profile")
     o.add_argument("--verify", action="store_true", help="run the top plans the Trainer "
                    "supports on local ranks; compare predicted and measured")
+    o.add_argument("--rank", action="store_true", help="with --verify: run the planner's "
+                   "top plans and a sample of the rest at --nproc ranks; report the rank "
+                   "correlation of predicted and measured step times")
     o.add_argument("--nproc", type=int, default=4, help="largest number of local ranks "
                    "--calibrate measures (it measures 1, 2 and this; --verify needs 4)")
     p.set_defaults(run=run)
@@ -110,6 +113,11 @@ def run(args) -> int:
         if args.calibrate:
             from meshtrain.planner.calibrate import calibrate_command
             return calibrate_command(args)
+        if args.rank and not args.verify:
+            raise ValueError("--rank ranks plans by running them: add --verify")
+        if args.verify and args.rank:
+            from meshtrain.planner.ranking import rank_command
+            return rank_command(args)
         if args.verify:
             from meshtrain.planner.verify import verify_command
             return verify_command(args)

@@ -8,7 +8,9 @@ action lists (the ones the runtime executes), drawn and printed with its bubble 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from meshtrain.core.plan import SCHEDULES
 
@@ -42,6 +44,11 @@ def run(args) -> int:
             raise PlanError("--forward-cost and --backward-cost must be positive")
         plan = Plan(pp=args.pp, microbatches=args.microbatches, schedule=args.schedule,
                     virtual_stages=args.virtual_stages)
+        out = Path(args.out or f"schedule-{plan.schedule}.png")
+        if out.suffix.lower() != ".png":
+            raise PlanError(f"--out {out}: give a file name ending in .png")
+        if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+            raise PlanError(f"--out {out}: {out.parent} is not a writable folder")
     except PlanError as exc:
         print(f"meshtrain schedule: {exc}", file=sys.stderr)
         return 2
@@ -51,7 +58,6 @@ def run(args) -> int:
     theory, formula = bubble_formula(plan.schedule, p, m, v)
     title = (f"{plan.schedule}  P={p} M={m}" + (f" V={v}" if v > 1 else "")
              + f"  bubble {timeline.bubble:.4f}")
-    out = args.out or f"schedule-{plan.schedule}.png"
     draw_timeline(timeline, title, v).savefig(out, dpi=100)
     print(text_timeline(timeline, v))
     print(f"bubble        {timeline.bubble:.4f} simulated, {formula} = {theory:.4f} "

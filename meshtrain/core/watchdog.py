@@ -12,8 +12,8 @@ a few heartbeats apart, and compares the ranks that share each axis:
   majority diverged (skipped a call, or called another), named with both calls;
 - a rank with fewer calls than the others and no difference before is behind.
 
-Point-to-point sends and receives are logged but not compared: their order differs between
-ranks by design (pipeline schedules).
+Point-to-point sends and receives are logged, numbered apart, and not compared: their order
+and number differ between ranks by design (pipeline schedules).
 
 [Note: the store outlives the ranks]
 The store is the rendezvous's TCPStore (the elastic agent's, or the test harness's), so a
@@ -52,11 +52,14 @@ class CollectiveLog:
 
     def enter(self, op: str, axis: str, tag: str, tensor=None) -> None:
         sig = signature(op, axis, tag, tensor)
+        # sends and receives are numbered apart ("pp:p2p"): their counts differ between
+        # ranks by design, and must not shift the numbers of the collectives compared
+        key = f"{axis}:p2p" if op in P2P else axis
         with self.lock:
-            self.count[axis] += 1
-            self.recent[axis].append((self.count[axis], sig))
+            self.count[key] += 1
+            self.recent[key].append((self.count[key], sig))
             if self.record_all and op not in P2P:
-                self.all_calls.append((self.count[axis], sig))
+                self.all_calls.append((self.count[key], sig))
 
     def tail(self) -> dict[str, dict]:
         with self.lock:

@@ -67,6 +67,22 @@ CASES = [
     ("bench ddp --world 3", "world 3 needs to be >= 2 and divide the global batch 16"),
     ("bench ddp --reps 0", "--reps 0"),
     ("bench tp --model nosuch", "--model 'nosuch': the benchmarks run a GPT preset"),
+    # schedule
+    ("schedule --pp 0 --microbatches 4", "--pp 0: a pipeline needs at least 2 ranks"),
+    ("schedule --pp 4 --microbatches 0", "microbatches=0: must be a whole number >= 1"),
+    ("schedule --pp 4", "the following arguments are required: --microbatches"),
+    ("schedule --pp 4 --microbatches 6 --schedule interleaved --virtual-stages 2",
+     "microbatches=6 must be a multiple of pp=4"),
+    ("schedule --pp 4 --microbatches 4 --virtual-stages 2",
+     "virtual_stages=2 needs schedule='interleaved'"),
+    ("schedule --pp 2 --microbatches 4 --schedule nosuch", "invalid choice: 'nosuch'"),
+    ("schedule --pp 2 --microbatches 4 --out nowhere/x.png", "nowhere is not a writable folder"),
+    ("schedule --pp 2 --microbatches 4 --out x.jpg", "--out x.jpg: give a file name ending in .png"),
+    # train: pipeline plans
+    ("train --pp 2 --nproc 2 --virtual-stages 2", "virtual_stages=2 needs schedule='interleaved'"),
+    ("train --pp 2 --nproc 2 --microbatches 3 --batch 8",
+     "each dp rank's batch of 8 does not split into --microbatches 3"),
+    ("train --pp 9 --nproc 9 --layers 2", "stages, but 'tiny' has 4 layers"),
     # export, generate, report
     ("export nowhere out.safetensors", "nowhere is not a meshtrain run folder"),
     ("export notarun out.txt", "out.txt: give a file name ending in .safetensors"),
@@ -86,7 +102,8 @@ def workdir(tmp_path, monkeypatch):
 
 def test_the_table_is_large_enough():
     assert len(CASES) >= 40
-    assert {argv.split()[0] for argv, _ in CASES} >= {"train", "plan", "bench", "export"}
+    assert {argv.split()[0] for argv, _ in CASES} >= {"train", "plan", "bench", "schedule",
+                                                      "export"}
 
 
 @pytest.mark.parametrize("argv, message", CASES, ids=[c[0] for c in CASES])

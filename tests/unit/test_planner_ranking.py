@@ -1,0 +1,49 @@
+"""`plan --verify --rank`: the rank correlation and the choice of plans to run."""
+import json
+
+import pytest
+
+from meshtrain.planner.ranking import as_verify_plan, choose_plans, rank_report, spearman
+
+
+def test_spearman_against_hand_computed_values():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # one swapped pair among 4: 1 - 6*2/(4*15) = 0.8
+    assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    # ties take the average rank: ranks (1.5, 1.5, 3) vs (1, 2, 3)
+    assert spearman([5, 5, 7], [1, 2, 3]) == pytest.approx(0.8660254, rel=1e-6)
+
+
+def _row(name, predicted, measured):
+    return {"plan": name, "predicted": {"step": predicted}, "measured": {"step": measured}}
+
+
+def test_rank_report_says_how_far_the_predicted_best_is_behind():
+    rows = [_row("a", 1.0, 1.10), _row("b", 2.0, 1.00), _row("c", 3.0, 3.0)]
+    result, text = rank_report(rows)
+    assert result["predicted_best"] == "a" and result["measured_best"] == "b"
+    assert result["behind"] == pytest.approx(0.10) and result["measured_place"] == 2
+    assert "#2, 10.0% behind the measured best (b)" in text
+
+
+# a synthetic profile of a 4-rank machine: predictions need rates, not right ones
+_CURVE = {"sizes": [256, 2**20], "busbw": [1e6, 1e9]}
+_ENTRY = {"matmul_flops": 1e11, "model_flops": 5e10, "mem_bw": 1e10, "optimizer_rate": 1e8,
+          "collectives": {k: _CURVE for k in ("all_reduce", "all_gather", "reduce_scatter",
+                                                "broadcast")},
+          "runtime_memory": {"fixed": 5e6, "per_activation_byte": 0.4}}
+PROFILE = {"created": "test", "cpu_count": 4, "host_mem": 8e9, "worlds": {"4": _ENTRY}}
+
+
+def test_the_chosen_plans_are_runnable_verify_plans():
+    from meshtrain.core.plan import Plan
+
+    plans = choose_plans(PROFILE, world=4, global_batch=16, top=6, others=6, seed=0)
+    assert 6 < len(plans) <= 12
+    assert len({json.dumps(p, sort_keys=True) for p in plans}) == len(plans)  # no repeats
+    for fields, per_rank in plans:
+        plan = Plan(**fields)
+        assert plan.world_size == 4 and plan.dp * per_rank == 16
+        assert per_rank % plan.microbatches == 0
+        assert not plan.sequence_parallel and plan.offload == "none"
