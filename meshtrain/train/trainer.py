@@ -11,6 +11,7 @@ by name before anything is built.
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import torch
@@ -24,6 +25,9 @@ from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchL
                                         Stages, StepDriver, WholeModel)
 from meshtrain.strategies import tensor_parallel
 from meshtrain.strategies.data_parallel.ddp import DDP
+from meshtrain.strategies.data_parallel.master_dp import MasterDP, ReplicaLoop
+from meshtrain.strategies.data_parallel.parameter_server import ParameterServer
+from meshtrain.strategies.data_parallel.ps_async import AsyncParameterServer
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.strategies.zero.zero3 import ZeRO3
@@ -38,8 +42,12 @@ def refuse_unbuilt(plan: Plan) -> None:
     unbuilt = [
         (plan.pp > 1, f"pipeline parallel (pp={plan.pp}): pipeline schedules are not "
                       "available yet"),
-        (plan.dp_mode != "ddp", f"dp_mode={plan.dp_mode!r} is not available yet "
-                                "(only 'ddp' is)"),
+        (plan.dp_mode != "ddp" and (plan.pp > 1 or plan.tp > 1),
+         f"dp_mode={plan.dp_mode!r} with pp={plan.pp}, tp={plan.tp}: DP and the parameter "
+         "server run with pp = tp = 1 for now"),
+        (plan.dp_mode != "ddp" and plan.precision != "fp32",
+         f"dp_mode={plan.dp_mode!r} with precision={plan.precision!r}: DP and the parameter "
+         "server run in fp32 for now"),
     ]
     for applies, message in unbuilt:
         if applies:
@@ -82,6 +90,12 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
     """Slots 3 and 4: how dp replicas agree on gradients, and who owns the optimizer.
     Parameters in `stages.shared` must be laid out identically on every stage holding them."""
     params, buffers = stages.named_parameters(), [b for _, b in stages.named_buffers()]
+    if plan.dp_mode == "dp":
+        return MasterDP(stages.model, params, comm, replicas=plan.dp)
+    if plan.dp_mode == "ps-sync":
+        return ParameterServer(params, buffers, comm, plan)
+    if plan.dp_mode == "ps-async":
+        return AsyncParameterServer(params, buffers, comm, plan)
     if plan.zero == 3:
         return ZeRO3(stages.model, params, buffers, comm, plan, unit_names=zero3_units,
                      offload_dir=offload_dir)
@@ -92,8 +106,10 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
 
 
 def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_fn: Callable,
-                activations: ActivationMeter | None) -> StepDriver:
+                activations: ActivationMeter | None, sync: GradientSync) -> StepDriver:
     """Slot 5: the order of forwards, backwards and communication in a step."""
+    if plan.dp_mode == "dp":   # the replicas are threads of this process (master_dp.py)
+        return ReplicaLoop(sync, loss_fn, plan.microbatches, comm.mesh.device)
     return MicrobatchLoop(model, loss_fn, plan.microbatches, comm.mesh.device, activations)
 
 
@@ -104,6 +120,10 @@ class Trainer:
                  zero3_units: list[str] | None = None, offload_dir=None) -> None:
         refuse_unbuilt(plan)
         check_max_grad_norm(max_grad_norm)
+        if max_grad_norm is not None and plan.dp_mode == "ps-async":
+            raise PlanError("max_grad_norm with dp_mode='ps-async': clipping needs every "
+                            "step's global gradient norm, which asynchronous workers never "
+                            "wait for; use ps-sync, or drop max_grad_norm")
         if offload_dir is not None and plan.offload != "disk":
             raise PlanError(f"offload_dir is where offload='disk' writes, but Plan.offload="
                             f"{plan.offload!r}; set offload='disk' or drop offload_dir")
@@ -139,7 +159,7 @@ class Trainer:
         self.optimizer = self.data_parallel.build_optimizer(optimizer)
         # 5. the step driver
         self.driver = drive_steps(self.model, self.stages, plan, self.comm, self.loss_fn,
-                                  self.activations)
+                                  self.activations, self.data_parallel)
         self.steps_done = 0
         self.last_grad_norm: float | None = None
 
@@ -170,6 +190,18 @@ class Trainer:
         self.steps_done += 1
         return loss
 
+    def _settle(self) -> None:
+        """Let a gradient sync with messages in flight (ps-async) finish them before a
+        collective that every rank enters at the same step."""
+        settle = getattr(self.data_parallel, "settle", None)
+        if settle is not None:
+            settle()
+
+    def pause(self, seconds: float) -> None:
+        """Delay this rank (the straggler experiment), still serving whatever it hosts."""
+        idle = getattr(self.data_parallel, "idle", None)
+        (idle or time.sleep)(seconds)
+
     def _sum_gradients_across_axes(self) -> None:
         """Gradients the dp sync leaves partial along another axis: a weight tied across
         pipeline stages (summed over the stages holding it), a LayerNorm under sequence
@@ -195,6 +227,7 @@ class Trainer:
         replicas split the batches between them (replica r takes every dp_size-th from r)
         and sum their losses in float64."""
         batches = list(batches)
+        self._settle()
         mine = batches[self.dp_rank::self.dp_size]
         self.model.eval()
         try:
