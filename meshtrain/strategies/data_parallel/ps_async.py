@@ -127,8 +127,10 @@ class AsyncParameterServer(ParameterServer):
         self.grads.flush()        # the pushes: the bucket's launch
         self.clock += 1
         need = self.clock - self.staleness
+        # a server that lacks a push waits timeout_s itself before naming the silent worker:
+        # its workers allow it that long first, so the report names the rank at fault
         self._wait(lambda: min(self.versions.values()) >= need,
-                   lambda: f"version {need} of every shard")
+                   lambda: f"version {need} of every shard", patience=2)
         self.sends.wait()         # received by now or soon: every peer's mailbox is open
         # before any update is complete (s > 0, first steps) only this worker's loss is known
         return self.losses.get(min(self.versions.values()) - 1, self._loss)
@@ -178,15 +180,17 @@ class AsyncParameterServer(ParameterServer):
                 self.server.update()
                 self._publish()
 
-    def _wait(self, done, what) -> None:
-        """Serve messages until `done()`; name the silent peers after timeout_s."""
+    def _wait(self, done, what, patience: float = 1) -> None:
+        """Serve messages until `done()`; name the silent peers after patience * timeout_s
+        without a message."""
         self._serve_own()
         while not done():
             try:
-                self._handle(*self.inbox.get(timeout=self.timeout_s))
+                self._handle(*self.inbox.get(timeout=patience * self.timeout_s))
             except queue.Empty:
                 raise PeerTimeout(f"parameter server: dp rank {self.rank} waited "
-                                  f"{self.timeout_s:.0f} s for {what()} and heard nothing; "
+                                  f"{patience * self.timeout_s:.0f} s for {what()} and heard "
+                                  "nothing; "
                                   f"silent rank(s) {self._silent()}: dead or hung, "
                                   "stopping") from None
 
