@@ -39,6 +39,7 @@ class RunConfig:
     resume: bool = False
     progress: bool = True
     tensorboard: bool = False        # also write TensorBoard event files (<run_dir>/tensorboard)
+    straggler: list | None = None    # [rank, seconds]: that rank is delayed every step
 
     def save(self) -> None:
         path = Path(self.run_dir) / "config.json"

@@ -54,9 +54,13 @@ def refuse_unbuilt(plan: Plan) -> None:
             raise PlanError(f"{message}; use a data-parallel plan such as Plan(dp=N)")
 
 
-def check_max_grad_norm(max_grad_norm) -> None:
+def check_max_grad_norm(max_grad_norm, plan: Plan | None = None) -> None:
     if max_grad_norm is None:
         return
+    if plan is not None and plan.dp_mode == "ps-async":
+        raise PlanError("max_grad_norm with dp_mode='ps-async': clipping needs every "
+                        "step's global gradient norm, which asynchronous workers never "
+                        "wait for; use ps-sync, or drop max_grad_norm")
     if (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
             or not math.isfinite(max_grad_norm) or max_grad_norm <= 0):
         raise PlanError(f"max_grad_norm={max_grad_norm!r}: must be a positive number (the "
@@ -119,11 +123,7 @@ class Trainer:
                  max_grad_norm: float | None = None, measure_activations: bool = False,
                  zero3_units: list[str] | None = None, offload_dir=None) -> None:
         refuse_unbuilt(plan)
-        check_max_grad_norm(max_grad_norm)
-        if max_grad_norm is not None and plan.dp_mode == "ps-async":
-            raise PlanError("max_grad_norm with dp_mode='ps-async': clipping needs every "
-                            "step's global gradient norm, which asynchronous workers never "
-                            "wait for; use ps-sync, or drop max_grad_norm")
+        check_max_grad_norm(max_grad_norm, plan)
         if offload_dir is not None and plan.offload != "disk":
             raise PlanError(f"offload_dir is where offload='disk' writes, but Plan.offload="
                             f"{plan.offload!r}; set offload='disk' or drop offload_dir")
