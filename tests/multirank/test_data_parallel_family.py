@@ -149,7 +149,7 @@ def test_dp_master_traffic_matches_theory():
 STRAGGLER, STRAGGLER_DELAY_S, BOUND, STEPS = 2, 0.05, 2, 30
 # the tiny GPT on these batches starts at 4.17 (~ln 64) and, in 30 synchronous steps, ends
 # with a mean of 4.05 over the last five (measured); stale by up to 2 it must still get
-# below 4.12 (measured: 4.08)
+# below 4.12 (measured: 4.06)
 LOSS_TARGET = 4.12
 
 
@@ -176,13 +176,13 @@ def test_async_straggler_bounded_staleness():
     assert max(stale for _, _, stale in record) > 0   # asynchrony happened
     losses = results[0]["losses"]
     assert sum(losses[-5:]) / 5 < LOSS_TARGET < sum(losses[:5]) / 5
-    # in the server's arrival order: when the fast workers' last pushes were in, the
-    # straggler had completed fewer
-    arrived = [worker for worker, _, _ in record]
-    fast_done = max(i for i, w in enumerate(arrived) if w != STRAGGLER)
-    before = arrived[:fast_done + 1]
+    # in the order the server applied them: when the fast workers' last pushes were
+    # applied, the straggler had completed far fewer (measured: about a third)
+    applied = [worker for worker, _, _ in record]
+    fast_done = max(i for i, w in enumerate(applied) if w != STRAGGLER)
+    before = applied[:fast_done + 1]
     assert before.count(0) == before.count(1) == STEPS
-    assert before.count(STRAGGLER) < STEPS
+    assert before.count(STRAGGLER) < STEPS * 2 // 3, before.count(STRAGGLER)
 
 
 def silent_worker_run() -> dict:

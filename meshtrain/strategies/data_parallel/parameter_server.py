@@ -121,7 +121,7 @@ class ParameterServer:
                 if worker != self.rank:
                     self.comm.recv(incoming, worker, AXIS, tag="push")
                     grad = incoming
-                self.server.accept(worker, self.clock, self.clock, grad, 0.0)
+                self.server.accept(worker, self.clock, grad, 0.0)
         self.grads.wait()
         loss = local_loss.reshape(1).float().clone()
         self.comm.all_reduce(loss, AXIS, tag="step")
@@ -247,7 +247,7 @@ class ParameterServer:
         params, grads, optimizer = [self.data], [self.bucket.buffer], []
         if self.server is not None:
             params.append(self.server.master)
-            grads += [p.grad for p in self.server.pending.values()]
+            grads.append(self.server.pending.grad)
             optimizer = optimizer_state_tensors(self.optimizer)
         return {"parameters": storage_bytes(params), "gradients": storage_bytes(grads),
                 "optimizer_states": storage_bytes(optimizer)}

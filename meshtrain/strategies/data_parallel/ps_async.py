@@ -3,16 +3,18 @@
 The layout and the optimizer are ps-sync's (parameter_server.py); what changes is when
 things happen. No rank ever waits for a particular peer:
 
-    push   a worker sends its step-t gradient with (t, the version it computed on, its loss)
-           and goes on
-    serve  a server takes pushes as they arrive and adds each into step t's sum; once all N are in, it steps (version t -> t + 1, see
-           ps_server.py, [Note: versions]) and sends the new version to every worker
+    push   a worker sends its gradient with (its step, the version it computed on, its
+           loss), then waits only for a version of each shard newer than the one it used
+    serve  a server adds each push as it arrives and applies what it holds as one update as
+           soon as no worker still computing would be applied more than s versions stale
+           (ps_server.py, [Note: versions and staleness]); each new version goes to every
+           worker
     pull   a worker takes every version its servers send, keeping the newest
 
-Bounded staleness (stale synchronous parallel, Ho et al. 2013): a worker starts step t + 1
-only once it holds version t + 1 - s or newer of every shard, so it is never more than s
-steps ahead of the slowest worker and every applied gradient is at most s versions stale
-(each server records every push's staleness). s = 0 is the synchronous schedule exactly.
+So a fast worker is never more than s versions ahead of the slowest, every applied gradient
+is at most s versions stale (each server records every push's staleness), and s = 0 is the
+synchronous schedule exactly. With s > 0 the fast workers' pushes are applied while a
+straggler computes: they complete more pushes than it does.
 
 [Note: mailboxes]
 gloo's point-to-point receives cannot be polled (a posted receive reports completion only
@@ -28,8 +30,9 @@ a DONE message to every server, each server answers DONE after its last update, 
 mailbox thread ends on its DONE. A peer silent for `timeout_s`, or whose connection fails,
 is named by rank and this rank stops.
 
-The step returns the mean loss of the newest step every shard has completed (with s = 0,
-the step just taken).
+The step returns the mean loss of the pushes in the newest update of shard 0 (with s = 0,
+the global loss of the step just taken). Workers may run different numbers of steps (a
+time budget): `settle` waits for every worker's DONE.
 """
 from __future__ import annotations
 
@@ -85,6 +88,7 @@ class AsyncParameterServer(ParameterServer):
         self.staleness = plan.staleness
         super().__init__(named_params, buffers, comm, plan)
         self.versions = {k: 0 for k in range(self.shards)}   # version held of each shard
+        self.computed_on = dict(self.versions)                # ... when the last push left
         self.losses: dict[int, float] = {}                    # step -> global mean loss
         self.inbox: queue.Queue = queue.Queue()
         self.mailboxes: list[Mailbox] = []
@@ -109,10 +113,11 @@ class AsyncParameterServer(ParameterServer):
     # ---- push ---------------------------------------------------------------------------------
     def _push(self, bucket: Bucket):
         self._open()
+        self.computed_on = dict(self.versions)
         for k in range(self.shards):
             grad = self.shard(bucket.buffer, k)
             if k == self.rank:
-                self.server.accept(self.rank, self.clock, self.versions[k], grad, self._loss)
+                self.server.accept(self.rank, self.versions[k], grad, self._loss)
                 continue
             header = [float(self.clock), float(self.versions[k]), self._loss]
             message = torch.cat([grad, grad.new_tensor(header)])
@@ -121,19 +126,17 @@ class AsyncParameterServer(ParameterServer):
         return _Sent()
 
     def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
-        """Push this step's gradient, then wait (serving) until every shard is recent enough
-        for the next step; the newest completed step's global loss."""
+        """Push this step's gradient, then wait (serving) for a newer version of every shard
+        than the one it was computed on; the loss of shard 0's newest update."""
         self._loss = local_loss.item()
         self.grads.flush()        # the pushes: the bucket's launch
         self.clock += 1
-        need = self.clock - self.staleness
-        # a server that lacks a push waits timeout_s itself before naming the silent worker:
-        # its workers allow it that long first, so the report names the rank at fault
-        self._wait(lambda: min(self.versions.values()) >= need,
-                   lambda: f"version {need} of every shard", patience=2)
+        self._wait(self._newer, lambda: "a newer version of every shard")
         self.sends.wait()         # received by now or soon: every peer's mailbox is open
-        # before any update is complete (s > 0, first steps) only this worker's loss is known
-        return self.losses.get(min(self.versions.values()) - 1, self._loss)
+        return self.losses[self.versions[0]]
+
+    def _newer(self) -> bool:
+        return all(self.versions[k] > v for k, v in self.computed_on.items())
 
     def step(self) -> None:
         """Nothing left: the servers stepped as the pushes came in."""
@@ -148,17 +151,16 @@ class AsyncParameterServer(ParameterServer):
         first, second, loss = message[-HEADER:].tolist()
         if first == DONE:
             self.closed.add((channel, peer))
+            if channel == PUSH:
+                self.server.done.add(peer)
         elif channel == PUSH:
-            self.server.accept(peer, int(first), int(second), message[:-HEADER], loss)
-            while self.server.ready():
-                self.server.update()
-                self._publish()
+            self.server.accept(peer, int(second), message[:-HEADER], loss)
         else:
             self._take(peer, message[:-HEADER], int(first), second)
 
     def _publish(self) -> None:
         """A server's new version: into this rank's parameters, and to every worker."""
-        version, loss = self.server.version, self.server.losses[self.server.version - 1]
+        version, loss = self.server.version, self.server.losses[self.server.version]
         self._take(self.rank, self.server.master.detach(), version, loss)
         message = torch.cat([self.server.master.detach(),
                              self.server.master.new_tensor([float(version), loss, 0.0])])
@@ -171,22 +173,24 @@ class AsyncParameterServer(ParameterServer):
     def _take(self, k: int, values: torch.Tensor, version: int, loss: float) -> None:
         self.shard(self.data, k).copy_(values)
         self.versions[k] = version
-        self.losses[version - 1] = loss
+        self.losses[version] = loss
 
-    def _serve_own(self) -> None:
-        """Updates this rank's own pushes completed (every other push came in earlier)."""
-        if self.server is not None:
-            while self.server.ready():
-                self.server.update()
-                self._publish()
+    def _serve(self) -> None:
+        """Apply what this rank's server holds, as far as the staleness bound allows."""
+        if self.server is not None and self.server.may_update(self.staleness):
+            self.server.update()
+            self._publish()
 
-    def _wait(self, done, what, patience: float = 1) -> None:
-        """Serve messages until `done()`; name the silent peers after patience * timeout_s
-        without a message."""
-        self._serve_own()
+    def _wait(self, done, what) -> None:
+        """Serve messages until `done()`; name the silent peers after timeout_s without a
+        message (twice that on a rank hosting no server: a server knows which worker it
+        lacks, so it is given the time to report first and name the rank at fault)."""
+        patience = 1 if self.server is not None else 2
+        self._serve()
         while not done():
             try:
                 self._handle(*self.inbox.get(timeout=patience * self.timeout_s))
+                self._serve()
             except queue.Empty:
                 raise PeerTimeout(f"parameter server: dp rank {self.rank} waited "
                                   f"{patience * self.timeout_s:.0f} s for {what()} and heard "
@@ -199,11 +203,11 @@ class AsyncParameterServer(ParameterServer):
         missing, servers whose next version has not come."""
         silent = set()
         if self.server is not None:
-            pending = self.server.pending.get(self.server.version)
-            arrived = set(pending.workers) if pending else set()
-            silent |= {w for w in range(self.n) if w not in arrived and w != self.rank}
-        need = self.clock - self.staleness
-        silent |= {k for k, v in self.versions.items() if v < need and k != self.rank}
+            pushed = {w for w, _, _ in self.server.pending.pushes}
+            silent |= {w for w in range(self.n)
+                       if w not in pushed | self.server.done and w != self.rank}
+        silent |= {k for k, v in self.computed_on.items()
+                   if self.versions[k] <= v and k != self.rank}
         return sorted(silent)
 
     def idle(self, seconds: float) -> None:
@@ -213,6 +217,7 @@ class AsyncParameterServer(ParameterServer):
         while (left := end - time.monotonic()) > 0:
             try:
                 self._handle(*self.inbox.get(timeout=left))
+                self._serve()
             except queue.Empty:
                 return
 
@@ -228,8 +233,9 @@ class AsyncParameterServer(ParameterServer):
         for k in self.servers():
             self.sends.add(self.comm.isend(done, k, AXIS, tag="push", channel=PUSH), done)
         if self.server is not None:
+            self.server.done.add(self.rank)
             workers = {(PUSH, w) for w in range(self.n) if w != self.rank}
-            self._wait(lambda: workers <= self.closed and not self.server.pending,
+            self._wait(lambda: workers <= self.closed and not self.server.pending.pushes,
                        lambda: "every worker's last push")
             closing = self._message()
             closing[-HEADER:] = torch.tensor([DONE, 0.0, 0.0])
@@ -243,13 +249,14 @@ class AsyncParameterServer(ParameterServer):
         for mailbox in self.mailboxes:
             mailbox.thread.join()
         self.mailboxes = []
-        if any(v != self.clock for v in self.versions.values()):
-            raise RuntimeError(f"parameter server: after {self.clock} steps dp rank "
-                               f"{self.rank} holds versions {self.versions}: the workers ran "
-                               "different numbers of steps")
+        self.computed_on = dict(self.versions)
+        if self.server is not None:   # every worker now holds the newest version
+            self.server.done.clear()
+            self.server.floor = {w: self.server.version for w in self.server.floor}
 
     def staleness_record(self) -> list[tuple[int, int, int]]:
-        """(worker, step, versions stale) of every gradient this rank's server applied."""
+        """(worker, version computed on, versions stale) of every gradient this rank's
+        server applied, in the order applied."""
         return list(self.server.staleness) if self.server is not None else []
 
 
