@@ -135,6 +135,9 @@ class MasterDP:
         if optimizer_state is not None:
             load_state_by_name(self.optimizer, self.named, *optimizer_state)
 
+    def remove_hooks(self) -> None:
+        """No hooks: the replicas' gradients are reduced after backward."""
+
     def memory(self) -> dict[str, int]:
         """The master's states plus its replicas' parameters and gradients (all in this
         process: the master device's load)."""
