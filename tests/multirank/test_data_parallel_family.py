@@ -202,4 +202,24 @@ def test_async_silent_worker_is_named_and_the_others_stop():
     with pytest.raises(RankError) as failure:
         run_ranks(3, silent_worker_run, timeout=60)
     message = str(failure.value)
-    assert "PeerTimeout" in message and "silent rank(s) [2]" in message, message
+    assert "PeerLost" in message and "silent rank(s) [2]" in message, message
+
+
+def dead_worker_run() -> dict:
+    """ps-sync: rank 2 dies after 3 steps; the server names it as soon as the link fails."""
+    torch.manual_seed(0)
+    trainer = mt.Trainer(eq.gpt(), mt.Plan(dp=dist.get_world_size(), dp_mode="ps-sync"),
+                         optimizer=eq.sgd)
+    for step, (x, y) in enumerate(eq.batches("gpt", 10, trainer.dp_rank, trainer.dp_size)):
+        if trainer.comm.mesh.rank == 2 and step == 3:
+            import os
+            os._exit(1)
+        trainer.step(x, y)
+    return {}
+
+
+def test_sync_dead_worker_is_named():
+    with pytest.raises(RankError) as failure:
+        run_ranks(3, dead_worker_run, timeout=60)
+    message = str(failure.value)   # the server's report, or the harness's if it saw first
+    assert "dp rank 0 lost dp rank 2" in message or "rank 2 died" in message, message

@@ -39,6 +39,16 @@ from meshtrain.strategies.zero.flat import FlatLayout, flatten_into_buckets
 AXIS = "dp"
 
 
+class PeerLost(RuntimeError):
+    """A peer's connection failed, or it sent nothing for too long: the message names its
+    dp rank, so that the rank at fault is reported and the others stop."""
+
+
+def lost(rank: int, peer: int, exc: BaseException) -> PeerLost:
+    return PeerLost(f"parameter server: dp rank {rank} lost dp rank {peer} "
+                    f"({type(exc).__name__}: {exc}); rank {peer} is dead, stopping")
+
+
 class _Sends:
     """Handles of point-to-point sends in flight (their tensors kept alive until done)."""
 
@@ -119,7 +129,10 @@ class ParameterServer:
             for worker in range(self.n):
                 grad = self.shard(self.bucket.buffer, self.rank)
                 if worker != self.rank:
-                    self.comm.recv(incoming, worker, AXIS, tag="push")
+                    try:
+                        self.comm.recv(incoming, worker, AXIS, tag="push")
+                    except RuntimeError as exc:
+                        raise lost(self.rank, worker, exc) from None
                     grad = incoming
                 self.server.accept(worker, self.clock, grad, 0.0)
         self.grads.wait()
@@ -143,10 +156,13 @@ class ParameterServer:
         if self.server is not None:
             self.server.update()
             self._publish()
-        handles = [self.comm.irecv(self.shard(self.data, k), k, AXIS, tag="pull")
-                   for k in self.servers()]
-        for h in handles:
-            h.wait()
+        handles = {k: self.comm.irecv(self.shard(self.data, k), k, AXIS, tag="pull")
+                   for k in self.servers()}
+        for k, h in handles.items():
+            try:
+                h.wait()
+            except RuntimeError as exc:
+                raise lost(self.rank, k, exc) from None
         self.sends.wait()
         self.clock += 1
 

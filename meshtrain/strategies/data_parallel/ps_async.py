@@ -43,15 +43,12 @@ import time
 import torch
 
 from meshtrain.strategies.data_parallel.buckets import Bucket
-from meshtrain.strategies.data_parallel.parameter_server import AXIS, ParameterServer
+from meshtrain.strategies.data_parallel.parameter_server import (AXIS, ParameterServer,
+                                                                 PeerLost, lost)
 
 DONE = -1.0        # the step (push) or version (pull) field of a closing message
 HEADER = 3         # push: step, computed-on version, loss; pull: version, loss, unused
 PUSH, PULL = 1, 2  # the c10d channels of the two streams
-
-
-class PeerTimeout(RuntimeError):
-    """A peer sent nothing for `timeout_s`, or its connection failed: the message names it."""
 
 
 class Mailbox:
@@ -145,9 +142,7 @@ class AsyncParameterServer(ParameterServer):
     def _handle(self, channel: int, peer: int, message) -> None:
         """One message from a mailbox: a push to serve, or a version to take."""
         if isinstance(message, Exception):
-            raise PeerTimeout(f"parameter server: dp rank {self.rank} lost dp rank {peer} "
-                              f"({type(message).__name__}: {message}); rank {peer} is dead, "
-                              "stopping") from None
+            raise lost(self.rank, peer, message) from None
         first, second, loss = message[-HEADER:].tolist()
         if first == DONE:
             self.closed.add((channel, peer))
@@ -192,11 +187,10 @@ class AsyncParameterServer(ParameterServer):
                 self._handle(*self.inbox.get(timeout=patience * self.timeout_s))
                 self._serve()
             except queue.Empty:
-                raise PeerTimeout(f"parameter server: dp rank {self.rank} waited "
-                                  f"{patience * self.timeout_s:.0f} s for {what()} and heard "
-                                  "nothing; "
-                                  f"silent rank(s) {self._silent()}: dead or hung, "
-                                  "stopping") from None
+                raise PeerLost(f"parameter server: dp rank {self.rank} waited "
+                               f"{patience * self.timeout_s:.0f} s for {what()} and heard "
+                               f"nothing; silent rank(s) {self._silent()}: dead or hung, "
+                               "stopping") from None
 
     def _silent(self) -> list[int]:
         """Peers this rank is waiting on: workers whose push for the server's next update is
