@@ -1,7 +1,7 @@
 """Parameter server, asynchronous with bounded staleness (`dp_mode="ps-async", staleness=s`).
 
 The layout and the optimizer are ps-sync's (parameter_server.py); what changes is when
-things happen. No rank ever waits for a particular peer:
+things happen. No worker waits for all the others:
 
     push   a worker sends its gradient with (its step, the version it computed on, its
            loss), then waits only for a version of each shard newer than the one it used
@@ -86,7 +86,7 @@ class AsyncParameterServer(ParameterServer):
         super().__init__(named_params, buffers, comm, plan)
         self.versions = {k: 0 for k in range(self.shards)}   # version held of each shard
         self.computed_on = dict(self.versions)                # ... when the last push left
-        self.losses: dict[int, float] = {}                    # step -> global mean loss
+        self.losses: dict[int, float] = {}    # version -> mean loss of its update's pushes
         self.inbox: queue.Queue = queue.Queue()
         self.mailboxes: list[Mailbox] = []
         self.closed: set[tuple[int, int]] = set()            # (channel, peer) that sent DONE
