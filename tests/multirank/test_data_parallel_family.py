@@ -13,13 +13,16 @@ from tests.multirank import equivalence as eq
 
 # (model, optimizer, max_grad_norm): SGD with momentum, held to 1e-5 like every strategy
 CASES = [("gpt", "sgd", 0.3), ("tied", "sgd", None)]
+# a buffer, and a parameter no step uses: one process's optimizer never touches it (AdamW
+# with weight decay would move it if it were stepped with a zero gradient)
+UNUSED = [("extras", "sgd", 1.0), ("extras", "adamw", 1.0)]
 ASYNC_CASES = [("gpt", "sgd", None), ("tied", "sgd", None)]   # ps-async cannot clip
 
 
 @pytest.fixture(scope="module")
 def references():
     return {case: eq.reference(case[0], case[1], max_grad_norm=case[2])
-            for case in CASES + ASYNC_CASES}
+            for case in CASES + ASYNC_CASES + UNUSED}
 
 
 # ---- equivalence ---------------------------------------------------------------------------
@@ -27,9 +30,8 @@ def references():
 @pytest.mark.parametrize("microbatches", [1, 4])
 def test_dp_matches_one_process(references, replicas, microbatches):
     """One process, `replicas` threads: the whole stack in this process, no process group."""
-    # + a buffer and a parameter no step uses (its gradient stays None, as in one process)
-    for case in CASES + [("extras", "sgd", 1.0)]:
-        ref = references.get(case) or eq.reference(case[0], case[1], max_grad_norm=case[2])
+    for case in CASES + UNUSED[:1]:
+        ref = references[case]
         result = eq.train(mt.Plan(dp=replicas, dp_mode="dp", microbatches=microbatches),
                           case[0], case[1], max_grad_norm=case[2])
         eq.assert_equivalent(result, ref, what=f"dp={replicas} m={microbatches} {case}")
@@ -42,7 +44,7 @@ def parameter_server_cases() -> dict:
     out = {}
     for shards in (1, 2):
         for m in (1, 4):
-            for case in CASES:
+            for case in CASES + (UNUSED if m == 1 else []):
                 out[("ps-sync", shards, m, case)] = eq.train(
                     mt.Plan(dp=world, dp_mode="ps-sync", ps_shards=shards, microbatches=m),
                     case[0], case[1], max_grad_norm=case[2])
@@ -57,7 +59,10 @@ def parameter_server_cases() -> dict:
 def test_parameter_server_matches_one_process(references, world):
     for rank_result in run_ranks(world, parameter_server_cases, timeout=180):
         for (mode, shards, m, case), result in rank_result.items():
-            eq.assert_equivalent(result, references[case],
+            # AdamW turns round-off in near-zero gradients into lr-sized steps: held to the
+            # drift torch's own DDP shows on this model (test_zero.py's reasoning), 5e-5
+            atol = 5e-5 if case[1] == "adamw" else 1e-5
+            eq.assert_equivalent(result, references[case], atol=atol,
                                  what=f"{mode} world={world} shards={shards} m={m} {case}")
 
 

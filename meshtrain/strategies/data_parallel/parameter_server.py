@@ -34,7 +34,7 @@ from meshtrain.strategies.data_parallel.buckets import Bucket, build_buckets
 from meshtrain.strategies.data_parallel.ddp import broadcast_tensors
 from meshtrain.strategies.data_parallel.gradient_buckets import GradientBuckets
 from meshtrain.strategies.data_parallel.ps_server import ServerShard
-from meshtrain.strategies.zero.flat import FlatLayout, flatten_into_buckets
+from meshtrain.strategies.zero.flat import FlatLayout, flatten_into_buckets, keep_unstepped
 
 AXIS = "dp"
 
@@ -83,14 +83,20 @@ class ParameterServer:
             raise PlanError("a parameter server keeps the parameters as one flat tensor: they "
                             "must share one dtype and device")
         self.bucket = self.buckets[0]
+        # the padding to K shards: never written by backward, but pushed, summed and counted
+        # in the gradient norm, so it must hold zeros (the buffer comes uninitialised)
+        self.bucket.extra.zero_()
         self.data = flatten_into_buckets(self.buckets, self.params[0].dtype)[0]
-        self.layout = FlatLayout(self.buckets, names, self.shards, 0)
+        self.layout = FlatLayout(self.buckets, names, self.shards,
+                                 self.rank if self.rank < self.shards else 0)
         self.server = (ServerShard(self.rank, self.shard(self.data, self.rank), self.n)
                        if self.rank < self.shards else None)
         self.grads = GradientBuckets(self.params, self.buckets, self._push, scale=1.0 / self.n,
                                      hold_last=True)
         self.sends = _Sends()
         self.clock = 0   # steps this worker has pushed
+        self._skipped: list[str] = []     # no worker used them this step (see step())
+        self._stepped: set[str] = set()   # the optimizer has stepped them, ever
         self.zero_grad()
 
     def shard(self, flat: torch.Tensor, k: int) -> torch.Tensor:
@@ -136,9 +142,13 @@ class ParameterServer:
                     grad = incoming
                 self.server.accept(worker, self.clock, grad, 0.0)
         self.grads.wait()
-        loss = local_loss.reshape(1).float().clone()
-        self.comm.all_reduce(loss, AXIS, tag="step")
-        return loss.item() / self.n
+        # the loss, and which parameters any worker used, in one small all-reduce
+        stats = torch.cat([local_loss.reshape(1).float(), self.grads.used_flags()])
+        self.comm.all_reduce(stats, AXIS, tag="step")
+        used_by = stats[1:].tolist()
+        self._skipped = [n for n, users in zip(self.named, used_by) if not users]
+        self._stepped.update(n for n, users in zip(self.named, used_by) if users)
+        return stats[0].item() / self.n
 
     # ---- the optimizer (slot 4) -------------------------------------------------------------
     def build_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -154,7 +164,10 @@ class ParameterServer:
     def step(self) -> None:
         """Servers step their shard and send it to every worker; workers receive them."""
         if self.server is not None:
-            self.server.update()
+            # a parameter no worker used is left as one process's optimizer leaves it
+            with keep_unstepped(self.layout, self._skipped, [self.server.master],
+                                self.optimizer):
+                self.server.update()
             self._publish()
         handles = {k: self.comm.irecv(self.shard(self.data, k), k, AXIS, tag="pull")
                    for k in self.servers()}
@@ -228,7 +241,9 @@ class ParameterServer:
                     state[name][key] = (torch.tensor(kind[1], dtype=getattr(
                         torch, kind[2].removeprefix("torch."))) if kind[2] else kind[1])
         group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        return ({n: s for n, s in state.items() if s}, [{**group, "params": list(self.named)}])
+        # a parameter never stepped has no state in one process (its .grad was always None)
+        return ({n: s for n, s in state.items() if s and n in self._stepped},
+                [{**group, "params": list(self.named)}])
 
     @torch.no_grad()
     def load_local(self, params: dict[str, torch.Tensor],
@@ -236,6 +251,8 @@ class ParameterServer:
         self.settle()
         self.data.copy_(self.layout.join(params, self.data.dtype, self.data.device)[0])
         self.zero_grad()
+        if optimizer_state is not None:
+            self._stepped = set(optimizer_state[0]) & set(self.named)
         if self.server is None:
             return
         self.server.master.copy_(self.shard(self.data, self.rank))

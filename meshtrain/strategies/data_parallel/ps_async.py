@@ -126,6 +126,8 @@ class AsyncParameterServer(ParameterServer):
         """Push this step's gradient, then wait (serving) for a newer version of every shard
         than the one it was computed on; the loss of shard 0's newest update."""
         self._loss = local_loss.item()
+        # no step-wide view of which parameters anyone used: every one counts as stepped
+        self._stepped.update(self.named)
         self.grads.flush()        # the pushes: the bucket's launch
         self.clock += 1
         self._wait(self._newer, lambda: "a newer version of every shard")
