@@ -16,7 +16,9 @@ puts 2(N-1)/N*S on every rank. With K shards each server carries 1/K of the root
 with K = N every rank moves 2(N-1)/N*S, like the ring. Pushes are charged under the tag
 "push", pulls under "pull" (Comm's send/recv: exact bytes, one call per message).
 
-The step's loss travels in one small all-reduce beside the gradients (tag "step").
+The step's loss, and which parameters any worker used (a parameter nobody used is left as
+one process's optimizer leaves it: keep_unstepped, as ZeRO does), travel in one small
+all-reduce beside the gradients (tag "step").
 ps_async.py lets the servers apply pushes as they arrive, with bounded staleness.
 """
 from __future__ import annotations
