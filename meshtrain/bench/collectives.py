@@ -48,14 +48,17 @@ def _variants(comm: Comm, n: int, r: int, numel: int) -> dict[str, dict]:
     }
 
 
-def collectives_rank(sizes: tuple[int, ...], reps: int) -> dict:
-    """On each rank: for every size and operation, the variants' median seconds."""
+def collectives_rank(sizes: tuple[int, ...], reps: int,
+                     ops: tuple[str, ...] = tuple(BUS_FACTOR)) -> dict:
+    """On each rank: for every size and operation in `ops`, the variants' median seconds."""
     n, r = dist.get_world_size(), dist.get_rank()
     comm = Comm(Mesh.build(Plan(dp=n)))
     out: dict = {}
     for nbytes in sizes:
         numel = max(n, nbytes // 4 // n * n)
         for op, variants in _variants(comm, n, r, numel).items():
+            if op not in ops:
+                continue
             for f in variants.values():
                 f()   # warm-up
             times = {name: [] for name in variants}
@@ -70,13 +73,14 @@ def collectives_rank(sizes: tuple[int, ...], reps: int) -> dict:
     return out
 
 
-def run(worlds=(2, 4), sizes=SIZES, reps: int = 7, progress=print) -> dict:
+def run(worlds=(2, 4), sizes=SIZES, reps: int = 7, progress=print,
+        ops: tuple[str, ...] = tuple(BUS_FACTOR)) -> dict:
     from meshtrain.launch import launch
 
     result = {"sizes": list(sizes), "reps": reps, "worlds": {}}
     for world in worlds:
         progress(f"world {world}: all-reduce, reduce-scatter, all-gather variants ...")
-        ranks = launch(collectives_rank, world, (tuple(sizes), reps))
+        ranks = launch(collectives_rank, world, (tuple(sizes), reps, tuple(ops)))
         # a collective ends when its slowest rank does
         merged = {op: {size: {name: max(rk[op][size][name] for rk in ranks)
                               for name in ranks[0][op][size]}

@@ -85,7 +85,16 @@ def add_parser(sub) -> None:
                       help="recompute activations in backward: every layer, or attention only")
     plan.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                       help="bf16: bf16 compute and gradients, fp32 master weights")
-    plan.add_argument("--dp-mode", default="ddp")
+    plan.add_argument("--dp-mode", default="ddp", choices=["ddp", "dp", "ps-sync", "ps-async"],
+                      help="how data-parallel replicas agree: ddp (ring all-reduce), dp (one "
+                           "process, --dp replicas as threads, a master), ps-sync / ps-async "
+                           "(parameter server)")
+    plan.add_argument("--staleness", type=int, default=0,
+                      help="ps-async: how many steps a worker may run ahead of the slowest")
+    plan.add_argument("--ps-shards", type=int, default=1,
+                      help="ps-sync/ps-async: parameter-server shards (shard k on rank k)")
+    p.add_argument("--straggler", metavar="RANK:SECONDS",
+                   help="delay this rank by SECONDS every step (to measure asynchrony)")
     plan.add_argument("--microbatches", type=int, default=1)
     plan.add_argument("--schedule", default="1f1b",
                       help="pipeline schedule with --pp > 1: naive | gpipe | 1f1b | interleaved")
@@ -117,21 +126,26 @@ def build_config(args):
         config.steps = config.steps if args.steps is None else args.steps
         world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
         old = Plan.from_dict(config.plan)
-        if world and world != old.world_size:
+        if world and world != old.world_size and old.dp_mode != "dp":
             # checkpoints load under any plan: keep the run's own, with dp over the new world
             if world % (old.pp * old.tp):
                 raise PlanError(f"the run's plan has pp*tp = {old.pp * old.tp}, which does not "
                                 f"divide --nproc {world}; resume on a multiple of it")
             config.plan = dataclasses.replace(old, dp=world // (old.pp * old.tp)).to_dict()
         return config
-    world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or 2)
-    plan = Plan(dp=args.dp or max(1, world // (args.pp * args.tp)), pp=args.pp, tp=args.tp,
+    one_process = args.dp_mode == "dp"   # DP's replicas are threads of one process
+    default_world = args.pp * args.tp if one_process else 2
+    world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or default_world)
+    dp = args.dp or (2 if one_process else max(1, world // (args.pp * args.tp)))
+    plan = Plan(dp=dp, pp=args.pp, tp=args.tp, staleness=args.staleness,
+                ps_shards=args.ps_shards,
                 zero=args.zero, dp_mode=args.dp_mode, microbatches=args.microbatches,
                 schedule=args.schedule, virtual_stages=args.virtual_stages,
                 bucket_mb=args.bucket_mb, precision=args.precision,
                 offload=args.offload, recompute=args.recompute,
                 sequence_parallel=args.sequence_parallel)
     plan.check_world_size(world)
+    straggler = parse_straggler(args.straggler, world) if args.straggler else None
     from meshtrain.models.registry import kind_of
     is_gpt = kind_of(args.model) == "gpt"
     shape = {"n_layer": args.layers, "d_model": args.d_model, "n_head": args.heads,
@@ -148,7 +162,23 @@ def build_config(args):
                      progress=not args.no_progress, tensorboard=args.tensorboard,
                      collective_timeout=300.0 if args.collective_timeout is None
                      else args.collective_timeout,
-                     check_collectives=args.check_collectives)
+                     check_collectives=args.check_collectives,
+                     straggler=straggler)
+
+
+def parse_straggler(text: str, world: int) -> list:
+    """"RANK:SECONDS" -> [rank, seconds], refusing a rank outside the world."""
+    try:
+        rank, seconds = text.split(":")
+        rank, seconds = int(rank), float(seconds)
+    except ValueError:
+        raise PlanError(f"--straggler {text!r}: expected RANK:SECONDS, e.g. 1:0.05") from None
+    if not 0 <= rank < world:
+        raise PlanError(f"--straggler {text}: rank {rank} does not exist in a world of {world} "
+                        f"rank(s) (0..{world - 1})")
+    if seconds < 0:
+        raise PlanError(f"--straggler {text}: the delay must be >= 0 seconds")
+    return [rank, seconds]
 
 
 def run(args) -> int:
@@ -165,7 +195,7 @@ def run(args) -> int:
         config = build_config(args)
         plan = Plan.from_dict(config.plan)
         refuse_unbuilt(plan)
-        check_max_grad_norm(config.max_grad_norm)
+        check_max_grad_norm(config.max_grad_norm, plan)
         check_run_config(config)
         if args.max_restarts < 0:
             raise ValueError(f"--max-restarts {args.max_restarts}: give 0 (no restart) or more")

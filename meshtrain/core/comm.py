@@ -27,6 +27,7 @@ NCCL's own reduce-scatter.
 from __future__ import annotations
 
 import json
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -53,12 +54,14 @@ class CommStats:
 
     def __init__(self) -> None:
         self.counters: dict[tuple[str, str, str], Traffic] = defaultdict(Traffic)
+        self._lock = threading.Lock()   # a parameter server receives on threads of its own
 
     def record(self, axis: str, op: str, tag: str, sent: int, received: int) -> None:
-        t = self.counters[(axis, op, tag)]
-        t.calls += 1
-        t.sent += sent
-        t.received += received
+        with self._lock:
+            t = self.counters[(axis, op, tag)]
+            t.calls += 1
+            t.sent += sent
+            t.received += received
 
     def total(self, axis: str | None = None, op: str | None = None,
               tag: str | None = None) -> Traffic:
@@ -268,17 +271,20 @@ class Comm:
         dist.all_gather_single(output, input)
 
     # ---- point to point -----------------------------------------------------------------
-    def isend(self, tensor: torch.Tensor, dst: int, axis: str, tag: str = ""):
+    # `channel` is c10d's message tag: messages between two ranks on one channel are matched
+    # in order; independent streams between the same pair (a parameter server's pushes and
+    # pulls) need channels of their own.
+    def isend(self, tensor: torch.Tensor, dst: int, axis: str, tag: str = "", channel: int = 0):
         """Start sending `tensor` to the member with axis rank `dst`; returns a handle."""
         self._account(axis, "send", tag, tensor.numel() * tensor.element_size(), 0, tensor)
         return dist.isend(tensor.contiguous(), dst=self.mesh.global_rank(axis, dst),
-                          group=self.mesh.group(axis))
+                          group=self.mesh.group(axis), tag=channel)
 
-    def irecv(self, tensor: torch.Tensor, src: int, axis: str, tag: str = ""):
+    def irecv(self, tensor: torch.Tensor, src: int, axis: str, tag: str = "", channel: int = 0):
         """Start receiving into `tensor` from the member with axis rank `src`."""
         self._account(axis, "recv", tag, 0, tensor.numel() * tensor.element_size(), tensor)
         return dist.irecv(tensor, src=self.mesh.global_rank(axis, src),
-                          group=self.mesh.group(axis))
+                          group=self.mesh.group(axis), tag=channel)
 
     def batch_isend_irecv(self, ops: list["P2P"], axis: str, tag: str = "") -> list:
         """Post every send and receive of `ops` at once (one c10d batch: none waits for
@@ -294,8 +300,11 @@ class Comm:
                                   group=self.mesh.group(axis), tag=op.match))
         return dist.batch_isend_irecv(p2p) if p2p else []
 
-    def send(self, tensor: torch.Tensor, dst: int, axis: str, tag: str = "") -> None:
-        self.isend(tensor, dst, axis, tag).wait()
 
-    def recv(self, tensor: torch.Tensor, src: int, axis: str, tag: str = "") -> None:
-        self.irecv(tensor, src, axis, tag).wait()
+    def send(self, tensor: torch.Tensor, dst: int, axis: str, tag: str = "",
+             channel: int = 0) -> None:
+        self.isend(tensor, dst, axis, tag, channel).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int, axis: str, tag: str = "",
+             channel: int = 0) -> None:
+        self.irecv(tensor, src, axis, tag, channel).wait()

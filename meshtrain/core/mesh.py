@@ -63,17 +63,17 @@ class Mesh:
 
     @classmethod
     def build(cls, plan: Plan) -> "Mesh":
-        shape = {"pp": plan.pp, "dp": plan.dp, "tp": plan.tp}
+        shape = {"pp": plan.pp, "dp": plan.mesh_dp, "tp": plan.tp}
         device, _backend = device_for_backend()
         if not dist.is_available() or not dist.is_initialized():
             plan.check_world_size(1)
             return cls(shape=shape, coords={a: 0 for a in AXES}, rank=0, device=device)
         plan.check_world_size(dist.get_world_size())
         from torch.distributed.device_mesh import init_device_mesh
-        device_mesh = init_device_mesh(device.type, (plan.pp, plan.dp, plan.tp),
+        device_mesh = init_device_mesh(device.type, (plan.pp, plan.mesh_dp, plan.tp),
                                        mesh_dim_names=AXES)
         rank = dist.get_rank()
-        coords = coordinates(rank_grid(plan.pp, plan.dp, plan.tp), rank)
+        coords = coordinates(rank_grid(plan.pp, plan.mesh_dp, plan.tp), rank)
         return cls(shape=shape, coords=coords, rank=rank, device=device, device_mesh=device_mesh)
 
     @property

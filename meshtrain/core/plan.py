@@ -31,6 +31,9 @@ class Plan:
     """How data-parallel gradients are combined: "ddp" | "dp" | "ps-sync" | "ps-async"."""
     staleness: int = 0
     """ps-async only: how many steps a worker's parameters may lag the server's."""
+    ps_shards: int = 1
+    """ps-sync / ps-async: servers the flat parameters are split over (contiguous shards;
+    shard k on dp rank k), so that no single root carries every byte."""
     zero: int = 0
     """ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters sharded over dp."""
     offload: str = "none"
@@ -56,7 +59,7 @@ class Plan:
     all-gather; their activation memory falls by tp."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "microbatches", "virtual_stages"):
+        for name in ("dp", "pp", "tp", "microbatches", "virtual_stages", "ps_shards"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"Plan.{name}={value!r}: must be a whole number >= 1")
@@ -72,6 +75,13 @@ class Plan:
         if self.staleness and self.dp_mode != "ps-async":
             raise PlanError(f"Plan.staleness={self.staleness} only applies to dp_mode='ps-async' "
                             f"(got dp_mode={self.dp_mode!r}); drop staleness or use ps-async")
+        if self.ps_shards > 1 and not self.dp_mode.startswith("ps-"):
+            raise PlanError(f"Plan.ps_shards={self.ps_shards} shards a parameter server and "
+                            f"needs dp_mode='ps-sync' or 'ps-async' (got {self.dp_mode!r})")
+        if self.ps_shards > self.dp:
+            raise PlanError(f"Plan.ps_shards={self.ps_shards} is more server shards than the "
+                            f"dp={self.dp} ranks that host them (shard k lives on dp rank k); "
+                            f"use ps_shards <= {self.dp}")
         if not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
             raise PlanError(f"Plan.bucket_mb={self.bucket_mb!r}: must be a positive size in MiB")
         if self.offload != "none" and self.zero == 0:
@@ -101,12 +111,25 @@ class Plan:
                             f"dp_mode='ddp' (got {self.dp_mode!r})")
 
     @property
+    def mesh_dp(self) -> int:
+        """Ranks along the mesh's dp axis: dp, except under dp_mode="dp", whose replicas are
+        threads of one process (ARCHITECTURE.md: DP is the one-process exception)."""
+        return 1 if self.dp_mode == "dp" else self.dp
+
+    @property
     def world_size(self) -> int:
-        """Ranks this plan needs: one per (pp, dp, tp) coordinate."""
-        return self.pp * self.dp * self.tp
+        """Ranks this plan needs: one per (pp, dp, tp) coordinate of the mesh."""
+        return self.pp * self.mesh_dp * self.tp
 
     def check_world_size(self, world_size: int) -> None:
         """Refuse a plan whose mesh does not cover exactly `world_size` ranks."""
+        if self.dp_mode == "dp" and self.world_size != world_size:
+            raise PlanError(
+                f"Plan(dp={self.dp}, dp_mode='dp') runs its {self.dp} replicas as threads of "
+                f"one process per pp*tp coordinate: it needs pp*tp = {self.world_size} "
+                f"rank(s) but the world has {world_size}; launch {self.world_size} "
+                f"(e.g. --nproc {self.world_size}), or use dp_mode='ddp' for one process per "
+                "replica")
         if self.world_size != world_size:
             raise PlanError(
                 f"Plan(dp={self.dp}, pp={self.pp}, tp={self.tp}) needs dp*pp*tp = "

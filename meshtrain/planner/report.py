@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from meshtrain.planner import data_parallel_family
 from meshtrain.planner.advisor import Advice
 from meshtrain.planner.guide import verdict
 from meshtrain.planner.units import fmt_rate
@@ -51,6 +52,8 @@ def words(advice: Advice) -> str:
                    f"tensor-parallel {t.tp_comm:.3g} s, pipeline p2p {t.pp_comm:.3g} s, data-"
                    f"parallel {t.dp_comm:.3g} s of which {t.dp_exposed:.3g} s exposed, offload "
                    f"{t.offload:.3g} s.")
+    if cl.world > 1:
+        out += ["", data_parallel_family.words(spec, setup, cl)]
     return "\n".join(out)
 
 
@@ -71,5 +74,7 @@ def to_json(advice: Advice, top: int = 10) -> str:
         "rejected": len(advice.rejected),
         "guide": v.to_dict(),
         "plans": [ev.to_dict() for ev in advice.ranked[:top]],
+        "data_parallel_family": [r.to_dict() for r in data_parallel_family.family(
+            advice.spec, advice.setup, advice.cluster)] if advice.cluster.world > 1 else [],
     }
     return json.dumps(data, indent=2)

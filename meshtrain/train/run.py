@@ -85,6 +85,8 @@ def train_rank(config: RunConfig) -> dict:
             group["lr"] = lr
         before = _sent_by_axis(trainer)
         t0 = time.perf_counter()
+        if config.straggler and trainer.mesh.rank == config.straggler[0]:
+            trainer.pause(config.straggler[1])   # inside the step's time: a slow device
         trainer.comm.log.record_all = config.check_collectives and step == start
         loss = trainer.step(*sampler.batch(step))
         if trainer.comm.log.record_all:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+import time
 from typing import Callable
 
 import torch
@@ -26,6 +27,9 @@ from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchL
                                         Stages, StepDriver, WholeModel)
 from meshtrain.strategies import pipeline, tensor_parallel
 from meshtrain.strategies.data_parallel.ddp import DDP
+from meshtrain.strategies.data_parallel.master_dp import MasterDP, ReplicaLoop
+from meshtrain.strategies.data_parallel.parameter_server import ParameterServer
+from meshtrain.strategies.data_parallel.ps_async import AsyncParameterServer
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.strategies.zero.zero3 import ZeRO3
@@ -38,17 +42,25 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 def refuse_unbuilt(plan: Plan) -> None:
     """Name the first strategy in `plan` that meshtrain cannot run yet."""
     unbuilt = [
-        (plan.dp_mode != "ddp", f"dp_mode={plan.dp_mode!r} is not available yet "
-                                "(only 'ddp' is)"),
+        (plan.dp_mode != "ddp" and (plan.pp > 1 or plan.tp > 1),
+         f"dp_mode={plan.dp_mode!r} with pp={plan.pp}, tp={plan.tp}: DP and the parameter "
+         "server run with pp = tp = 1 for now"),
+        (plan.dp_mode != "ddp" and plan.precision != "fp32",
+         f"dp_mode={plan.dp_mode!r} with precision={plan.precision!r}: DP and the parameter "
+         "server run in fp32 for now"),
     ]
     for applies, message in unbuilt:
         if applies:
             raise PlanError(f"{message}; use a data-parallel plan such as Plan(dp=N)")
 
 
-def check_max_grad_norm(max_grad_norm) -> None:
+def check_max_grad_norm(max_grad_norm, plan: Plan | None = None) -> None:
     if max_grad_norm is None:
         return
+    if plan is not None and plan.dp_mode == "ps-async":
+        raise PlanError("max_grad_norm with dp_mode='ps-async': clipping needs every "
+                        "step's global gradient norm, which asynchronous workers never "
+                        "wait for; use ps-sync, or drop max_grad_norm")
     if (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
             or not math.isfinite(max_grad_norm) or max_grad_norm <= 0):
         raise PlanError(f"max_grad_norm={max_grad_norm!r}: must be a positive number (the "
@@ -85,6 +97,12 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
     """Slots 3 and 4: how dp replicas agree on gradients, and who owns the optimizer.
     Parameters in `stages.shared` must be laid out identically on every stage holding them."""
     params, buffers = stages.named_parameters(), [b for _, b in stages.named_buffers()]
+    if plan.dp_mode == "dp":
+        return MasterDP(stages.model, params, comm, replicas=plan.dp)
+    if plan.dp_mode == "ps-sync":
+        return ParameterServer(params, buffers, comm, plan)
+    if plan.dp_mode == "ps-async":
+        return AsyncParameterServer(params, buffers, comm, plan)
     if plan.zero == 3:
         return ZeRO3(stages.model, params, buffers, comm, plan, unit_names=zero3_units,
                      offload_dir=offload_dir)
@@ -95,8 +113,10 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
 
 
 def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_fn: Callable,
-                activations: ActivationMeter | None) -> StepDriver:
+                activations: ActivationMeter | None, sync: GradientSync) -> StepDriver:
     """Slot 5: the order of forwards, backwards and communication in a step."""
+    if plan.dp_mode == "dp":   # the replicas are threads of this process (master_dp.py)
+        return ReplicaLoop(sync, loss_fn, plan.microbatches, comm.mesh.device)
     if plan.pp > 1:
         return pipeline.PipelineSchedule(stages, plan, comm, loss_fn, activations)
     return MicrobatchLoop(model, loss_fn, plan.microbatches, comm.mesh.device, activations)
@@ -109,7 +129,7 @@ class Trainer:
                  zero3_units: list[str] | None = None, offload_dir=None,
                  stage_cuts: list[int] | None = None) -> None:
         refuse_unbuilt(plan)
-        check_max_grad_norm(max_grad_norm)
+        check_max_grad_norm(max_grad_norm, plan)
         if offload_dir is not None and plan.offload != "disk":
             raise PlanError(f"offload_dir is where offload='disk' writes, but Plan.offload="
                             f"{plan.offload!r}; set offload='disk' or drop offload_dir")
@@ -149,7 +169,7 @@ class Trainer:
         self.optimizer = self.data_parallel.build_optimizer(optimizer)
         # 5. the step driver
         self.driver = drive_steps(self.model, self.stages, plan, self.comm, self.loss_fn,
-                                  self.activations)
+                                  self.activations, self.data_parallel)
         self.steps_done = 0
         self.last_grad_norm: float | None = None
 
@@ -185,6 +205,18 @@ class Trainer:
         self.steps_done += 1
         return loss
 
+    def _settle(self) -> None:
+        """Let a gradient sync with messages in flight (ps-async) finish them before a
+        collective that every rank enters at the same step."""
+        settle = getattr(self.data_parallel, "settle", None)
+        if settle is not None:
+            settle()
+
+    def pause(self, seconds: float) -> None:
+        """Delay this rank (the straggler experiment), still serving whatever it hosts."""
+        idle = getattr(self.data_parallel, "idle", None)
+        (idle or time.sleep)(seconds)
+
     def _sum_gradients_across_axes(self) -> None:
         """Gradients the dp sync leaves partial along another axis: a weight tied across
         pipeline stages (summed over the stages holding it), a LayerNorm under sequence
@@ -216,6 +248,7 @@ class Trainer:
             return self._evaluate(list(batches))
 
     def _evaluate(self, batches: list) -> float:
+        self._settle()
         mine = batches[self.dp_rank::self.dp_size]
         self.model.eval()
         try:

@@ -99,7 +99,8 @@ REFUSED = [
     (mt.Plan(dp=4), "Plan(dp=4, pp=1, tp=1) needs dp*pp*tp = 4 ranks but the world has 2"),
     (mt.Plan(dp=1), "needs dp*pp*tp = 1 ranks but the world has 2"),
     (mt.Plan(dp=1, pp=2), "pipeline parallel (pp=2): pipeline schedules are not available yet"),
-    (mt.Plan(dp=2, dp_mode="ps-sync"), "dp_mode='ps-sync' is not available yet (only 'ddp' is)"),
+    (mt.Plan(dp=2, dp_mode="ps-sync", precision="bf16"),
+     "dp_mode='ps-sync' with precision='bf16': DP and the parameter server run in fp32 for now"),
 ]
 
 

@@ -45,7 +45,11 @@ CASES = [
     ("train --offload cpu", "offload='cpu' needs ZeRO"),
     ("train --offload-dir somewhere", "--offload-dir is where --offload disk writes"),
     ("train --sequence-parallel", "sequence_parallel=True splits activations over the tp axis"),
-    ("train --dp-mode nonsense", "dp_mode='nonsense': choose one of"),
+    ("train --dp-mode nonsense", "invalid choice: 'nonsense'"),
+    ("train --dp-mode ps-sync --staleness 1", "staleness"),
+    ("train --dp-mode ps-sync --ps-shards 3", "ps_shards"),
+    ("train --dp-mode ps-async --straggler 5:0.1", "--straggler 5:0.1: rank 5 does not exist"),
+    ("train --dp-mode dp --nproc 2", "dp_mode='dp'"),
     ("train --schedule nonsense", "schedule='nonsense': choose one of"),
     # plan
     ("plan", "no model: give --model PRESET"),

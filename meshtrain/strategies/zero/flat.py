@@ -15,6 +15,7 @@ has the shard's layout; `FlatLayout` converts such shards to per-parameter tenso
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -112,3 +113,24 @@ def parameter_groups(params: list[nn.Parameter], shared: list[nn.Parameter]
     tied embedding's gradient is the last one backward produces)."""
     taken = {id(p) for p in shared}
     return [[p for p in reversed(params) if id(p) not in taken], list(shared)]
+
+
+@contextmanager
+def keep_unstepped(layout: FlatLayout, names: list[str], shards: list[torch.Tensor],
+                   optimizer: torch.optim.Optimizer):
+    """Put back, after the block (an optimizer step), this rank's elements of the parameters
+    `names` in the flat shards the optimizer steps (one per bucket) and in its per-element
+    states of them: a flat shard is stepped whole, but one process's optimizer skips a
+    parameter nobody used (its .grad is None)."""
+    kept = []
+    for name in names:
+        piece = layout.by_name[name]
+        shard = shards[piece.bucket]
+        lo, hi = layout.owned(piece)
+        tensors = [shard] + [t for t in optimizer.state.get(shard, {}).values()
+                             if isinstance(t, torch.Tensor) and t.shape == shard.shape]
+        kept += [(t, lo, hi, t.detach()[lo:hi].clone()) for t in tensors]
+    yield
+    with torch.no_grad():
+        for t, lo, hi, value in kept:
+            t[lo:hi] = value

@@ -41,7 +41,8 @@ from meshtrain.strategies.data_parallel.buckets import Bucket, build_buckets
 from meshtrain.strategies.data_parallel.ddp import broadcast_tensors, cast_to
 from meshtrain.strategies.data_parallel.gradient_buckets import GradientBuckets
 from meshtrain.strategies.data_parallel.precision import COMPUTE_DTYPES, MasterWeights
-from meshtrain.strategies.zero.flat import FlatLayout, flatten_into_buckets, parameter_groups
+from meshtrain.strategies.zero.flat import (FlatLayout, flatten_into_buckets, keep_unstepped,
+                                           parameter_groups)
 from meshtrain.strategies.zero.offload import Offloader
 
 
@@ -164,7 +165,8 @@ class ZeRO:
 
     def step(self) -> None:
         self.masters.set_grads(self.grad_shards)
-        with self._keep_skipped():
+        # see [Note: parameters nobody used]
+        with keep_unstepped(self.layout, self._skipped, self.masters.masters, self.optimizer):
             self.optimizer.step()
         self.masters.write_back()
         self.offload.after_step(self.optimizer)
@@ -178,25 +180,6 @@ class ZeRO:
                    for flat, shard in zip(self.data, shards)]
         for h in handles:
             h.wait()
-
-    @contextmanager
-    def _keep_skipped(self):
-        """See [Note: parameters nobody used]."""
-        if not self._skipped:
-            yield
-            return
-        kept = []
-        for name in self._skipped:
-            piece = self.layout.by_name[name]
-            master = self.masters.masters[piece.bucket]
-            lo, hi = self.layout.owned(piece)
-            tensors = [master] + [t for t in self.optimizer.state.get(master, {}).values()
-                                  if isinstance(t, torch.Tensor) and t.shape == master.shape]
-            kept += [(t, lo, hi, t.detach()[lo:hi].clone()) for t in tensors]
-        yield
-        with torch.no_grad():
-            for t, lo, hi, value in kept:
-                t[lo:hi] = value
 
     # ---- after the sync: other axes, clipping -------------------------------------------------
     def reduced_gradient(self, name: str) -> torch.Tensor | None:

@@ -1,0 +1,44 @@
+"""Bad data-parallel-family plans are refused with a message that says what to do."""
+import pytest
+
+import meshtrain as mt
+from meshtrain.core.plan import PlanError
+
+
+def test_dp_mode_dp_runs_in_one_process():
+    plan = mt.Plan(dp=4, dp_mode="dp")
+    assert plan.world_size == 1 and plan.mesh_dp == 1
+    plan.check_world_size(1)
+    with pytest.raises(PlanError, match=r"threads of one process.*needs pp\*tp = 1.*has 4"):
+        plan.check_world_size(4)
+    assert mt.Plan(dp=2, tp=2, dp_mode="dp").world_size == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dp=2, dp_mode="ps-async", staleness=-1), r"staleness=-1: must be a whole number >= 0"),
+    (dict(dp=2, dp_mode="ps-sync", staleness=2), r"staleness=2 only applies to dp_mode='ps-async'"),
+    (dict(dp=2, staleness=1), r"only applies to dp_mode='ps-async' \(got dp_mode='ddp'\)"),
+    (dict(dp=2, dp_mode="ps-sync", ps_shards=3), r"ps_shards=3 is more server shards than the dp=2"),
+    (dict(dp=2, ps_shards=2), r"ps_shards=2 shards a parameter server"),
+    (dict(dp=2, dp_mode="ps-sync", ps_shards=0), r"ps_shards=0: must be a whole number >= 1"),
+    (dict(dp=2, dp_mode="dp", zero=1), r"needs dp_mode='ddp'"),
+])
+def test_bad_plans_are_refused(kwargs, message):
+    with pytest.raises(PlanError, match=message):
+        mt.Plan(**kwargs)
+
+
+def test_async_refuses_gradient_clipping():
+    import torch
+    with pytest.raises(PlanError, match="max_grad_norm with dp_mode='ps-async'"):
+        mt.Trainer(torch.nn.Linear(2, 2), mt.Plan(dp_mode="ps-async"),
+                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss_fn=lambda o, t: o.sum(),
+                   max_grad_norm=1.0)
+
+
+def test_unbuilt_combinations_are_named():
+    from meshtrain.train.trainer import refuse_unbuilt
+    with pytest.raises(PlanError, match="dp_mode='ps-sync' with pp=1, tp=2"):
+        refuse_unbuilt(mt.Plan(dp=2, tp=2, dp_mode="ps-sync"))
+    with pytest.raises(PlanError, match="precision='bf16'"):
+        refuse_unbuilt(mt.Plan(dp=2, dp_mode="dp", precision="bf16"))
