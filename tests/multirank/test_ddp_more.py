@@ -98,7 +98,8 @@ def check_overlap(events, n_buckets: int) -> None:
 REFUSED = [
     (mt.Plan(dp=4), "Plan(dp=4, pp=1, tp=1) needs dp*pp*tp = 4 ranks but the world has 2"),
     (mt.Plan(dp=1), "needs dp*pp*tp = 1 ranks but the world has 2"),
-    (mt.Plan(dp=1, pp=2), "pipeline parallel (pp=2): pipeline schedules are not available yet"),
+    (mt.Plan(dp=1, pp=2, dp_mode="ps-sync"),
+     "dp_mode='ps-sync' with pp=2, tp=1: DP and the parameter server run with pp = tp = 1"),
     (mt.Plan(dp=2, dp_mode="ps-sync", precision="bf16"),
      "dp_mode='ps-sync' with precision='bf16': DP and the parameter server run in fp32 for now"),
 ]
