@@ -31,7 +31,6 @@ from the statistics that ride in the last bucket.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -98,14 +97,9 @@ class DDP:
         """Start a step: no gradients yet (each lands in its bucket as backward makes it)."""
         self.grads.start_step()
 
-    @contextmanager
     def no_sync(self):
         """Accumulate gradients locally (earlier micro-batches): no communication."""
-        previous, self.grads.syncing = self.grads.syncing, False
-        try:
-            yield
-        finally:
-            self.grads.syncing = previous
+        return self.grads.paused()
 
     def _launch(self, bucket: Bucket):
         if not self.mixed:

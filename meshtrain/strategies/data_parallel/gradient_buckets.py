@@ -22,6 +22,7 @@ order: a ready bucket waits until every bucket before it has been launched.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -50,6 +51,16 @@ class GradientBuckets:
         self.events: list[tuple[str, int, float]] = []  # (what, bucket, time): the overlap log
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in params]
+
+    @contextmanager
+    def paused(self):
+        """Gradients accumulate in the buckets without launching anything (the earlier
+        micro-batches of a step); the caller's `no_sync`."""
+        previous, self.syncing = self.syncing, False
+        try:
+            yield
+        finally:
+            self.syncing = previous
 
     def start_step(self) -> None:
         for p in self.params:

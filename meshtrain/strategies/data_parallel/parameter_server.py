@@ -23,7 +23,6 @@ ps_async.py lets the servers apply pushes as they arrive, with bounded staleness
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -113,14 +112,9 @@ class ParameterServer:
     def zero_grad(self) -> None:
         self.grads.start_step()
 
-    @contextmanager
     def no_sync(self):
         """Accumulate in the bucket (earlier micro-batches): no push."""
-        previous, self.grads.syncing = self.grads.syncing, False
-        try:
-            yield
-        finally:
-            self.grads.syncing = previous
+        return self.grads.paused()
 
     def _push(self, bucket: Bucket):
         """Send shard k of the flat gradient to server k (this rank's own shard stays)."""

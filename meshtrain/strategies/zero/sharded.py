@@ -119,11 +119,10 @@ class ZeRO:
     def no_sync(self):
         """ZeRO-1: accumulate in the buckets without communicating. ZeRO-2: each micro-batch
         is its own round, reduced into the gradient shard as it ends."""
-        previous, self.grads.syncing = self.grads.syncing, False
         try:
-            yield
+            with self.grads.paused():
+                yield
         finally:
-            self.grads.syncing = previous
             if self.stage >= 2:
                 self._end_round()
 
