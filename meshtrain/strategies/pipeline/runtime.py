@@ -97,7 +97,12 @@ class PipelineSchedule:
                  sync: GradientSync | None) -> torch.Tensor:
         step = _Step(self, split_microbatches(inputs, microbatches),
                      split_microbatches(targets, microbatches), sync)
-        last_backward = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD),
+        split = {(a.microbatch, a.chunk) for a in actions if a.kind is Kind.BACKWARD_WEIGHT}
+        step.split = split
+        # the last action that accumulates weight gradients: the dp sync starts in it
+        last_backward = max((i for i, a in enumerate(actions)
+                             if a.kind is Kind.BACKWARD_WEIGHT or
+                             (a.kind is Kind.BACKWARD and (a.microbatch, a.chunk) not in split)),
                             default=-1)
         blocks, start = [], time.perf_counter()
         i = 0
@@ -132,12 +137,14 @@ class _Step:
         self.d, self.xs, self.ys, self.sync = driver, xs, ys, sync
         self.device = driver.comm.mesh.device
         self.last_stage = driver.stages.stages - 1
-        self.held: dict[tuple[int, int], tuple] = {}      # (mb, chunk) -> (input, output)
+        self.held: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output, pieces)
+        self.split: set[tuple[int, int]] = set()  # (mb, chunk) whose backward is B then W
         self.inbox: dict[tuple[bool, int, int], torch.Tensor] = {}   # received
         self.outbox: dict[tuple[bool, int, int], torch.Tensor] = {}  # to send
         self.sending: list = []                            # (work, tensor) in flight
         self.loss_sum = torch.zeros((), device=self.device)
         self.held_bytes: dict[tuple[int, int], int] = {}  # what autograd saved, per entry
+        self.pieces_grads: dict[tuple[int, int], list] = {}  # after B: (output, its grad)
         self.peak_held = self.peak_bytes = 0
 
     def stage(self, a: Action) -> int:
@@ -153,10 +160,16 @@ class _Step:
                 x = self.inbox.pop((False, *key))
                 x.requires_grad_(x.is_floating_point() and torch.is_grad_enabled())
             meter = self.d.activations if torch.is_grad_enabled() else None
+            chunk, pieces = self.d.stages.chunks[a.chunk], None
             with (meter.measure() if meter is not None else nullcontext()):
-                y = self.d.stages.chunks[a.chunk](x)
+                if key in self.split and torch.is_grad_enabled():
+                    y, pieces = _forward_pieces(chunk, x)
+                else:
+                    y = chunk(x)
                 if s == self.last_stage:
                     y = self.d.loss_fn(y, self.ys[a.microbatch].to(self.device)) / len(self.xs)
+                    if pieces:
+                        pieces[-1][1] = y   # the loss is part of the last layer's graph
             if s == self.last_stage:
                 self.loss_sum += y.detach()
             elif not isinstance(y, torch.Tensor):
@@ -165,14 +178,26 @@ class _Step:
             else:
                 self.outbox[(False, *key)] = y.detach()
             if torch.is_grad_enabled():
-                self.held[key] = (x, y)
+                self.held[key] = (x, y, pieces)
                 self.held_bytes[key] = meter.last_bytes if meter is not None else 0
                 self.peak_held = max(self.peak_held, len(self.held))
                 self.peak_bytes = max(self.peak_bytes, sum(self.held_bytes.values()))
             return
-        x, y = self.held.pop(key)   # dropped after this backward: see the module docstring
-        self.held_bytes.pop(key)
+        if a.kind is Kind.BACKWARD_WEIGHT:
+            self.held.pop(key)   # W is the last use of the micro-batch's activations
+            self.held_bytes.pop(key)
+            with (self.sync.no_sync() if self.sync is not None and not final else nullcontext()):
+                _weight_gradients(self.d.stages.chunks[a.chunk], self.pieces_grads.pop(key))
+            return
         grad = None if s == self.last_stage else self.inbox.pop((True, *key))
+        if key in self.split:   # B: the input gradient only, the graph kept for W
+            x, _, pieces = self.held[key]
+            grad_x, self.pieces_grads[key] = _input_gradients(pieces, grad)
+            if s > 0:
+                self.outbox[(True, *key)] = grad_x
+            return
+        x, y, _ = self.held.pop(key)   # dropped after this backward: see the module docstring
+        self.held_bytes.pop(key)
         with (self.sync.no_sync() if self.sync is not None and not final else nullcontext()):
             torch.autograd.backward(y, grad)
         if s > 0:
@@ -269,3 +294,39 @@ class _Step:
             raise PipelineError(f"pp rank {self.d.rank}: the schedule left work undone "
                                 f"(held {sorted(self.held)}, received {sorted(self.inbox)}, "
                                 f"unsent {sorted(self.outbox)})")
+
+
+# ---- zero bubble: a backward split into B (input gradient) and W (weight gradient) ---------
+def _forward_pieces(chunk: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """The chunk's layers each on a detached copy of its input: W then walks each layer's
+    graph alone, never back through the earlier layers' input gradients B computed already.
+    Returns the output and [input, output] per layer."""
+    pieces, h = [], x
+    for layer in chunk:
+        inp = h.detach().requires_grad_() if pieces and h.is_floating_point() else h
+        h = layer(inp)
+        pieces.append([inp, h])
+    return h, pieces
+
+
+def _input_gradients(pieces: list, grad: torch.Tensor | None):
+    """B: back through the layers to the chunk's input, keeping each graph for W. Returns
+    the input's gradient and each layer's (output, output gradient)."""
+    done = []
+    for inp, out in reversed(pieces):
+        done.append((out, grad))
+        if not inp.requires_grad:   # the model's input (token ids): nothing further back
+            break
+        grad, = torch.autograd.grad(out, inp, grad, retain_graph=True, allow_unused=True)
+        if grad is None:   # a layer that ignores its input
+            grad = torch.zeros_like(inp)
+    return grad, done
+
+
+def _weight_gradients(chunk: torch.nn.Module, done: list) -> None:
+    """W: every layer's weight gradients in one backward over the graphs B kept, so that
+    each parameter's gradient hook (the dp sync) fires once, as after a plain backward."""
+    params = [p for p in chunk.parameters() if p.requires_grad]
+    if params:
+        outs, grads = zip(*done)
+        torch.autograd.backward(list(outs), list(grads), inputs=params)
