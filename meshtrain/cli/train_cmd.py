@@ -62,6 +62,10 @@ def add_parser(sub) -> None:
     p.add_argument("--check-collectives", action="store_true",
                    help="after the first step, compare every rank's collective calls (op, "
                         "axis, shape, dtype) and stop at the first difference")
+    p.add_argument("--trace", action="store_true",
+                   help="pipeline (--pp > 1): save the last step's measured timeline in the "
+                        "run folder: trace.json, trace.chrome.json (Perfetto) and trace.png "
+                        "(measured beside theory, with both bubble fractions)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files into RUN_DIR/tensorboard "
@@ -132,6 +136,8 @@ def build_config(args):
                 offload=args.offload, recompute=args.recompute,
                 sequence_parallel=args.sequence_parallel)
     plan.check_world_size(world)
+    if args.trace and plan.pp == 1:
+        raise PlanError("--trace records a pipeline's timeline: it needs --pp 2 or more")
     from meshtrain.models.registry import kind_of
     is_gpt = kind_of(args.model) == "gpt"
     shape = {"n_layer": args.layers, "d_model": args.d_model, "n_head": args.heads,
@@ -148,7 +154,7 @@ def build_config(args):
                      progress=not args.no_progress, tensorboard=args.tensorboard,
                      collective_timeout=300.0 if args.collective_timeout is None
                      else args.collective_timeout,
-                     check_collectives=args.check_collectives)
+                     check_collectives=args.check_collectives, trace=args.trace)
 
 
 def run(args) -> int:

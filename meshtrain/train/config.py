@@ -41,6 +41,7 @@ class RunConfig:
     tensorboard: bool = False        # also write TensorBoard event files (<run_dir>/tensorboard)
     collective_timeout: float = 300.0  # seconds a collective may wait before the watchdog
     check_collectives: bool = False  # compare the ranks' first-step call sequences
+    trace: bool = False              # pipeline: save the last step's measured trace (trace.*)
 
     def save(self) -> None:
         path = Path(self.run_dir) / "config.json"

@@ -10,7 +10,8 @@ this rank's stages. No schedule has a loop of its own here: the list is the prog
               (their sends, then their receives) through the accounted Comm (axis "pp",
               tags "act" and "grad"); receives are waited for at once, sends only when
               their buffer is needed no more
-    trace     each forward and backward is timed: `trace` is this rank's measured timeline
+    trace     each forward, backward and weight gradient is timed, and each run of
+              communication apart: `trace` is this rank's measured timeline
 
 Gradient sync over dp (slot 3) is driven as the micro-batch loop drives it: every backward
 but this rank's last runs inside `no_sync`, so the dp reduction starts during the last
@@ -104,7 +105,7 @@ class PipelineSchedule:
                              if a.kind is Kind.BACKWARD_WEIGHT or
                              (a.kind is Kind.BACKWARD and (a.microbatch, a.chunk) not in split)),
                             default=-1)
-        blocks, start = [], time.perf_counter()
+        blocks, waits, start = [], [], time.perf_counter()
         i = 0
         while i < len(actions):
             a = actions[i]
@@ -118,12 +119,15 @@ class PipelineSchedule:
             j = i
             while j < len(actions) and actions[j].kind not in COMPUTE:
                 j += 1
+            begin = time.perf_counter() - start
             step.communicate(actions[i:j])
+            waits.append(Block(self.rank, actions[i].kind, actions[i].microbatch,
+                               actions[i].chunk, begin, time.perf_counter() - start))
             i = j
         step.finish()
         if sync is not None:   # a training step, not an evaluation
             self.trace = Timeline(blocks, 1, time.perf_counter() - start,
-                                  [sum(b.end - b.start for b in blocks)])
+                                  [sum(b.end - b.start for b in blocks)], start, waits)
             self.peak_held = step.peak_held
             if self.activations is not None:
                 self.activations.last_bytes = step.peak_bytes

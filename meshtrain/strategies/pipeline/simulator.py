@@ -35,6 +35,11 @@ class Timeline:
     ranks: int
     makespan: float
     busy: list[float] = field(default_factory=list)
+    origin: float = 0.0
+    """A measured trace's start on time.perf_counter (the same clock for local ranks)."""
+    waits: list[Block] = field(default_factory=list)
+    """A measured trace's communication: each run of sends and receives, posted and
+    waited for (its kind and micro-batch are the run's first action's)."""
 
     @property
     def bubble(self) -> float:
