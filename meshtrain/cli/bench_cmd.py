@@ -9,11 +9,14 @@ from meshtrain.core.plan import Plan
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a strategy against PyTorch's own implementation")
-    p.add_argument("strategy", choices=["ddp", "zero", "tp", "collectives"],
+    p.add_argument("strategy", choices=["ddp", "zero", "tp", "collectives", "pp"],
                    help="ddp: our DDP vs torch DDP; zero: our DDP, ZeRO-1/2/3 vs torch's "
                         "ZeroRedundancyOptimizer and FSDP2; tp: vs DTensor tensor parallel; "
                         "collectives: all-reduce, reduce-scatter and all-gather algorithms "
-                        "from 4 KiB to 64 MiB")
+                        "from 4 KiB to 64 MiB; pp: our GPipe, 1F1B, interleaved and zb-h1 "
+                        "vs torch.distributed.pipelining's schedules (world = pp)")
+    p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8],
+                   help="pp: micro-batch counts (4 8)")
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (2 4)")
     p.add_argument("--model", default="small", help="GPT preset (small: PEERS.md's shape)")
     p.add_argument("--batch", type=int, default=16, help="global batch")
@@ -38,7 +41,13 @@ def run(args) -> int:
                   f"batch {args.batch}", file=sys.stderr)
             return 2
     progress = lambda msg: print(msg, file=sys.stderr)
-    if args.strategy == "collectives":
+    if args.strategy == "pp":
+        from meshtrain.bench import pipeline
+        result = pipeline.bench(worlds=args.world, model_name=args.model, batch=args.batch,
+                                microbatches=args.microbatches, steps=args.steps,
+                                reps=args.reps, warmup=args.warmup, progress=progress)
+        print(pipeline.format_bench(result))
+    elif args.strategy == "collectives":
         from meshtrain.bench import collectives
         result = collectives.run(worlds=args.world, reps=args.reps, progress=progress)
         print(collectives.format_report(result))
