@@ -16,6 +16,10 @@ this rank's stages. No schedule has a loop of its own here: the list is the prog
 Gradient sync over dp (slot 3) is driven as the micro-batch loop drives it: every backward
 but this rank's last runs inside `no_sync`, so the dp reduction starts during the last
 backward and overlaps the cool-down; the Trainer calls `finish_gradient_sync` after `run`.
+Under zero bubble (a BACKWARD followed later by its BACKWARD_WEIGHT) the B computes the input
+gradient only (torch.autograd.grad, nothing accumulates, no hook fires) and the W the weight
+gradients (torch.autograd.backward on the graph B kept): W is what `no_sync` wraps, and the
+rank's last W is where the dp reduction starts.
 
 [Note: activation shapes]
 A receiver must size its buffer before the data arrives. Every rank is given the same
