@@ -69,6 +69,7 @@ def measure(pp: int, cases: list[tuple[str, int, int]], seconds: float = 0.015,
 
 
 # ---- meshtrain bench pp: our schedules against torch.distributed.pipelining ----------------
+N_LAYER = 8   # blocks: with embedding and head, enough layers for pp=4 x 2 chunks
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
                    "interleaved": "ScheduleInterleaved1F1B",
                    "zb-h1": "ScheduleInterleavedZeroBubble"}
@@ -77,7 +78,7 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
 def _gpt_batch(model_name: str, batch: int):
     from meshtrain.models.gpt import gpt_config
 
-    cfg = gpt_config(model_name)
+    cfg = gpt_config(model_name, n_layer=N_LAYER)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
@@ -106,11 +107,11 @@ def bench_rank(model_name: str, batch: int, cases: list[tuple[str, int, int]], s
     for schedule, m, v in cases:
         plan = mt.Plan(pp=pp, schedule=schedule, microbatches=m, virtual_stages=v)
         torch.manual_seed(0)
-        ours = mt.Trainer(GPT(gpt_config(model_name)), plan, loss_fn=_token_loss,
-                          optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4))
+        ours = mt.Trainer(GPT(gpt_config(model_name, n_layer=N_LAYER)), plan,
+                          loss_fn=_token_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4))
 
         torch.manual_seed(0)
-        model = GPT(gpt_config(model_name))
+        model = GPT(gpt_config(model_name, n_layer=N_LAYER))
         layers, bounds = model_layers(model), stage_bounds(model, plan)
         stages = [tpp.PipelineStage(torch.nn.Sequential(*layers[bounds[s]:bounds[s + 1]]),
                                     s, pp * v, torch.device("cpu"))
@@ -162,12 +163,13 @@ def bench(worlds=(2, 4), model_name: str = "tiny", batch: int = 16, microbatches
                           "peak_held_per_stage": [rk[name]["peak_held"] for rk in ranks],
                           "idle_per_stage": [rk[name]["bubble"] for rk in ranks]}
         result["worlds"][pp] = rows
+        progress(format_bench({**result, "worlds": {pp: rows}}))
     return result
 
 
 def format_bench(result: dict) -> str:
-    lines = [f"{result['model']} GPT, batch {result['batch']}, median step of {result['reps']} "
-             f"alternating repetitions x {result['steps']} steps",
+    lines = [f"{result['model']} GPT ({N_LAYER} blocks), batch {result['batch']}, median step "
+             f"of {result['reps']} alternating repetitions x {result['steps']} steps",
              f"{'pp':>3} {'schedule':<22} {'meshtrain ms':>12} {'torch ms':>9} {'ratio':>6}  "
              f"{'torch class':<30} held/stage  idle/stage"]
     for pp, rows in result["worlds"].items():

@@ -1,6 +1,7 @@
 """A model whose layers take a fixed wall time: forward, input gradient and weight gradient
-each cost a given time per layer (the same by default), whatever the data. It makes a pipeline's timeline measurable
-against theory (every stage costs the same; F = B = W as in the zero-bubble paper).
+each cost a given time per layer (the same by default), whatever the data. It makes a
+pipeline's timeline measurable against theory (every stage costs the same; F = B = W as in
+the zero-bubble paper).
 
 Each layer is y = Wait(x) * Wait'(scale): the input's path (forward and input gradient) and
 the weight's path (weight gradient) are separate autograd nodes, so a backward split into B

@@ -116,3 +116,15 @@ def test_schedule_measure_draws_measured_beside_theory(tmp_path):
     assert "measured      bubble" in out.stdout
     for name in ("zb.png", "zb-measured.png", "zb-measured.json", "zb-measured.chrome.json"):
         assert (tmp_path / name).exists(), name
+
+
+def test_bench_pp_runs_ours_against_torch_pipelining(tmp_path):
+    out = _meshtrain("bench", "pp", "--world", "2", "--microbatches", "4", "--steps", "1",
+                     "--reps", "1", "--warmup", "1", "--batch", "8", "--model", "tiny",
+                     "--json", str(tmp_path / "pp.json"), timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "pp.json").read_text())["worlds"]["2"]
+    assert set(rows) == {"gpipe M=4 V=1", "1f1b M=4 V=1", "interleaved M=4 V=2",
+                         "zb-h1 M=4 V=1"}
+    assert all(r["meshtrain_s"] > 0 and r["torch_s"] > 0 for r in rows.values())
+    assert "ScheduleInterleavedZeroBubble" in out.stdout
