@@ -44,12 +44,11 @@ def peaks() -> dict:
             torch.manual_seed(0)
             trainer = mt.Trainer(eq.gpt_pipe(), mt.Plan(pp=dist.get_world_size(),
                                                         schedule=schedule, microbatches=m),
-                                 optimizer=eq.sgd)
+                                 optimizer=eq.sgd, measure_activations=True)
             trainer.step(*eq.batches("gpt_pipe", 1)[0])
             trace = trainer.driver.trace
             out[(schedule, m)] = {
-                "peak": trainer.driver.peak_held, "bytes": trainer.activations.last_bytes
-                if trainer.activations is not None else None,
+                "peak": trainer.driver.peak_held, "bytes": trainer.activations.last_bytes,
                 "trace": [(b.kind.value, b.microbatch, b.chunk) for b in trace.blocks]}
     return out
 
@@ -61,6 +60,9 @@ def test_zb_h1_holds_no_more_than_1f1b_and_traces_its_w():
         zb = [r[("zb-h1", m)]["peak"] for r in results]
         one = [r[("1f1b", m)]["peak"] for r in results]
         assert zb[0] <= one[0] == 4, (zb, one)          # stage 0: no more than 1F1B's P
+        # ... and in bytes autograd saved (the runtime's ActivationMeter), at its peak
+        zb_bytes, one_bytes = (results[0][(s, m)]["bytes"] for s in ("zb-h1", "1f1b"))
+        assert 0 < zb_bytes <= one_bytes, (zb_bytes, one_bytes)
         assert all(z <= p for z in zb), zb              # no stage above 1F1B's peak
         for rank, r in enumerate(results):
             order = compute_order("zb-h1", p, m)[rank]
