@@ -145,14 +145,14 @@ class _Step:
         self.d, self.xs, self.ys, self.sync = driver, xs, ys, sync
         self.device = driver.comm.mesh.device
         self.last_stage = driver.stages.stages - 1
-        self.held: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output, pieces)
+        self.held: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output, captured)
         self.split: set[tuple[int, int]] = set()  # (mb, chunk) whose backward is B then W
         self.inbox: dict[tuple[bool, int, int], torch.Tensor] = {}   # received
         self.outbox: dict[tuple[bool, int, int], torch.Tensor] = {}  # to send
         self.sending: list = []                            # (work, tensor) in flight
         self.loss_sum = torch.zeros((), device=self.device)
         self.held_bytes: dict[tuple[int, int], int] = {}  # what autograd saved, per entry
-        self.pieces_grads: dict[tuple[int, int], list] = {}  # after B: (output, its grad)
+        self.weight_work: dict[tuple[int, int], list] = {}  # after B: what W needs
         self.peak_held = self.peak_bytes = 0
 
     def stage(self, a: Action) -> int:
@@ -168,16 +168,14 @@ class _Step:
                 x = self.inbox.pop((False, *key))
                 x.requires_grad_(x.is_floating_point() and torch.is_grad_enabled())
             meter = self.d.activations if torch.is_grad_enabled() else None
-            chunk, pieces = self.d.stages.chunks[a.chunk], None
+            chunk, captured = self.d.stages.chunks[a.chunk], None
             with (meter.measure() if meter is not None else nullcontext()):
                 if key in self.split and torch.is_grad_enabled():
-                    y, pieces = _forward_pieces(chunk, x)
+                    y, captured = _forward_split(chunk, x)
                 else:
                     y = chunk(x)
                 if s == self.last_stage:
                     y = self.d.loss_fn(y, self.ys[a.microbatch].to(self.device)) / len(self.xs)
-                    if pieces:
-                        pieces[-1][1] = y   # the loss is part of the last layer's graph
             if s == self.last_stage:
                 self.loss_sum += y.detach()
             elif not isinstance(y, torch.Tensor):
@@ -186,7 +184,7 @@ class _Step:
             else:
                 self.outbox[(False, *key)] = y.detach()
             if torch.is_grad_enabled():
-                self.held[key] = (x, y, pieces)
+                self.held[key] = (x, y, captured)
                 self.held_bytes[key] = meter.last_bytes if meter is not None else 0
                 self.peak_held = max(self.peak_held, len(self.held))
                 self.peak_bytes = max(self.peak_bytes, sum(self.held_bytes.values()))
@@ -195,12 +193,12 @@ class _Step:
             self.held.pop(key)   # W is the last use of the micro-batch's activations
             self.held_bytes.pop(key)
             with (self.sync.no_sync() if self.sync is not None and not final else nullcontext()):
-                _weight_gradients(self.d.stages.chunks[a.chunk], self.pieces_grads.pop(key))
+                _weight_gradients(self.weight_work.pop(key))
             return
         grad = None if s == self.last_stage else self.inbox.pop((True, *key))
         if key in self.split:   # B: the input gradient only, the graph kept for W
-            x, _, pieces = self.held[key]
-            grad_x, self.pieces_grads[key] = _input_gradients(pieces, grad)
+            x, y, captured = self.held[key]
+            grad_x, self.weight_work[key] = _input_gradients(y, x, captured, grad)
             if s > 0:
                 self.outbox[(True, *key)] = grad_x
             return
@@ -305,36 +303,52 @@ class _Step:
 
 
 # ---- zero bubble: a backward split into B (input gradient) and W (weight gradient) ---------
-def _forward_pieces(chunk: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list]:
-    """The chunk's layers each on a detached copy of its input: W then walks each layer's
-    graph alone, never back through the earlier layers' input gradients B computed already.
-    Returns the output and [input, output] per layer."""
-    pieces, h = [], x
-    for layer in chunk:
-        inp = h.detach().requires_grad_() if pieces and h.is_floating_point() else h
-        h = layer(inp)
-        pieces.append([inp, h])
-    return h, pieces
+def _forward_split(chunk: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """Run the chunk, recording the output of each module that owns parameters (directly):
+    B captures the gradient there, and W goes from there to those parameters only, so that
+    it costs the weight gradients alone. Returns the output and [(parameters, output)].
+
+    A module called twice, or a parameter owned by two modules (tied), would count some
+    gradient twice that way: the chunk is then one owner, its output the chunk's (correct,
+    but W walks the whole chunk again)."""
+    owners = {m: [p for p in m.parameters(recurse=False) if p.requires_grad]
+              for m in chunk.modules()}
+    owners = {m: ps for m, ps in owners.items() if ps}
+    outputs: dict[torch.nn.Module, list] = {m: [] for m in owners}
+    hooks = [m.register_forward_hook(lambda mod, args, out: outputs[mod].append(out))
+             for m in owners]
+    try:
+        y = chunk(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    params = [p for ps in owners.values() for p in ps]
+    if (len({id(p) for p in params}) < len(params)
+            or any(len(o) > 1 or (o and not isinstance(o[0], torch.Tensor))
+                   for o in outputs.values())):
+        return y, [([p for p in chunk.parameters() if p.requires_grad], y)]
+    return y, [(owners[m], o[0]) for m, o in outputs.items() if o and o[0].requires_grad]
 
 
-def _input_gradients(pieces: list, grad: torch.Tensor | None):
-    """B: back through the layers to the chunk's input, keeping each graph for W. Returns
-    the input's gradient and each layer's (output, output gradient)."""
-    done = []
-    for inp, out in reversed(pieces):
-        done.append((out, grad))
-        if not inp.requires_grad:   # the model's input (token ids): nothing further back
-            break
-        grad, = torch.autograd.grad(out, inp, grad, retain_graph=True, allow_unused=True)
-        if grad is None:   # a layer that ignores its input
-            grad = torch.zeros_like(inp)
-    return grad, done
+def _input_gradients(y: torch.Tensor, x: torch.Tensor, captured: list,
+                     grad: torch.Tensor | None):
+    """B: one pass from the chunk's output (or loss) to its input and to each captured
+    output, the graph kept for W. Returns the input's gradient and [(parameters, output,
+    its gradient)] for W."""
+    wanted = ([x] if x.requires_grad else []) + [out for _, out in captured]
+    if not wanted:
+        return None, []
+    grads = torch.autograd.grad(y, wanted, grad, retain_graph=True, allow_unused=True)
+    grad_x = None
+    if x.requires_grad:
+        grad_x, grads = grads[0], grads[1:]
+        if grad_x is None:   # a chunk that ignores its input
+            grad_x = torch.zeros_like(x)
+    return grad_x, [(ps, out, g) for (ps, out), g in zip(captured, grads) if g is not None]
 
 
-def _weight_gradients(chunk: torch.nn.Module, done: list) -> None:
-    """W: every layer's weight gradients in one backward over the graphs B kept, so that
-    each parameter's gradient hook (the dp sync) fires once, as after a plain backward."""
-    params = [p for p in chunk.parameters() if p.requires_grad]
-    if params:
-        outs, grads = zip(*done)
-        torch.autograd.backward(list(outs), list(grads), inputs=params)
+def _weight_gradients(done: list) -> None:
+    """W: each owner's parameters from its output's gradient. Each parameter is in one
+    call, so its gradient hook (the dp sync) fires once, as after a plain backward."""
+    for params, out, grad in done:
+        torch.autograd.backward(out, grad, inputs=params, retain_graph=True)
