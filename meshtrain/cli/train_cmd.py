@@ -92,7 +92,8 @@ def add_parser(sub) -> None:
     plan.add_argument("--dp-mode", default="ddp")
     plan.add_argument("--microbatches", type=int, default=1)
     plan.add_argument("--schedule", default="1f1b",
-                      help="pipeline schedule with --pp > 1: naive | gpipe | 1f1b | interleaved")
+                      help="pipeline schedule with --pp > 1: naive | gpipe | 1f1b | "
+                           "interleaved | zb-h1 (zero bubble)")
     plan.add_argument("--virtual-stages", type=int, default=1,
                       help="model chunks per pipeline rank (with --schedule interleaved)")
     plan.add_argument("--bucket-mb", type=float, default=Plan().bucket_mb)
