@@ -9,12 +9,16 @@ from meshtrain.core.plan import Plan
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a strategy against PyTorch's own implementation")
-    p.add_argument("strategy", choices=["ddp", "zero", "tp", "collectives", "dp"],
+    p.add_argument("strategy", choices=["ddp", "zero", "tp", "collectives", "dp", "pp"],
                    help="ddp: our DDP vs torch DDP; zero: our DDP, ZeRO-1/2/3 vs torch's "
                         "ZeroRedundancyOptimizer and FSDP2; tp: vs DTensor tensor parallel; "
                         "collectives: all-reduce, reduce-scatter and all-gather algorithms "
                         "from 4 KiB to 64 MiB; dp: the data-parallel family (DP, DDP, "
-                        "parameter server sync/async, a straggler, the three all-reduces)")
+                        "parameter server sync/async, a straggler, the three all-reduces); "
+                        "pp: our GPipe, 1F1B, interleaved and zb-h1 vs "
+                        "torch.distributed.pipelining's schedules (world = pp)")
+    p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8],
+                   help="pp: micro-batch counts (4 8)")
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (2 4)")
     p.add_argument("--model", default="small", help="GPT preset (small: PEERS.md's shape)")
     p.add_argument("--batch", type=int, default=16, help="global batch")
@@ -45,6 +49,12 @@ def run(args) -> int:
                         steps=args.steps, reps=args.reps, warmup=args.warmup,
                         progress=progress)
         print(dp.format_report(result))
+    elif args.strategy == "pp":
+        from meshtrain.bench import pipeline
+        result = pipeline.bench(worlds=args.world, model_name=args.model, batch=args.batch,
+                                microbatches=args.microbatches, steps=args.steps,
+                                reps=args.reps, warmup=args.warmup, progress=progress)
+        print(pipeline.format_bench(result))
     elif args.strategy == "collectives":
         from meshtrain.bench import collectives
         result = collectives.run(worlds=args.world, reps=args.reps, progress=progress)
@@ -77,6 +87,8 @@ def check_bench_args(args) -> str | None:
                                ("--warmup", args.warmup, 0), ("--batch", args.batch, 1)):
         if value < least:
             return f"{flag} {value}: give a whole number >= {least}"
+    if any(m < 1 for m in args.microbatches):
+        return f"--microbatches {' '.join(map(str, args.microbatches))}: each must be >= 1"
     if not args.bucket_mb > 0:
         return f"--bucket-mb {args.bucket_mb:g}: give a positive size in MiB"
     if args.strategy != "collectives" and args.model not in PRESETS:

@@ -4,6 +4,12 @@ action lists (the ones the runtime executes), drawn and printed with its bubble 
     meshtrain schedule --pp 4 --microbatches 8 --schedule 1f1b
     meshtrain schedule --pp 4 --microbatches 8 --schedule interleaved --virtual-stages 2 \\
         --out interleaved.png
+    meshtrain schedule --pp 4 --microbatches 8 --schedule zb-h1 --measure
+
+--measure also runs the schedule for a few steps on P local ranks, on a model whose
+layers take a fixed time (one cost unit = --unit-ms), and draws the measured timeline under
+the theoretical one with both bubble fractions; the trace is saved beside the picture as
+JSON and in Chrome's trace format (open it in https://ui.perfetto.dev).
 """
 from __future__ import annotations
 
@@ -27,6 +33,15 @@ def add_parser(sub) -> None:
                    help="time of one stage's forward (default 1)")
     p.add_argument("--backward-cost", type=float, default=2.0,
                    help="time of one stage's backward (default 2: two matmuls per forward one)")
+    p.add_argument("--weight-cost", type=float,
+                   help="the weight-gradient part of the backward (zb-h1 runs it apart; "
+                        "default half the backward)")
+    p.add_argument("--measure", action="store_true",
+                   help="also run it on P local ranks and draw measured beside theory")
+    p.add_argument("--unit-ms", type=float, default=15.0,
+                   help="with --measure: milliseconds of one cost unit (default 15)")
+    p.add_argument("--steps", type=int, default=4,
+                   help="with --measure: steps run; the median one is drawn (default 4)")
     p.add_argument("--out", help="the PNG to write (default schedule-<schedule>.png)")
     p.set_defaults(run=run)
 
@@ -42,6 +57,8 @@ def run(args) -> int:
             raise PlanError(f"--pp {args.pp}: a pipeline needs at least 2 ranks")
         if args.forward_cost <= 0 or args.backward_cost <= 0:
             raise PlanError("--forward-cost and --backward-cost must be positive")
+        if args.weight_cost is not None and not 0 <= args.weight_cost <= args.backward_cost:
+            raise PlanError("--weight-cost must lie between 0 and --backward-cost")
         plan = Plan(pp=args.pp, microbatches=args.microbatches, schedule=args.schedule,
                     virtual_stages=args.virtual_stages)
         out = Path(args.out or f"schedule-{plan.schedule}.png")
@@ -54,8 +71,9 @@ def run(args) -> int:
         return 2
     p, m, v = plan.pp, plan.microbatches, plan.virtual_stages
     timeline = simulate(build_schedule(plan.schedule, p, m, v), args.forward_cost,
-                        args.backward_cost, v)
-    theory, formula = bubble_formula(plan.schedule, p, m, v)
+                        args.backward_cost, v, args.weight_cost)
+    theory, formula = bubble_formula(plan.schedule, p, m, v, args.forward_cost,
+                                     args.backward_cost, args.weight_cost)
     title = (f"{plan.schedule}  P={p} M={m}" + (f" V={v}" if v > 1 else "")
              + f"  bubble {timeline.bubble:.4f}")
     draw_timeline(timeline, title, v).savefig(out, dpi=100)
@@ -63,4 +81,30 @@ def run(args) -> int:
     print(f"bubble        {timeline.bubble:.4f} simulated, {formula} = {theory:.4f} "
           f"(P={p}, M={m}" + (f", V={v}" if v > 1 else "") + ")")
     print(f"timeline      {out}")
+    if args.measure:
+        _measure(args, plan, out)
     return 0
+
+
+def _measure(args, plan, out: str) -> None:
+    """Run the schedule on local ranks; draw and save the median step's trace."""
+    from pathlib import Path
+
+    from meshtrain.bench.pipeline import measure
+    from meshtrain.report.trace import save_trace
+
+    unit = args.unit_ms / 1e3
+    weight = args.backward_cost / 2 if args.weight_cost is None else args.weight_cost
+    v = plan.virtual_stages
+    # a chunk is 1/V of a stage: each spin layer (one per chunk) costs 1/V of the unit costs
+    doc, = measure(plan.pp, [(plan.schedule, plan.microbatches, v)],
+                   args.forward_cost * unit / v, args.steps,
+                   (args.backward_cost - weight) * unit / v, weight * unit / v)
+    stem = Path(out).with_suffix("")
+    paths = save_trace(doc, stem.parent, stem.name + "-measured")
+    print(f"measured      bubble {doc['measured']['bubble']:.4f} over "
+          f"{doc['measured']['makespan_s'] * 1e3:.1f} ms; theory for the measured costs "
+          f"{doc['theory']['bubble']:.4f} (median of {args.steps} steps on {plan.pp} local "
+          f"ranks, one unit = {args.unit_ms:g} ms)")
+    print(f"measured vs theory  {paths['png']}")
+    print(f"trace         {paths['json']}  (Chrome/Perfetto: {paths['chrome']})")

@@ -62,6 +62,10 @@ def add_parser(sub) -> None:
     p.add_argument("--check-collectives", action="store_true",
                    help="after the first step, compare every rank's collective calls (op, "
                         "axis, shape, dtype) and stop at the first difference")
+    p.add_argument("--trace", action="store_true",
+                   help="pipeline (--pp > 1): save the last step's measured timeline in the "
+                        "run folder: trace.json, trace.chrome.json (Perfetto) and trace.png "
+                        "(measured beside theory, with both bubble fractions)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files into RUN_DIR/tensorboard "
@@ -97,7 +101,8 @@ def add_parser(sub) -> None:
                    help="delay this rank by SECONDS every step (to measure asynchrony)")
     plan.add_argument("--microbatches", type=int, default=1)
     plan.add_argument("--schedule", default="1f1b",
-                      help="pipeline schedule with --pp > 1: naive | gpipe | 1f1b | interleaved")
+                      help="pipeline schedule with --pp > 1: naive | gpipe | 1f1b | "
+                           "interleaved | zb-h1 (zero bubble)")
     plan.add_argument("--virtual-stages", type=int, default=1,
                       help="model chunks per pipeline rank (with --schedule interleaved)")
     plan.add_argument("--bucket-mb", type=float, default=Plan().bucket_mb)
@@ -146,6 +151,8 @@ def build_config(args):
                 sequence_parallel=args.sequence_parallel)
     plan.check_world_size(world)
     straggler = parse_straggler(args.straggler, world) if args.straggler else None
+    if args.trace and plan.pp == 1:
+        raise PlanError("--trace records a pipeline's timeline: it needs --pp 2 or more")
     from meshtrain.models.registry import kind_of
     is_gpt = kind_of(args.model) == "gpt"
     shape = {"n_layer": args.layers, "d_model": args.d_model, "n_head": args.heads,
@@ -163,7 +170,7 @@ def build_config(args):
                      collective_timeout=300.0 if args.collective_timeout is None
                      else args.collective_timeout,
                      check_collectives=args.check_collectives,
-                     straggler=straggler)
+                     straggler=straggler, trace=args.trace)
 
 
 def parse_straggler(text: str, world: int) -> list:

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, fields
 
 DP_MODES = ("ddp", "dp", "ps-sync", "ps-async")
 OFFLOADS = ("none", "cpu", "disk")
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTES = ("none", "full", "selective")
 
@@ -41,7 +41,8 @@ class Plan:
     microbatches: int = 1
     """Micro-batches per step: gradient accumulation under DP, pipeline depth under PP."""
     schedule: str = "1f1b"
-    """Pipeline schedule: "naive" | "gpipe" | "1f1b" | "interleaved" (used when pp > 1)."""
+    """Pipeline schedule: "naive" | "gpipe" | "1f1b" | "interleaved" | "zb-h1" (used when
+    pp > 1; zb-h1 is zero bubble, Qi et al. 2023)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank; > 1 only with the interleaved schedule."""
     bucket_mb: float = 25.0

@@ -140,6 +140,8 @@ def inflight_microbatches(schedule: str, pp: int, m: int, v: int = 1, stage: int
         return m
     if schedule == "interleaved":
         return min(m, (2 * (pp - stage - 1) + (v - 1) * pp + 1) / v)
+    if schedule == "zb-h1":   # rank r defers r W's: every stage holds up to P (schedules.py)
+        return min(m, pp)
     return min(m, pp - stage)
 
 

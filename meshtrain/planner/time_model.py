@@ -89,6 +89,8 @@ def pipeline_slots(schedule: str, pp: int, m: int, v: int = 1) -> float:
         return m * pp
     if schedule == "interleaved":
         return m + (pp - 1) / v
+    if schedule == "zb-h1":   # the bubble's W filled: (P-1)(F+B-W), a third with F = B = W
+        return m + (pp - 1) / 3
     return m + pp - 1
 
 

@@ -42,6 +42,7 @@ class RunConfig:
     collective_timeout: float = 300.0  # seconds a collective may wait before the watchdog
     check_collectives: bool = False  # compare the ranks' first-step call sequences
     straggler: list | None = None    # [rank, seconds]: that rank is delayed every step
+    trace: bool = False              # pipeline: save the last step's measured trace (trace.*)
 
     def save(self) -> None:
         path = Path(self.run_dir) / "config.json"

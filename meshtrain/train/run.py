@@ -8,6 +8,9 @@ folder holds everything needed to understand and continue it:
                       per evaluation
     summary.json      the run's summary (what `meshtrain train` prints), written at its end
     checkpoints/      step_XXXXXXXX/ folders (atomic, see checkpoint.py) and `latest`
+    trace.json        with --trace (pipeline): the last step's measured timeline per rank,
+                      its bubble and theory's (report/trace.py); trace.chrome.json the same
+                      for Perfetto; trace.png measured drawn under theory
 
 The batch of step s depends only on (seed, s) and the learning rate only on s, so resuming
 from the checkpoint of step s gives exactly the numbers an uninterrupted run gives.
@@ -112,6 +115,8 @@ def train_rank(config: RunConfig) -> dict:
         if done % config.ckpt_every == 0 or done == config.steps:
             _checkpoint(trainer, config, done, first)
     bar.close()
+    if config.trace and plan.pp > 1:
+        _save_trace(trainer, plan, config)
 
     final_val = trainer.evaluate(val)
     metrics.write({"step": config.steps, "val_loss": final_val})
@@ -134,6 +139,26 @@ def train_rank(config: RunConfig) -> dict:
     if is_main:
         (Path(config.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _save_trace(trainer: Trainer, plan: Plan, config: RunConfig) -> None:
+    """The last step's trace of the pipeline holding rank 0 (report/trace.py), written by
+    rank 0 into the run folder. Collective: every rank sends its record."""
+    import socket
+
+    from meshtrain.report.trace import rank_record, save_trace, trace_document
+
+    record = rank_record(trainer.driver.trace, trainer.driver.rank, socket.gethostname())
+    records = trainer.comm.gather_objects(record, tag="trace")
+    if trainer.mesh.rank == 0:
+        pipeline = [records[trainer.mesh.global_rank("pp", r)] for r in range(plan.pp)]
+        doc = trace_document(pipeline, plan.schedule, plan.microbatches, plan.virtual_stages,
+                             step=trainer.steps_done)
+        paths = save_trace(doc, config.run_dir)
+        print(f"meshtrain train: trace of step {trainer.steps_done}: measured bubble "
+              f"{doc['measured']['bubble']:.4f}, theory {doc['theory']['bubble']:.4f} "
+              f"({doc['theory']['formula']} = {doc['theory']['formula_bubble']:.4f}); "
+              f"{paths['png']}, {paths['chrome']}", file=sys.stderr)
 
 
 def check_same_collectives(trainer: Trainer) -> None:

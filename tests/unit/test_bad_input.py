@@ -81,6 +81,7 @@ CASES = [
     ("bench zero --world 1", "world 1 needs to be >= 2"),
     ("bench ddp --world 3", "world 3 needs to be >= 2 and divide the global batch 16"),
     ("bench ddp --reps 0", "--reps 0"),
+    ("bench pp --microbatches 0", "--microbatches 0: each must be >= 1"),
     ("bench tp --model nosuch", "--model 'nosuch': the benchmarks run a GPT preset"),
     # schedule
     ("schedule --pp 0 --microbatches 4", "--pp 0: a pipeline needs at least 2 ranks"),

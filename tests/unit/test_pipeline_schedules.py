@@ -17,7 +17,7 @@ from tests.multirank import equivalence as eq
 
 
 def cases():
-    for schedule in ("naive", "gpipe", "1f1b", "interleaved"):
+    for schedule in ("naive", "gpipe", "1f1b", "interleaved", "zb-h1"):
         for p in range(2, 7):
             for v in ((1, 2, 3, 4) if schedule == "interleaved" else (1,)):
                 for m in range(1, 17):
@@ -30,7 +30,7 @@ CASES = list(cases())
 
 
 def test_many_cases_are_covered():
-    assert len(CASES) > 250
+    assert len(CASES) > 300
 
 
 @pytest.mark.parametrize("costs", [(1.0, 1.0), (1.0, 2.0)])
@@ -38,8 +38,33 @@ def test_every_schedule_runs_and_its_bubble_equals_theory(costs):
     for schedule, p, m, v in CASES:
         actions = build_schedule(schedule, p, m, v)
         timeline = simulate(actions, *costs, virtual_stages=v)   # raises on a deadlock
-        expected, _ = bubble_formula(schedule, p, m, v)
+        expected, _ = bubble_formula(schedule, p, m, v, *costs)
+        if schedule == "zb-h1" and m < p:   # the formula needs M >= P: no worse than 1F1B
+            assert timeline.bubble <= simulate(build_schedule("1f1b", p, m), *costs).bubble
+            continue
         assert timeline.bubble == pytest.approx(expected, abs=1e-12), (schedule, p, m, v)
+
+
+@pytest.mark.parametrize("costs", [(1.0, 2.0, 1.0), (1.0, 1.0, 0.5), (2.0, 3.0, 1.0),
+                                   (1.0, 1.5, 0.25)])
+def test_zb_h1_bubble_equals_the_papers_formula(costs):
+    """Qi et al. 2023, table 1: ZB-H1 idles (P-1)(F+B-W) per rank, 1F1B (P-1)(F+B+W); with
+    F = B = W the bubble is (P-1)/(3M+P-1), a third of 1F1B's idle time. M >= P, W <= B."""
+    f, backward, w = costs
+    for p in range(2, 7):
+        for m in range(p, 17):
+            zb = simulate(build_schedule("zb-h1", p, m), f, backward, weight_cost=w)
+            one = simulate(build_schedule("1f1b", p, m), f, backward)
+            expected, _ = bubble_formula("zb-h1", p, m, 1, f, backward, w)
+            assert zb.bubble == pytest.approx(expected, abs=1e-12), (costs, p, m)
+            idle_zb = zb.makespan * p - sum(zb.busy)
+            idle_one = one.makespan * p - sum(one.busy)
+            b = backward - w
+            assert idle_zb == pytest.approx(p * (p - 1) * (f + b - w))
+            assert idle_one == pytest.approx(p * (p - 1) * (f + b + w))
+            if costs == (1.0, 2.0, 1.0):
+                assert expected == pytest.approx((p - 1) / (3 * m + p - 1))
+                assert idle_zb == pytest.approx(idle_one / 3)
 
 
 def test_every_forward_precedes_its_backward_and_each_runs_once():
@@ -47,11 +72,17 @@ def test_every_forward_precedes_its_backward_and_each_runs_once():
         for rank, acts in enumerate(build_schedule(schedule, p, m, v)):
             forwards = [(a.microbatch, a.chunk) for a in acts if a.kind is Kind.FORWARD]
             backwards = [(a.microbatch, a.chunk) for a in acts if a.kind is Kind.BACKWARD]
+            weights = [(a.microbatch, a.chunk) for a in acts
+                       if a.kind is Kind.BACKWARD_WEIGHT]
             everything = {(i, c) for i in range(m) for c in range(v)}
             assert sorted(forwards) == sorted(backwards) == sorted(everything)
+            assert sorted(weights) == (sorted(everything) if schedule == "zb-h1" else [])
             position = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(acts)}
             for key in everything:
                 assert position[(Kind.FORWARD, *key)] < position[(Kind.BACKWARD, *key)]
+                if weights:
+                    assert position[(Kind.BACKWARD, *key)] < position[(Kind.BACKWARD_WEIGHT,
+                                                                        *key)]
 
 
 def test_every_send_has_exactly_one_matching_receive():
@@ -82,6 +113,22 @@ def test_one_f_one_b_holds_at_most_p_minus_r_microbatches_gpipe_all_of_them():
             assert peak(compute_order("gpipe", p, m)[0]) == m
 
 
+def test_zb_h1_holds_at_most_1f1bs_peak_on_every_rank():
+    """Activations live from F to W: rank r defers r W's, so holds at most P, and stage 0
+    exactly 1F1B's min(P, M)."""
+    def peak(order):
+        held = top = 0
+        for kind, _, _ in order:
+            held += {Kind.FORWARD: 1, Kind.BACKWARD_WEIGHT: -1}.get(kind, 0)
+            top = max(top, held)
+        return top
+
+    for p in range(2, 7):
+        for m in range(1, 17):
+            peaks = [peak(order) for order in compute_order("zb-h1", p, m)]
+            assert peaks[0] == min(p, m) and max(peaks) <= min(p, m), (p, m, peaks)
+
+
 def test_evaluation_runs_forwards_only():
     for p, v in [(2, 1), (3, 2), (4, 2)]:
         actions = evaluation_schedule(p, v)
@@ -109,6 +156,9 @@ def test_the_simulator_finds_a_send_nobody_receives():
 def test_the_simulator_refuses_a_backward_before_its_forward():
     with pytest.raises(ScheduleError, match="before its forward"):
         simulate([[Action(Kind.BACKWARD, 0), Action(Kind.FORWARD, 0)]])
+    with pytest.raises(ScheduleError, match="before its backward"):
+        simulate([[Action(Kind.FORWARD, 0), Action(Kind.BACKWARD_WEIGHT, 0),
+                   Action(Kind.BACKWARD, 0)]])
 
 
 def test_timeline_of_gpipe_by_hand():

@@ -3,10 +3,12 @@ driven by a schedule that is data.
 
     partition.py   which layers make each stage (balanced by parameters, or explicit cuts)
     stages.py      PipelineStages: the Stages slot (this rank's chunks, tied weights, merge)
-    schedules.py   naive, GPipe, 1F1B, interleaved 1F1B as per-rank action lists
+    schedules.py   naive, GPipe, 1F1B, interleaved 1F1B, zero bubble (ZB-H1) as per-rank
+                   action lists
     simulator.py   runs all ranks' lists in one process: deadlocks, timeline, bubble
     runtime.py     PipelineSchedule: the StepDriver slot, one executor for every list
-(report/timeline.py draws a simulated timeline; `meshtrain schedule` prints it.)
+(report/timeline.py draws a simulated timeline; `meshtrain schedule` prints it;
+report/trace.py saves and draws a measured one beside it.)
 """
 from __future__ import annotations
 

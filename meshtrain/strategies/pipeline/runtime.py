@@ -10,11 +10,16 @@ this rank's stages. No schedule has a loop of its own here: the list is the prog
               (their sends, then their receives) through the accounted Comm (axis "pp",
               tags "act" and "grad"); receives are waited for at once, sends only when
               their buffer is needed no more
-    trace     each forward and backward is timed: `trace` is this rank's measured timeline
+    trace     each forward, backward and weight gradient is timed, and each run of
+              communication apart: `trace` is this rank's measured timeline
 
 Gradient sync over dp (slot 3) is driven as the micro-batch loop drives it: every backward
 but this rank's last runs inside `no_sync`, so the dp reduction starts during the last
 backward and overlaps the cool-down; the Trainer calls `finish_gradient_sync` after `run`.
+Under zero bubble (a BACKWARD followed later by its BACKWARD_WEIGHT) the B computes the input
+gradient only (torch.autograd.grad, nothing accumulates, no hook fires) and the W the weight
+gradients (torch.autograd.backward on the graph B kept): W is what `no_sync` wraps, and the
+rank's last W is where the dp reduction starts.
 
 [Note: activation shapes]
 A receiver must size its buffer before the data arrives. Every rank is given the same
@@ -97,9 +102,14 @@ class PipelineSchedule:
                  sync: GradientSync | None) -> torch.Tensor:
         step = _Step(self, split_microbatches(inputs, microbatches),
                      split_microbatches(targets, microbatches), sync)
-        last_backward = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD),
+        split = {(a.microbatch, a.chunk) for a in actions if a.kind is Kind.BACKWARD_WEIGHT}
+        step.split = split
+        # the last action that accumulates weight gradients: the dp sync starts in it
+        last_backward = max((i for i, a in enumerate(actions)
+                             if a.kind is Kind.BACKWARD_WEIGHT or
+                             (a.kind is Kind.BACKWARD and (a.microbatch, a.chunk) not in split)),
                             default=-1)
-        blocks, start = [], time.perf_counter()
+        blocks, waits, start = [], [], time.perf_counter()
         i = 0
         while i < len(actions):
             a = actions[i]
@@ -113,12 +123,15 @@ class PipelineSchedule:
             j = i
             while j < len(actions) and actions[j].kind not in COMPUTE:
                 j += 1
+            begin = time.perf_counter() - start
             step.communicate(actions[i:j])
+            waits.append(Block(self.rank, actions[i].kind, actions[i].microbatch,
+                               actions[i].chunk, begin, time.perf_counter() - start))
             i = j
         step.finish()
         if sync is not None:   # a training step, not an evaluation
             self.trace = Timeline(blocks, 1, time.perf_counter() - start,
-                                  [sum(b.end - b.start for b in blocks)])
+                                  [sum(b.end - b.start for b in blocks)], start, waits)
             self.peak_held = step.peak_held
             if self.activations is not None:
                 self.activations.last_bytes = step.peak_bytes
@@ -132,12 +145,14 @@ class _Step:
         self.d, self.xs, self.ys, self.sync = driver, xs, ys, sync
         self.device = driver.comm.mesh.device
         self.last_stage = driver.stages.stages - 1
-        self.held: dict[tuple[int, int], tuple] = {}      # (mb, chunk) -> (input, output)
+        self.held: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output, captured)
+        self.split: set[tuple[int, int]] = set()  # (mb, chunk) whose backward is B then W
         self.inbox: dict[tuple[bool, int, int], torch.Tensor] = {}   # received
         self.outbox: dict[tuple[bool, int, int], torch.Tensor] = {}  # to send
         self.sending: list = []                            # (work, tensor) in flight
         self.loss_sum = torch.zeros((), device=self.device)
         self.held_bytes: dict[tuple[int, int], int] = {}  # what autograd saved, per entry
+        self.weight_work: dict[tuple[int, int], list] = {}  # after B: what W needs
         self.peak_held = self.peak_bytes = 0
 
     def stage(self, a: Action) -> int:
@@ -153,8 +168,12 @@ class _Step:
                 x = self.inbox.pop((False, *key))
                 x.requires_grad_(x.is_floating_point() and torch.is_grad_enabled())
             meter = self.d.activations if torch.is_grad_enabled() else None
+            chunk, captured = self.d.stages.chunks[a.chunk], None
             with (meter.measure() if meter is not None else nullcontext()):
-                y = self.d.stages.chunks[a.chunk](x)
+                if key in self.split and torch.is_grad_enabled():
+                    y, captured = _forward_split(chunk, x)
+                else:
+                    y = chunk(x)
                 if s == self.last_stage:
                     y = self.d.loss_fn(y, self.ys[a.microbatch].to(self.device)) / len(self.xs)
             if s == self.last_stage:
@@ -165,14 +184,26 @@ class _Step:
             else:
                 self.outbox[(False, *key)] = y.detach()
             if torch.is_grad_enabled():
-                self.held[key] = (x, y)
+                self.held[key] = (x, y, captured)
                 self.held_bytes[key] = meter.last_bytes if meter is not None else 0
                 self.peak_held = max(self.peak_held, len(self.held))
                 self.peak_bytes = max(self.peak_bytes, sum(self.held_bytes.values()))
             return
-        x, y = self.held.pop(key)   # dropped after this backward: see the module docstring
-        self.held_bytes.pop(key)
+        if a.kind is Kind.BACKWARD_WEIGHT:
+            self.held.pop(key)   # W is the last use of the micro-batch's activations
+            self.held_bytes.pop(key)
+            with (self.sync.no_sync() if self.sync is not None and not final else nullcontext()):
+                _weight_gradients(self.weight_work.pop(key))
+            return
         grad = None if s == self.last_stage else self.inbox.pop((True, *key))
+        if key in self.split:   # B: the input gradient only, the graph kept for W
+            x, y, captured = self.held[key]
+            grad_x, self.weight_work[key] = _input_gradients(y, x, captured, grad)
+            if s > 0:
+                self.outbox[(True, *key)] = grad_x
+            return
+        x, y, _ = self.held.pop(key)   # dropped after this backward: see the module docstring
+        self.held_bytes.pop(key)
         with (self.sync.no_sync() if self.sync is not None and not final else nullcontext()):
             torch.autograd.backward(y, grad)
         if s > 0:
@@ -269,3 +300,55 @@ class _Step:
             raise PipelineError(f"pp rank {self.d.rank}: the schedule left work undone "
                                 f"(held {sorted(self.held)}, received {sorted(self.inbox)}, "
                                 f"unsent {sorted(self.outbox)})")
+
+
+# ---- zero bubble: a backward split into B (input gradient) and W (weight gradient) ---------
+def _forward_split(chunk: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """Run the chunk, recording the output of each module that owns parameters (directly):
+    B captures the gradient there, and W goes from there to those parameters only, so that
+    it costs the weight gradients alone. Returns the output and [(parameters, output)].
+
+    A module called twice, or a parameter owned by two modules (tied), would count some
+    gradient twice that way: the chunk is then one owner, its output the chunk's (correct,
+    but W walks the whole chunk again)."""
+    owners = {m: [p for p in m.parameters(recurse=False) if p.requires_grad]
+              for m in chunk.modules()}
+    owners = {m: ps for m, ps in owners.items() if ps}
+    outputs: dict[torch.nn.Module, list] = {m: [] for m in owners}
+    hooks = [m.register_forward_hook(lambda mod, args, out: outputs[mod].append(out))
+             for m in owners]
+    try:
+        y = chunk(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    params = [p for ps in owners.values() for p in ps]
+    if (len({id(p) for p in params}) < len(params)
+            or any(len(o) > 1 or (o and not isinstance(o[0], torch.Tensor))
+                   for o in outputs.values())):
+        return y, [([p for p in chunk.parameters() if p.requires_grad], y)]
+    return y, [(owners[m], o[0]) for m, o in outputs.items() if o and o[0].requires_grad]
+
+
+def _input_gradients(y: torch.Tensor, x: torch.Tensor, captured: list,
+                     grad: torch.Tensor | None):
+    """B: one pass from the chunk's output (or loss) to its input and to each captured
+    output, the graph kept for W. Returns the input's gradient and [(parameters, output,
+    its gradient)] for W."""
+    wanted = ([x] if x.requires_grad else []) + [out for _, out in captured]
+    if not wanted:
+        return None, []
+    grads = torch.autograd.grad(y, wanted, grad, retain_graph=True, allow_unused=True)
+    grad_x = None
+    if x.requires_grad:
+        grad_x, grads = grads[0], grads[1:]
+        if grad_x is None:   # a chunk that ignores its input
+            grad_x = torch.zeros_like(x)
+    return grad_x, [(ps, out, g) for (ps, out), g in zip(captured, grads) if g is not None]
+
+
+def _weight_gradients(done: list) -> None:
+    """W: each owner's parameters from its output's gradient. Each parameter is in one
+    call, so its gradient hook (the dp sync) fires once, as after a plain backward."""
+    for params, out, grad in done:
+        torch.autograd.backward(out, grad, inputs=params, retain_graph=True)

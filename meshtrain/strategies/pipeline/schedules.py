@@ -20,24 +20,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from meshtrain.core.plan import PlanError
+from meshtrain.core.plan import SCHEDULES, PlanError
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+
 
 
 class Kind(Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
+    BACKWARD_WEIGHT = "backward_weight"
+    """The weight-gradient half of a backward (zero bubble). Where a schedule has one for a
+    (micro-batch, chunk), that BACKWARD computes the input gradient only."""
     SEND_ACT = "send_act"
     RECV_ACT = "recv_act"
     SEND_GRAD = "send_grad"
     RECV_GRAD = "recv_grad"
 
 
-COMPUTE = (Kind.FORWARD, Kind.BACKWARD)
+COMPUTE = (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_WEIGHT)
 SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD)
 RECVS = (Kind.RECV_ACT, Kind.RECV_GRAD)
-_SHORT = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.SEND_ACT: "sa", Kind.RECV_ACT: "ra",
+_SHORT = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.BACKWARD_WEIGHT: "W",
+          Kind.SEND_ACT: "sa", Kind.RECV_ACT: "ra",
           Kind.SEND_GRAD: "sg", Kind.RECV_GRAD: "rg"}
 
 
@@ -90,11 +94,11 @@ def compute_order(schedule: str, pp: int, microbatches: int, virtual_stages: int
     """Each rank's forwards and backwards in order: (kind, micro-batch, chunk)."""
     check_schedule(schedule, pp, microbatches, virtual_stages)
     order = {"naive": _naive, "gpipe": _gpipe, "1f1b": _one_f_one_b,
-             "interleaved": _interleaved}[schedule]
+             "interleaved": _interleaved, "zb-h1": _zb_h1}[schedule]
     return [order(rank, pp, microbatches, virtual_stages) for rank in range(pp)]
 
 
-F, B = Kind.FORWARD, Kind.BACKWARD
+F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_WEIGHT
 
 
 def _naive(rank, pp, m, v):
@@ -138,6 +142,29 @@ def _interleaved(rank, pp, m, v):
     return order + [unit(k, False) for k in range(total - warmup, total)]
 
 
+def _zb_h1(rank, pp, m, v):
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with each backward
+    split into B (input gradient, sent upstream at once: the critical path) and W (weight
+    gradient, off it). Rank r defers its W's by r places in the steady phase, so that in the
+    cool-down the waits for B's are filled with W's. Micro-batches whose activations rank r
+    holds (forward done, W not yet): at most (P - 1 - r) + 1 + r = P, the 1F1B peak of
+    rank 0."""
+    warmup = min(pp - 1 - rank, m)
+    order = [(F, i, 0) for i in range(warmup)]
+    weights = 0   # W's done so far (in micro-batch order)
+    for i in range(m - warmup):
+        order += [(F, warmup + i, 0), (B, i, 0)]
+        if i + 1 - weights > rank:   # more than r W's pending: do the oldest
+            order.append((W, weights, 0))
+            weights += 1
+    for i in range(m - warmup, m):
+        order.append((B, i, 0))
+        if i + 1 - weights > rank:
+            order.append((W, weights, 0))
+            weights += 1
+    return order + [(W, i, 0) for i in range(weights, m)]
+
+
 # ---- pass 2: the sends and receives ----------------------------------------------------------
 def add_communication(order: list[tuple[Kind, int, int]], rank: int, pp: int,
                       virtual_stages: int) -> list[Action]:
@@ -153,6 +180,8 @@ def add_communication(order: list[tuple[Kind, int, int]], rank: int, pp: int,
             actions.append(Action(F, mb, chunk))
             if s < last:
                 actions.append(Action(Kind.SEND_ACT, mb, chunk, (s + 1) % pp))
+        elif kind is W:   # local work: nothing to send or receive
+            actions.append(Action(W, mb, chunk))
         else:
             if s < last:
                 actions.append(Action(Kind.RECV_GRAD, mb, chunk, (s + 1) % pp))
@@ -199,10 +228,21 @@ def message_tag(msg: Message, stages: int) -> int:
     return (msg.microbatch * stages + msg.stage) * 2 + int(msg.grad)
 
 
-def bubble_formula(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1
-                   ) -> tuple[float, str]:
-    """The idle fraction theory gives with equal stage costs, and the formula as text."""
+def bubble_formula(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1,
+                   forward_cost: float = 1.0, backward_cost: float = 1.0,
+                   weight_cost: float | None = None) -> tuple[float, str]:
+    """The idle fraction theory gives with equal stage costs, and the formula as text.
+    Only zb-h1's depends on the costs: F, B (input gradient) = backward - W, and W (weight
+    gradient, half the backward if not given), as the simulator takes them."""
     p, m, v = pp, microbatches, virtual_stages
+    if schedule == "zb-h1":
+        # Qi et al. 2023, table 1: each rank idles (P-1)(F+B-W) where 1F1B idles
+        # (P-1)(F+B+W), a third of it when F = B = W: (P-1)/(3M+P-1). Exact for M >= P
+        # and W <= B (the simulator agrees; a larger W cannot all hide in the cool-down).
+        w = backward_cost / 2 if weight_cost is None else weight_cost
+        f, b = forward_cost, backward_cost - w
+        idle = (p - 1) * (f + b - w)
+        return idle / (m * (f + b + w) + idle), "(P-1)(F+B-W)/(M(F+B+W)+(P-1)(F+B-W))"
     if schedule == "naive":
         return (p - 1) / p, "(P-1)/P"
     if schedule == "interleaved":

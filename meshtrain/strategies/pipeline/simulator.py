@@ -35,6 +35,11 @@ class Timeline:
     ranks: int
     makespan: float
     busy: list[float] = field(default_factory=list)
+    origin: float = 0.0
+    """A measured trace's start on time.perf_counter (the same clock for local ranks)."""
+    waits: list[Block] = field(default_factory=list)
+    """A measured trace's communication: each run of sends and receives, posted and
+    waited for (its kind and micro-batch are the run's first action's)."""
 
     @property
     def bubble(self) -> float:
@@ -44,9 +49,9 @@ class Timeline:
 
 def check_actions(actions: list[list[Action]]) -> None:
     """Per rank: each (micro-batch, chunk) forward once and backward once at most, and
-    never a backward before its forward."""
+    never a backward before its forward (nor a weight gradient before its backward)."""
     for rank, acts in enumerate(actions):
-        seen_f, seen_b = set(), set()
+        seen_f, seen_b, seen_w = set(), set(), set()
         for i, a in enumerate(acts):
             key = (a.microbatch, a.chunk)
             if a.kind is Kind.FORWARD:
@@ -60,16 +65,29 @@ def check_actions(actions: list[list[Action]]) -> None:
                                                                   f"{key} before its forward "
                                                                   "or twice"))
                 seen_b.add(key)
+            elif a.kind is Kind.BACKWARD_WEIGHT:
+                if key not in seen_b or key in seen_w:
+                    raise ScheduleError(_grid(actions, {rank: i}, f"rank {rank}: weight "
+                                                                  f"gradient of {key} before "
+                                                                  "its backward or twice"))
+                seen_w.add(key)
 
 
 def simulate(actions: list[list[Action]], forward_cost: float = 1.0,
-             backward_cost: float = 1.0, virtual_stages: int = 1) -> Timeline:
+             backward_cost: float = 1.0, virtual_stages: int = 1,
+             weight_cost: float | None = None) -> Timeline:
     """Execute the lists against each other; raise ScheduleError on a deadlock or a
-    message sent twice or never received."""
+    message sent twice or never received. `weight_cost` is the part of `backward_cost`
+    that is the weight gradient (half of it if not given): a BACKWARD split from its
+    BACKWARD_WEIGHT costs the rest."""
     check_actions(actions)
     pp = len(actions)
+    weight = backward_cost / 2 if weight_cost is None else weight_cost
     cost = {Kind.FORWARD: forward_cost / virtual_stages,
-            Kind.BACKWARD: backward_cost / virtual_stages}
+            Kind.BACKWARD: backward_cost / virtual_stages,
+            Kind.BACKWARD_WEIGHT: weight / virtual_stages}
+    split = [{(a.microbatch, a.chunk) for a in acts if a.kind is Kind.BACKWARD_WEIGHT}
+             for acts in actions]
     pc, clock, busy = [0] * pp, [0.0] * pp, [0.0] * pp
     sent: dict = {}       # message -> time it was sent
     blocks: list[Block] = []
@@ -91,9 +109,11 @@ def simulate(actions: list[list[Action]], forward_cost: float = 1.0,
                         break   # blocked until the peer sends it
                     clock[rank] = max(clock[rank], sent.pop(msg))
                 elif a.kind in COMPUTE:
-                    start = clock[rank]
-                    clock[rank] += cost[a.kind]
-                    busy[rank] += cost[a.kind]
+                    start, took = clock[rank], cost[a.kind]
+                    if a.kind is Kind.BACKWARD and (a.microbatch, a.chunk) in split[rank]:
+                        took -= cost[Kind.BACKWARD_WEIGHT]   # the input gradient only
+                    clock[rank] += took
+                    busy[rank] += took
                     blocks.append(Block(rank, a.kind, a.microbatch, a.chunk, start, clock[rank]))
                 pc[rank] += 1
                 progress = True

@@ -1,0 +1,181 @@
+"""Pipeline schedules measured on local ranks: a model whose layers take a fixed time
+(models/spin.py, one layer per stage or chunk) trained a few steps under each schedule;
+each step's trace (report/trace.py) gives the measured bubble beside theory's.
+
+`measure_rank` runs on every rank of a pp-rank world; `measure` launches it."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+WIDTH = 8
+
+
+def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((output - target) ** 2).mean()
+
+
+def measure_rank(cases: list[tuple[str, int, int]], seconds: float, steps: int,
+                 input_s: float | None = None, weight_s: float | None = None) -> list:
+    """Per (schedule, M, V): each step's trace record of this rank (report/trace.py). A
+    stage costs `seconds` forward, `input_s` + `weight_s` backward (models/spin.py)."""
+    import meshtrain as mt
+    from meshtrain.models.spin import spin_pipe
+    from meshtrain.report.trace import rank_record
+
+    pp, out = dist.get_world_size(), []
+    for schedule, m, v in cases:
+        torch.manual_seed(0)
+        trainer = mt.Trainer(spin_pipe(pp * v, seconds, input_s, weight_s),
+                             mt.Plan(pp=pp, schedule=schedule, microbatches=m,
+                                     virtual_stages=v),
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), loss_fn=_mse)
+        # the input requires grad so that stage 0 pays an input gradient as every other
+        # stage does: equal stage costs, as theory assumes
+        x = torch.randn(2 * m, WIDTH, requires_grad=True)
+        y = torch.randn(2 * m, WIDTH)
+        records = []
+        for _ in range(steps):
+            trainer.step(x, y)
+            records.append(rank_record(trainer.driver.trace, trainer.driver.rank))
+        out.append(records)
+        trainer.close()
+    return out
+
+
+def documents(results: list[list], cases: list[tuple[str, int, int]]) -> list[list[dict]]:
+    """Per case, each step's trace document, from every rank's `measure_rank` result."""
+    from meshtrain.report.trace import trace_document
+
+    return [[trace_document([rank[i][step] for rank in results], schedule, m, v, step + 1)
+             for step in range(len(results[0][i]))]
+            for i, (schedule, m, v) in enumerate(cases)]
+
+
+def median_step(docs: list[dict]) -> dict:
+    """The step whose measured bubble is the median (the first steps warm up)."""
+    ranked = sorted(docs[1:] or docs, key=lambda d: d["measured"]["bubble"])
+    return ranked[len(ranked) // 2]
+
+
+def measure(pp: int, cases: list[tuple[str, int, int]], seconds: float = 0.015,
+            steps: int = 4, input_s: float | None = None,
+            weight_s: float | None = None) -> list[dict]:
+    """Launch `pp` local ranks; per case, the median step's trace document."""
+    from meshtrain.launch import launch
+
+    results = launch(measure_rank, pp, (cases, seconds, steps, input_s, weight_s))
+    return [median_step(d) for d in documents(results, cases)]
+
+
+# ---- meshtrain bench pp: our schedules against torch.distributed.pipelining ----------------
+N_LAYER = 8   # blocks: with embedding and head, enough layers for pp=4 x 2 chunks
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                   "interleaved": "ScheduleInterleaved1F1B",
+                   "zb-h1": "ScheduleInterleavedZeroBubble"}
+
+
+def _gpt_batch(model_name: str, batch: int):
+    from meshtrain.models.gpt import gpt_config
+
+    cfg = gpt_config(model_name, n_layer=N_LAYER)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def bench_rank(model_name: str, batch: int, cases: list[tuple[str, int, int]], steps: int,
+               reps: int, warmup: int) -> dict:
+    """Per (schedule, M, V): our step and torch pipelining's on the same GPT, the same
+    stage split (ours, balanced by parameters) and batch, alternating; seconds of each
+    timed step, and our measured bubble of the last step."""
+    import torch.distributed.pipelining as tpp
+
+    import meshtrain as mt
+    from meshtrain.bench.timing import alternate
+    from meshtrain.models.gpt import GPT, gpt_config
+    from meshtrain.strategies.pipeline.partition import model_layers, stage_bounds
+    from meshtrain.strategies.pipeline.schedules import stage_of
+
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    x, y = _gpt_batch(model_name, batch)
+    out = {}
+    for schedule, m, v in cases:
+        plan = mt.Plan(pp=pp, schedule=schedule, microbatches=m, virtual_stages=v)
+        torch.manual_seed(0)
+        ours = mt.Trainer(GPT(gpt_config(model_name, n_layer=N_LAYER)), plan,
+                          loss_fn=_token_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4))
+
+        torch.manual_seed(0)
+        model = GPT(gpt_config(model_name, n_layer=N_LAYER))
+        layers, bounds = model_layers(model), stage_bounds(model, plan)
+        stages = [tpp.PipelineStage(torch.nn.Sequential(*layers[bounds[s]:bounds[s + 1]]),
+                                    s, pp * v, torch.device("cpu"))
+                  for s in (stage_of(rank, c, pp) for c in range(v))]
+        params = [p for st in stages for p in st.submod.parameters()]
+        optimizer = torch.optim.SGD(params, lr=1e-4)
+        cls = getattr(tpp, TORCH_SCHEDULES[schedule])
+        theirs = (cls(stages, m, loss_fn=_token_loss) if cls.__name__.startswith("ScheduleInter")
+                  else cls(stages[0], m, loss_fn=_token_loss))
+        last = stage_of(rank, v - 1, pp) == pp * v - 1
+
+        def torch_step():
+            optimizer.zero_grad()
+            if rank == 0:
+                theirs.step(x)
+            elif last:
+                theirs.step(target=y, losses=[])
+            else:
+                theirs.step()
+            optimizer.step()
+
+        times = alternate({"meshtrain": lambda: ours.step(x, y), "torch": torch_step}, steps,
+                          reps, warmup, dist.barrier)
+        out[f"{schedule} M={m} V={v}"] = {"times": times,
+                                          "bubble": ours.driver.trace.bubble,
+                                          "peak_held": ours.driver.peak_held}
+        ours.close()
+    return out
+
+
+def bench(worlds=(2, 4), model_name: str = "tiny", batch: int = 16, microbatches=(4, 8),
+          schedules=("gpipe", "1f1b", "interleaved", "zb-h1"), steps: int = 3, reps: int = 6,
+          warmup: int = 2, progress=print) -> dict:
+    """Every (schedule, M) at each pp, ours against torch's; medians and ratios."""
+    from meshtrain.bench.timing import median
+    from meshtrain.launch import launch
+
+    result = {"model": model_name, "batch": batch, "steps": steps, "reps": reps, "worlds": {}}
+    for pp in worlds:
+        cases = [(s, m, 2 if s == "interleaved" else 1) for s in schedules for m in microbatches
+                 if s != "interleaved" or m % pp == 0]
+        progress(f"pp={pp}: {len(cases)} cases, meshtrain vs torch pipelining, alternating ...")
+        ranks = launch(bench_rank, pp, (model_name, batch, cases, steps, reps, warmup))
+        rows = {}
+        for name, r in ranks[0].items():
+            ours, theirs = median(r["times"]["meshtrain"]), median(r["times"]["torch"])
+            rows[name] = {"meshtrain_s": ours, "torch_s": theirs, "ratio": ours / theirs,
+                          "torch_schedule": TORCH_SCHEDULES[name.split()[0]],
+                          "peak_held_per_stage": [rk[name]["peak_held"] for rk in ranks],
+                          "idle_per_stage": [rk[name]["bubble"] for rk in ranks]}
+        result["worlds"][pp] = rows
+        progress(format_bench({**result, "worlds": {pp: rows}}))
+    return result
+
+
+def format_bench(result: dict) -> str:
+    lines = [f"{result['model']} GPT ({N_LAYER} blocks), batch {result['batch']}, median step "
+             f"of {result['reps']} alternating repetitions x {result['steps']} steps",
+             f"{'pp':>3} {'schedule':<22} {'meshtrain ms':>12} {'torch ms':>9} {'ratio':>6}  "
+             f"{'torch class':<30} held/stage  idle/stage"]
+    for pp, rows in result["worlds"].items():
+        for name, r in rows.items():
+            lines.append(f"{pp:>3} {name:<22} {r['meshtrain_s'] * 1e3:>12.1f} "
+                         f"{r['torch_s'] * 1e3:>9.1f} {r['ratio']:>6.3f}  "
+                         f"{r['torch_schedule']:<30} {r['peak_held_per_stage']}  "
+                         + " ".join(f"{b:.2f}" for b in r["idle_per_stage"]))
+    return "\n".join(lines)
