@@ -218,6 +218,12 @@ def train(plan: mt.Plan, model: str = "gpt", optimizer: str = "sgd", steps: int 
     return out
 
 
+def train_many(cases: list[tuple[dict, str, float | None]]) -> list[dict]:
+    """`train` for each (plan fields, model, max_grad_norm) on this rank, in one launch: a
+    world starts once and checks many plans (a start costs more than a small plan's run)."""
+    return [train(mt.Plan(**plan), model, max_grad_norm=clip) for plan, model, clip in cases]
+
+
 def assert_equivalent(result: dict, ref: dict, atol: float = 1e-5, what: str = "") -> None:
     """Losses, every parameter, every optimizer state and the norms within `atol`."""
     close = dict(rtol=0, atol=atol)
