@@ -125,3 +125,76 @@ def test_per_axis_communication_of_a_2x2x2_plan_equals_theory():
     for rank, r in enumerate(run_ranks(8, one_step_counters)):
         expected = theory(r["pp_rank"], r["params"], r["numel"])
         assert r["counters"] == expected, f"rank {rank}"
+
+
+# ---- checkpoints across plans -----------------------------------------------------------------
+# Seven cells (one process among them), each saving after 2 steps; every checkpoint loads under
+# every cell with the consolidated model and optimizer states equal to what was saved, exactly.
+CKPT_CELLS = {1: [dict()],
+              2: [dict(dp=2, zero=2)],
+              4: [dict(pp=2, tp=2, sequence_parallel=True, schedule="interleaved",
+                       virtual_stages=2, microbatches=4),
+                  dict(dp=2, tp=2, zero=1),
+                  dict(dp=2, pp=2, zero=2, schedule="gpipe", microbatches=4)],
+              8: [dict(dp=2, pp=2, tp=2, zero=1, microbatches=4),
+                  dict(dp=2, pp=2, tp=2, zero=2, sequence_parallel=True, schedule="interleaved",
+                       virtual_stages=2, microbatches=4)]}
+
+
+def ckpt_name(plan: dict) -> str:
+    return "-".join(f"{k}{v}" for k, v in sorted(plan.items())) or "one"
+
+
+def consolidated(trainer) -> tuple:
+    return trainer.full_state_dict(), trainer.full_optimizer_state()
+
+
+def save_cells(root: str) -> dict:
+    """Train each of this world's cells 2 steps and save it; its consolidated state."""
+    out = {}
+    for plan in CKPT_CELLS[world_of()]:
+        torch.manual_seed(0)
+        trainer = mt.Trainer(eq.gpt(), mt.Plan(**plan), optimizer=eq.sgd)
+        for x, y in eq.batches(MODEL, 2, trainer.dp_rank, trainer.dp_size):
+            trainer.step(x, y)
+        trainer.save(f"{root}/{ckpt_name(plan)}")
+        out[ckpt_name(plan)] = consolidated(trainer)
+    return out
+
+
+def load_every_checkpoint(root: str, saved: dict) -> list[str]:
+    """Load every checkpoint under each of this world's cells; what differs from the save."""
+    from tests.multirank.test_pipeline import assert_same_state
+
+    failures = []
+    for plan in CKPT_CELLS[world_of()]:
+        torch.manual_seed(1)   # other weights: everything must come from the checkpoint
+        trainer = mt.Trainer(eq.gpt(), mt.Plan(**plan), optimizer=eq.sgd)
+        for name, state in saved.items():
+            trainer.load(f"{root}/{name}")
+            try:
+                assert_same_state(state, consolidated(trainer), f"{name} -> {ckpt_name(plan)}")
+            except AssertionError as exc:
+                failures.append(str(exc))
+    return failures
+
+
+def world_of() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def on_world(world: int, fn, *args):
+    """fn's per-rank results: in this process for world 1, else on `world` gloo ranks."""
+    return [fn(*args)] if world == 1 else run_ranks(world, fn, *args, timeout=120)
+
+
+def test_checkpoints_saved_under_each_cell_load_under_every_other(tmp_path):
+    root = str(tmp_path)
+    saved = {}
+    for world in CKPT_CELLS:
+        per_rank = on_world(world, save_cells, root)
+        saved.update(per_rank[0])
+    assert len(saved) == 7
+    for world in CKPT_CELLS:
+        for rank, failures in enumerate(on_world(world, load_every_checkpoint, root, saved)):
+            assert not failures, f"world {world} rank {rank}: " + "\n".join(failures)
