@@ -9,9 +9,11 @@ from meshtrain.core.plan import Plan
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a strategy against PyTorch's own implementation")
-    p.add_argument("strategy", choices=["ddp", "zero", "tp", "collectives", "dp", "pp"],
+    p.add_argument("strategy", choices=["ddp", "zero", "tp", "hybrid", "collectives", "dp",
+                                        "pp"],
                    help="ddp: our DDP vs torch DDP; zero: our DDP, ZeRO-1/2/3 vs torch's "
                         "ZeroRedundancyOptimizer and FSDP2; tp: vs DTensor tensor parallel; "
+                        "hybrid: every 8-rank dp x pp x tp plan vs FSDP2 + DTensor TP; "
                         "collectives: all-reduce, reduce-scatter and all-gather algorithms "
                         "from 4 KiB to 64 MiB; dp: the data-parallel family (DP, DDP, "
                         "parameter server sync/async, a straggler, the three all-reduces); "
@@ -37,7 +39,7 @@ def run(args) -> int:
     if problem:
         print(f"meshtrain bench: {problem}", file=sys.stderr)
         return 2
-    for world in args.world:
+    for world in ([] if args.strategy == "hybrid" else args.world):
         if world < 2 or args.batch % world:
             print(f"meshtrain bench: world {world} needs to be >= 2 and divide the global "
                   f"batch {args.batch}", file=sys.stderr)
@@ -64,6 +66,11 @@ def run(args) -> int:
         result = zero.run(worlds=args.world, model_name=args.model, global_batch=args.batch,
                           steps=args.steps, reps=args.reps, warmup=args.warmup, progress=progress)
         print(zero.format_report(result))
+    elif args.strategy == "hybrid":
+        from meshtrain.bench import hybrid
+        result = hybrid.run(model_name=args.model, global_batch=args.batch, steps=args.steps,
+                            reps=args.reps, warmup=args.warmup, progress=progress)
+        print(hybrid.format_report(result))
     elif args.strategy == "tp":
         result = tp.run(worlds=args.world, model_name=args.model, global_batch=args.batch,
                         steps=args.steps, reps=args.reps, warmup=args.warmup, progress=progress)
