@@ -3,7 +3,7 @@ training of the GPT (SGD with momentum, 10 steps, 1e-5 on losses, parameters and
 states), clipping by the one-process global norm (asserted in every cell).
 
 The matrix: each (dp, pp, tp) with dp*pp*tp <= 8 x schedule {gpipe, 1f1b, interleaved V=2}
-where pp > 1 x zero {0, 1, 2} where dp > 1 x sequence parallel {off, on} where tp > 1.
+where pp > 1 x zero {0, 1, 2} where dp > 1 (and 3 where pp = 1) x sequence parallel {off, on} where tp > 1.
 Each world size starts once and runs all its cells (a start costs more than a cell).
 ZeRO-3 with pp > 1 is refused by the Plan itself, before any process group.
 """
@@ -30,7 +30,8 @@ def cells(world: int) -> list[dict]:
             continue
         pipes = ([dict(schedule="gpipe"), dict(schedule="1f1b"),
                   dict(schedule="interleaved", virtual_stages=2)] if pp > 1 else [{}])
-        for pipe, zero, sp in itertools.product(pipes, (0, 1, 2) if dp > 1 else (0,),
+        zeros = ((0, 1, 2, 3) if pp == 1 else (0, 1, 2)) if dp > 1 else (0,)
+        for pipe, zero, sp in itertools.product(pipes, zeros,
                                                 (False, True) if tp > 1 else (False,)):
             out.append(dict(dp=dp, pp=pp, tp=tp, zero=zero, sequence_parallel=sp,
                             microbatches=4 if pp > 1 else 1, **pipe))
@@ -43,7 +44,7 @@ def reference():
 
 
 def test_the_matrix_covers_every_cell():
-    assert [len(cells(w)) for w in (1, 2, 4, 8)] == [1, 8, 21, 18]
+    assert [len(cells(w)) for w in (1, 2, 4, 8)] == [1, 9, 23, 18]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
@@ -58,6 +59,16 @@ def test_every_cell_matches_one_process(reference, world):
             assert len(result["norms"]) == 10, what
             # the loss every rank returns is the same, bit for bit
             assert result["losses"] == per_rank[0][cases.index((plan, MODEL, CLIP))]["losses"]
+
+
+def test_bench_hybrid_runs_every_8_rank_plan_of_the_small_gpt():
+    from meshtrain.bench.hybrid import name, plans
+    from meshtrain.models.gpt import gpt_config
+
+    cfg = gpt_config("small")   # 4 blocks (6 layers), 4 heads: pp <= 4, tp <= 4
+    assert [name(p) for p in plans(cfg.n_layer + 2, cfg.n_head)] == [
+        "dp8 pp1 tp1", "dp4 pp1 tp2", "dp2 pp1 tp4", "dp4 pp2 tp1", "dp2 pp2 tp2",
+        "dp1 pp2 tp4", "dp2 pp4 tp1", "dp1 pp4 tp2", "dp2 pp2 tp2 z1"]
 
 
 def test_zero3_with_pipeline_stages_is_refused_before_any_process_group():
@@ -128,11 +139,12 @@ def test_per_axis_communication_of_a_2x2x2_plan_equals_theory():
 
 
 # ---- checkpoints across plans -----------------------------------------------------------------
-# Seven cells (one process among them), each saving after 2 steps; every checkpoint loads under
+# Eight cells (one process among them), each saving after 2 steps; every checkpoint loads under
 # every cell with the consolidated model and optimizer states equal to what was saved, exactly.
 CKPT_CELLS = {1: [dict()],
               2: [dict(dp=2, zero=2)],
-              4: [dict(pp=2, tp=2, sequence_parallel=True, schedule="interleaved",
+              4: [dict(dp=2, tp=2, zero=3),
+                  dict(pp=2, tp=2, sequence_parallel=True, schedule="interleaved",
                        virtual_stages=2, microbatches=4),
                   dict(dp=2, tp=2, zero=1),
                   dict(dp=2, pp=2, zero=2, schedule="gpipe", microbatches=4)],
@@ -194,7 +206,7 @@ def test_checkpoints_saved_under_each_cell_load_under_every_other(tmp_path):
     for world in CKPT_CELLS:
         per_rank = on_world(world, save_cells, root)
         saved.update(per_rank[0])
-    assert len(saved) == 7
+    assert len(saved) == 8
     for world in CKPT_CELLS:
         for rank, failures in enumerate(on_world(world, load_every_checkpoint, root, saved)):
             assert not failures, f"world {world} rank {rank}: " + "\n".join(failures)
