@@ -57,6 +57,27 @@ def test_two_node_agents_under_torchrun_match_one_process(one_process, tmp_path)
     assert losses(run) == losses(one_process)
 
 
+def test_3d_plan_over_two_node_agents_under_torchrun_matches_one_process(one_process,
+                                                                         tmp_path):
+    """dp 2 x pp 2 x tp 2 + ZeRO-1 on 2 nodes x 4 ranks: each tp pair inside a node, the
+    pipeline across the two (pp is the slowest axis of the mesh)."""
+    run, port = tmp_path / "run", free_port()
+    cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "4",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "-m", "meshtrain", "train", "--dp", "2", "--pp", "2", "--tp", "2", "--zero", "1",
+           "--microbatches", "2", "--steps", "6", "--run-dir", str(run), *SMALL]
+    nodes = [subprocess.Popen(cmd[:1] + ["--node-rank", str(k)] + cmd[1:], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for k in range(2)]
+    outs = [n.communicate(timeout=180) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    assert "Plan(dp=2, pp=2, tp=2, zero=1, microbatches=2)" in outs[0][0] + outs[1][0]
+    ours, theirs = losses(run), losses(one_process)
+    assert [step for step, _ in ours] == [step for step, _ in theirs]
+    for (step, a), (_, b) in zip(ours, theirs):
+        assert abs(a - b) <= 1e-5, (step, a, b)
+
+
 def test_tensor_parallel_with_sequence_parallel_matches_one_process(one_process, tmp_path):
     run = tmp_path / "run"
     out = meshtrain("train", "--nproc", "2", "--tp", "2", "--sequence-parallel", "--steps", "6",
