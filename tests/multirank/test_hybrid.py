@@ -84,22 +84,26 @@ B, S, H = eq.GLOBAL_BATCH // (2 * M), eq.CONFIG.seq_len, eq.CONFIG.d_model   # a
 F32 = 4
 
 
-def one_step_counters() -> dict:
-    torch.manual_seed(0)
-    trainer = mt.Trainer(eq.gpt(), mt.Plan(dp=2, pp=2, tp=2, microbatches=M), optimizer=eq.sgd,
-                         max_grad_norm=CLIP)
-    first, second = eq.batches(MODEL, 2, trainer.dp_rank, trainer.dp_size)
-    trainer.step(*first)                      # the first step also sends shapes
-    trainer.comm.stats.reset()
-    trainer.step(*second)
-    held = dict(trainer.stages.named_parameters())
-    return {"counters": {k: (c.calls, c.sent, c.received)
-                         for k, c in trainer.comm.stats.counters.items()},
-            "pp_rank": trainer.mesh.axis_rank("pp"), "params": len(held),
-            "numel": sum(p.numel() for p in held.values())}
+def one_step_counters() -> list[dict]:
+    """Per ZeRO stage 0, 1, 2 of the 2x2x2 plan: this rank's counters of one step."""
+    out = []
+    for zero in (0, 1, 2):
+        torch.manual_seed(0)
+        trainer = mt.Trainer(eq.gpt(), mt.Plan(dp=2, pp=2, tp=2, zero=zero, microbatches=M),
+                             optimizer=eq.sgd, max_grad_norm=CLIP)
+        first, second = eq.batches(MODEL, 2, trainer.dp_rank, trainer.dp_size)
+        trainer.step(*first)                      # the first step also sends shapes
+        trainer.comm.stats.reset()
+        trainer.step(*second)
+        held = dict(trainer.stages.named_parameters())
+        out.append({"counters": {k: (c.calls, c.sent, c.received)
+                                 for k, c in trainer.comm.stats.counters.items()},
+                    "pp_rank": trainer.mesh.axis_rank("pp"), "params": len(held),
+                    "numel": sum(p.numel() for p in held.values())})
+    return out
 
 
-def theory(pp_rank: int, params: int, numel: int) -> dict:
+def theory(zero: int, pp_rank: int, params: int, numel: int) -> dict:
     """(axis, op, tag) -> (calls, bytes sent, bytes received) of one step on this rank, each
     axis from its own strategy's theory, for N = 2 on every axis (a ring all-reduce of S
     bytes over 2 ranks sends and receives S)."""
@@ -122,10 +126,18 @@ def theory(pp_rank: int, params: int, numel: int) -> dict:
     out[("pp", "send" if first else "recv", "act")] = (M, M * bsh * first, M * bsh * last)
     out[("pp", "recv" if first else "send", "grad")] = (M, M * bsh * last, M * bsh * first)
     out[("pp", "broadcast", "loss")] = (1, 8 * last, 8 * first)
-    # dp (DDP): one ring all-reduce of this stage's gradients, 2(N-1)/N * Psi_stage, carrying
-    # the loss and one "used" flag per parameter
-    grads = F32 * (numel + 1 + params)
-    out[("dp", "all_reduce", "grad")] = (1, grads, grads)
+    # dp over this stage's Psi_stage: DDP one ring all-reduce, 2(N-1)/N * Psi_stage, carrying
+    # the step's statistics (the loss, one "used" flag per parameter); ZeRO-1 the same bytes
+    # as a reduce-scatter of the gradients and an all-gather of the updated parameters, the
+    # statistics on their own; ZeRO-2 reduce-scatters every micro-batch's gradients
+    stats, half = F32 * (1 + params), F32 * numel // 2
+    if zero == 0:
+        out[("dp", "all_reduce", "grad")] = (1, 2 * half + stats, 2 * half + stats)
+    else:
+        scatters = M if zero == 2 else 1
+        out[("dp", "reduce_scatter", "grad")] = (scatters, scatters * half, scatters * half)
+        out[("dp", "all_gather", "param")] = (1, half, half)
+        out[("dp", "all_reduce", "step")] = (1, stats, stats)
     # the global norm: one float64 square sum over each axis
     for axis in ("tp", "pp", "dp"):
         out[(axis, "all_reduce", "grad-norm")] = (1, 8, 8)
@@ -133,9 +145,10 @@ def theory(pp_rank: int, params: int, numel: int) -> dict:
 
 
 def test_per_axis_communication_of_a_2x2x2_plan_equals_theory():
-    for rank, r in enumerate(run_ranks(8, one_step_counters)):
-        expected = theory(r["pp_rank"], r["params"], r["numel"])
-        assert r["counters"] == expected, f"rank {rank}"
+    for rank, per_zero in enumerate(run_ranks(8, one_step_counters)):
+        for zero, r in enumerate(per_zero):
+            expected = theory(zero, r["pp_rank"], r["params"], r["numel"])
+            assert r["counters"] == expected, f"rank {rank} zero={zero}"
 
 
 # ---- checkpoints across plans -----------------------------------------------------------------
