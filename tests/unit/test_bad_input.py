@@ -71,6 +71,8 @@ CASES = [
      "--microbatches 2", "--pp 2 x --virtual-stages 2 = 4 stages, but 'tiny' has 3 layers"),
     ("train --dp 2 --pp 2 --nproc 4 --batch 4 --microbatches 4",
      "each dp rank's batch of 2 does not split into --microbatches 4"),
+    ("train --dp 2 --pp 2 --nproc 4 --dp-mode ps-sync",
+     "dp_mode='ps-sync' with pp=2, tp=1: DP and the parameter server run with pp = tp = 1"),
     # plan
     ("plan", "no model: give --model PRESET"),
     ("plan --model nosuch", "unknown model preset 'nosuch'"),
