@@ -39,7 +39,10 @@ PLANS = (({"dp": 1}, 8), ({"dp": 1, "microbatches": 2}, 16), ({"dp": 2}, 8),
          ({"dp": 2, "zero": 2, "offload": "disk"}, 8),
          ({"tp": 2}, 8), ({"tp": 4}, 8),
          ({"pp": 2, "microbatches": 4}, 8), ({"pp": 2, "microbatches": 4, "schedule": "gpipe"}, 8),
-         ({"pp": 2, "microbatches": 4, "schedule": "interleaved", "virtual_stages": 2}, 8))
+         ({"pp": 2, "microbatches": 4, "schedule": "interleaved", "virtual_stages": 2}, 8),
+         # 2D plans on this machine's 4 ranks (3D needs 8: calibrate with --nproc 8 first)
+         ({"dp": 2, "tp": 2, "zero": 1}, 8), ({"dp": 2, "pp": 2, "microbatches": 4}, 8),
+         ({"pp": 2, "tp": 2, "microbatches": 4}, 8))
 
 
 def world_of(plan: dict) -> int:
