@@ -300,7 +300,6 @@ class Comm:
                                   group=self.mesh.group(axis), tag=op.match))
         return dist.batch_isend_irecv(p2p) if p2p else []
 
-
     def send(self, tensor: torch.Tensor, dst: int, axis: str, tag: str = "",
              channel: int = 0) -> None:
         self.isend(tensor, dst, axis, tag, channel).wait()

@@ -30,18 +30,20 @@ from collections import Counter
 P2P = {"send", "recv"}
 
 
-def signature(op: str, axis: str, tag: str, tensor) -> str:
+def signature(op: str, axis: str, tag: str, dtype=None, shape=None) -> str:
     """One call, as it is compared between ranks: `all_reduce dp[grads] float32[4096]`."""
     where = f"{axis}[{tag}]" if tag else axis
-    if tensor is None:
+    if dtype is None:
         return f"{op} {where}"
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    return f"{op} {where} {dtype}{list(tensor.shape)}"
+    return f"{op} {where} {str(dtype).removeprefix('torch.')}{list(shape)}"
 
 
 class CollectiveLog:
     """This rank's communication calls, numbered per axis; keeps the last `keep` per axis,
-    or every call while `record_all` is set (the --check-collectives step)."""
+    or every call while `record_all` is set (the --check-collectives step).
+
+    Every communication call passes here, so `enter` only stores the call's parts; they
+    become text (`signature`) when the watchdog publishes them."""
 
     def __init__(self, keep: int = 64) -> None:
         self.count: dict[str, int] = defaultdict(int)
@@ -51,19 +53,21 @@ class CollectiveLog:
         self.all_calls: list[tuple[int, str]] = []
 
     def enter(self, op: str, axis: str, tag: str, tensor=None) -> None:
-        sig = signature(op, axis, tag, tensor)
+        call = (op, axis, tag) if tensor is None else (op, axis, tag, tensor.dtype,
+                                                       tuple(tensor.shape))
         # sends and receives are numbered apart ("pp:p2p"): their counts differ between
         # ranks by design, and must not shift the numbers of the collectives compared
         key = f"{axis}:p2p" if op in P2P else axis
         with self.lock:
             self.count[key] += 1
-            self.recent[key].append((self.count[key], sig))
+            self.recent[key].append((self.count[key], call))
             if self.record_all and op not in P2P:
-                self.all_calls.append((self.count[key], sig))
+                self.all_calls.append((self.count[key], signature(*call)))
 
     def tail(self) -> dict[str, dict]:
         with self.lock:
-            return {axis: {"count": self.count[axis], "recent": list(self.recent[axis])}
+            return {axis: {"count": self.count[axis],
+                           "recent": [(i, signature(*call)) for i, call in self.recent[axis]]}
                     for axis in self.count}
 
 

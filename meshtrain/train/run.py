@@ -92,9 +92,9 @@ def train_rank(config: RunConfig) -> dict:
             trainer.pause(config.straggler[1])   # inside the step's time: a slow device
         trainer.comm.log.record_all = config.check_collectives and step == start
         loss = trainer.step(*sampler.batch(step))
-        if trainer.comm.log.record_all:
-            check_same_collectives(trainer)
         dt = time.perf_counter() - t0
+        if trainer.comm.log.record_all:   # outside the step's time: a check, not training
+            check_same_collectives(trainer)
         step_times.append(dt)
         by_axis = {a: n - before.get(a, 0) for a, n in _sent_by_axis(trainer).items()}
         sent = sum(by_axis.values())
