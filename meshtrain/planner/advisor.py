@@ -57,7 +57,7 @@ def divisors(n: int) -> list[int]:
 
 
 def evaluate(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) -> Evaluated:
-    mem = memory(spec, cand, setup, runtime=(cluster.runtime_fixed, cluster.runtime_per_act))
+    mem = memory(spec, cand, setup, **cluster.memory_terms(cand.plan))
     t = step_time(spec, cand, setup, cluster)
     host_ok = mem.host * cluster.gpus_per_node <= cluster.host_mem
     fits = mem.total <= cluster.usable_mem and host_ok

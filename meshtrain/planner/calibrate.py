@@ -3,8 +3,9 @@
 On each world size asked for, every rank (one thread, all running at once, as in training)
 measures: a square matmul's FLOP/s; a reference GPT step's achieved FLOP/s, its FLOPs
 counted by the planner's own `step_flops` (so the time model's efficiency is calibrated on
-the formula it uses); memory-copy bandwidth; and all_reduce, all_gather, reduce_scatter and
-broadcast at several sizes through meshtrain's accounted `Comm` on the dp axis, converted to
+the formula it uses), at two batch sizes (their difference separates the fixed cost of a
+micro-batch from its FLOPs); memory-copy bandwidth; and all_reduce, all_gather,
+reduce_scatter, broadcast and point-to-point send/recv at several sizes through meshtrain's accounted `Comm` on the dp axis, converted to
 bus bandwidth with the same ring factors the time model divides by (from 256 bytes, the size
 of a step's statistics, to 16 MiB, near the 25 MiB DDP bucket); and AdamW's update rate
 (parameters/s, PyTorch's CPU AdamW, tensor by tensor) on the reference GPT's parameters.
@@ -38,9 +39,12 @@ SIZES = (256, 16 * 2**10, 256 * 2**10, 2 * 2**20, 16 * 2**20)   # bytes per coll
 ROUNDS = 4                  # launches per world size, interleaved with the other worlds'
 BUDGET_S = 2.0              # seconds of alternated repetitions per launch
 MIN_REPS = 5
-MEMORY_BATCHES = (2, 8)     # micro-batches of the runtime-memory calibration
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+MEMORY_BATCHES = (2, 16)    # micro-batches of the runtime-memory calibration (far apart:
+                            # a few MB of noise in each point moves the slope less)
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 REFERENCE_GPT = dict(vocab_size=256, seq_len=128, n_layer=2, n_head=4, d_model=256)
+REFERENCE_BATCH, SMALL_BATCH = 8, 2   # the reference step at two sizes: its rate and its
+                                      # fixed cost per micro-batch (profile.step_costs)
 
 
 def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
@@ -67,19 +71,32 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
     torch.manual_seed(0)
     config = GPTConfig(**REFERENCE_GPT)
     model = GPT(config)
-    x = torch.randint(0, config.vocab_size, (8, config.seq_len))
+    x = torch.randint(0, config.vocab_size, (REFERENCE_BATCH, config.seq_len))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     big = torch.empty(32 * 2**20 // 4)
     dst = torch.empty_like(big)
 
-    def train_step():
+    spec = from_gpt_config(config)
+
+    def train_step(batch=x):
         model.zero_grad(set_to_none=False)
-        model.loss(model(x), x).backward()
+        model.loss(model(batch), batch).backward()
 
     train_step()   # the gradients AdamW's step needs
-    work = {"matmul": (lambda: a @ b, 2 * n**3), "gpt": (train_step, step_flops(from_gpt_config(config), 8)),
+    small = x[:SMALL_BATCH].clone()
+    work = {"matmul": (lambda: a @ b, 2 * n**3),
+            "gpt": (train_step, step_flops(spec, REFERENCE_BATCH)),
+            "gpt_small": (lambda: train_step(small), step_flops(spec, SMALL_BATCH)),
             "optimizer": (opt.step, sum(p.numel() for p in model.parameters())),
             "copy": (lambda: dst.copy_(big), 2 * big.numel() * 4)}
+    rank = dist.get_rank() if world > 1 else 0
+    peer = rank ^ 1   # p2p: ranks in pairs (0 -> 1, 2 -> 3), one message one way, as a
+    # pipeline boundary or a push to a server sends it (an odd world's last rank sits out)
+
+    def p2p(tensor):
+        if peer < world:
+            (comm.send if rank % 2 == 0 else comm.recv)(tensor, peer, "dp", tag="calibrate")
+
     for kind in KINDS if world > 1 else ():
         for size in sizes:
             full = torch.ones(size // 4)
@@ -87,7 +104,8 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
             run = {"all_reduce": lambda f=full: comm.all_reduce(f, "dp", tag="calibrate"),
                    "all_gather": lambda f=full, s=shard: comm.all_gather(f[:s.numel() * world], s, "dp", tag="calibrate"),
                    "reduce_scatter": lambda f=full, s=shard: comm.reduce_scatter(s, f[:s.numel() * world], "dp", tag="calibrate"),
-                   "broadcast": lambda f=full: comm.broadcast(f, 0, "dp", tag="calibrate")}[kind]
+                   "broadcast": lambda f=full: comm.broadcast(f, 0, "dp", tag="calibrate"),
+                   "p2p": lambda f=full: p2p(f)}[kind]
             work[f"{kind}:{size}"] = (run, ring_factor(kind, world) * size)   # bus bytes
 
     sync = comm.barrier if world > 1 else (lambda: None)
@@ -101,15 +119,16 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
     reps = int(reps.item())
     times = alternate({name: fn for name, (fn, _) in work.items()}, 1, reps, 0, sync,
                       wait_for_all=False)
-    rate = {name: amount / statistics.median(times[name]) for name, (_, amount) in work.items()}
+    rate = {name: amount / max(statistics.median(times[name]), 1e-9)
+            for name, (_, amount) in work.items()}
     collectives = {kind: {"sizes": list(sizes), "busbw": [rate[f"{kind}:{s}"] for s in sizes]}
                    for kind in KINDS if world > 1}
     return {"world": world, "matmul_flops": rate["matmul"], "model_flops": rate["gpt"],
-            "mem_bw": rate["copy"], "optimizer_rate": rate["optimizer"], "reps": reps,
+            "model_flops_small": rate["gpt_small"], "mem_bw": rate["copy"], "optimizer_rate": rate["optimizer"], "reps": reps,
             "collectives": collectives}
 
 
-RATES = ("matmul_flops", "model_flops", "mem_bw", "optimizer_rate")
+RATES = ("matmul_flops", "model_flops", "model_flops_small", "mem_bw", "optimizer_rate")
 
 
 def _combine(results: list[dict]) -> dict:
@@ -152,34 +171,142 @@ def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S
                "host_mem": _host_mem(), "worlds": {}}
     rates: dict[int, list[dict]] = {w: [] for w in worlds}
     memory: dict[int, list[list[tuple[float, float]]]] = {w: [] for w in worlds}
-    bar = tqdm(total=rounds * len(worlds) * (1 + len(MEMORY_BATCHES)), unit="run",
-               desc="calibrating", disable=not progress, file=sys.stderr)
+    strategies: dict[int, list[dict]] = {w: [] for w in worlds}
+    runs = sum(1 + len(MEMORY_BATCHES) + len(strategy_runs(w)) for w in worlds)
+    bar = tqdm(total=rounds * runs, unit="run", desc="calibrating", disable=not progress,
+               file=sys.stderr)
     for _ in range(rounds):
         for w in worlds:
             rates[w].append(_combine(launch(measure_rank, nproc=w, kwargs={"budget_s": budget_s})))
             bar.update()
             memory[w].append([runtime_memory_point(w, b) for b in MEMORY_BATCHES])
             bar.update(len(MEMORY_BATCHES))
+            if w > 1:
+                strategies[w].append(strategy_points(w, bar.update))
     bar.close()
     for w in worlds:
         entry = _mean_of_rounds(rates[w])
-        entry["runtime_memory"] = fit_runtime_memory(memory[w])
+        entry["runtime_memory"] = fit_runtime_memory([[(a, o) for a, o, _ in r] for r in memory[w]])
         profile["worlds"][str(w)] = entry
+        entry["trainer"] = fit_trainer(profile, w, [[t for *_, t in r] for r in memory[w]])
+        if w > 1:
+            entry["strategies"] = fit_strategies(profile, w, strategies[w])
     return profile
 
 
-def runtime_memory_point(world: int, batch: int) -> tuple[float, float]:
-    """(activation bytes, runtime memory) of the reference GPT at `batch` on `world` ranks,
-    in fresh ranks (a heap already grown by an earlier run would hide this run's growth),
-    run exactly as `--verify` runs a plan; see the module docstring."""
+# Each strategy's own runtime costs, on the reference GPT, beside DDP's: (plan, per-rank
+# batch). ZeRO's gathers and scatters are staged by a CPU backend in copies of their buffers
+# (gloo: up to 3x an all-gather's output), which DDP's in-place all-reduce does not need;
+# tensor parallel repeats on every rank the work it does not split.
+# (Tensor parallel at each width t that divides the world, the rest of the ranks over dp:
+# how much it repeats depends on t, and on how many ranks share the cores.)
+def strategy_runs(world: int) -> dict[str, tuple[dict, int]]:
+    """name -> (plan, per-rank batch) at `world` ranks."""
+    if world == 1:
+        return {}
+    runs = {f"zero{z}": ({"dp": world, "zero": z}, 2) for z in (1, 2, 3)}
+    runs["disk"] = ({"dp": world, "zero": 2, "offload": "disk"}, 8)
+    for t in range(2, world + 1):
+        if world % t == 0:
+            runs[f"tp{t}"] = ({"dp": world // t, "tp": t} if t < world else {"tp": t}, 8)
+    if world % 2 == 0:
+        runs["pp2"] = ({"dp": world // 2, "pp": 2, "microbatches": 4} if world > 2 else
+                       {"pp": 2, "microbatches": 4}, 8)
+    return runs
+
+
+def strategy_points(world: int, tick=lambda: None) -> dict:
+    """One round of `strategy_runs(world)`, each in fresh ranks as `--verify` runs
+    a plan: the highest rank's resident growth and the median rank's step time."""
+    from meshtrain.launch import launch
+    from meshtrain.planner.verify import verify_rank
+
+    points = {}
+    for name, (plan, batch) in strategy_runs(world).items():
+        results = launch(verify_rank, nproc=world, args=(REFERENCE_GPT, plan, batch),
+                         kwargs={"steps": 4, "alloc": False})
+        points[name] = {"peak_rss": max(r["peak_growth"] for r in results),
+                        "step": statistics.median(r["step"] for r in results)}
+        tick()
+    return points
+
+
+def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
+    """What the planner misses on each `strategy_runs` plan, turned into its parameters, each
+    the median over the rounds of (measured - predicted with nothing fitted), never below 0:
+    - zeroK: resident bytes per byte of ZeRO-K's largest collective buffer (gloo's staging;
+      ZeRO-1/2's in place of the activations' heap, ZeRO-3's beside it: memory.py);
+    - disk: seconds per byte of offloaded state (paging it in and out, and the heap that
+      the step's trim returns and the next step faults back in), and "disk_memory", its
+      staging (the trim returns the heap it would otherwise stage in);
+    - tpT: seconds per token and block of what width T does not split, and "tpT_memory",
+      the resident bytes its collectives' buffers add;
+    - pp2: seconds per micro-batch per stage chunk of the pipeline runtime's own work
+      (posting and matching messages), and "pp2_memory", the bytes its buffers add."""
+    from meshtrain.planner.memory import collective_buffer_bytes
+    from meshtrain.planner.verify import plan_inputs, predict
+
+    def median(values):
+        return max(0.0, statistics.median(values))
+
+    fitted = {}
+    for name, (plan, batch) in strategy_runs(world).items():
+        ev = predict(profile, plan, batch, REFERENCE_GPT)   # with nothing fitted yet
+        spec, cand, setup = plan_inputs(plan, batch, REFERENCE_GPT)
+        late = [r[name]["step"] - ev.time.total for r in rounds]
+        extra = [r[name]["peak_rss"] - ev.mem.total for r in rounds]
+        buffer = collective_buffer_bytes(spec, cand, setup)
+        # ZeRO's staging: beside the activations' heap (ZeRO-3) or in it (memory.py)
+        fixed = profile["worlds"][str(world)]["runtime_memory"]["fixed"]
+        staged = [r[name]["peak_rss"] - ev.mem.allocated - fixed for r in rounds]
+        if name.startswith("zero"):
+            fitted[name] = median((e if plan["zero"] == 3 else s) / buffer
+                                  for e, s in zip(extra, staged))
+        elif name == "disk":   # its step trims the heap: a staging of its own
+            fitted[name] = median(t / ev.mem.host for t in late)
+            fitted[f"{name}_memory"] = median(s / buffer for s in staged)
+        elif name.startswith("tp"):
+            fitted[name] = median(t / (batch * spec.seq * (spec.layers + 1)) for t in late)
+            fitted[f"{name}_memory"] = median(extra)
+        else:
+            fitted[name] = median(t / plan["microbatches"] for t in late)
+            fitted[f"{name}_memory"] = median(extra)
+    fitted["rounds"] = rounds
+    return fitted
+
+
+def runtime_memory_point(world: int, batch: int) -> tuple[float, float, float]:
+    """(activation bytes, runtime memory, step seconds) of the reference GPT at `batch` on
+    `world` ranks, in fresh ranks (a heap already grown by an earlier run would hide this
+    run's growth), run exactly as `--verify` runs a plan; see the module docstring."""
     from meshtrain.launch import launch
     from meshtrain.planner.verify import verify_rank
 
     results = launch(verify_rank, nproc=world, args=(REFERENCE_GPT, {"dp": world}, batch),
-                     kwargs={"steps": 2, "alloc": False})
+                     kwargs={"steps": 4, "alloc": False})
     acts = max(r["activations"] for r in results)
     tensors = max(r["model_states"] for r in results) + acts + _transient(batch)
-    return acts, max(r["peak_growth"] for r in results) - tensors
+    step = statistics.median(r["step"] for r in results)
+    return acts, max(r["peak_growth"] for r in results) - tensors, step
+
+
+def fit_trainer(profile: dict, world: int, rounds: list[list[float]]) -> dict:
+    """The Trainer's step against the model of a bare forward and backward: from the DDP
+    steps of the runtime-memory runs at the two batch sizes (each the median over rounds),
+    a factor on the micro-batch's compute and a fixed cost per step (the optimizer's and
+    the Trainer's own work the model leaves out), so that the model meets both points;
+    the factor kept within [0.5, 2], the fixed cost never below 0."""
+    from meshtrain.planner.verify import predict
+
+    points = []
+    for batch, steps in zip(MEMORY_BATCHES, zip(*rounds)):
+        ev = predict(profile, {"dp": world}, batch, REFERENCE_GPT)   # with nothing fitted yet
+        points.append((statistics.median(steps), ev.time.total, ev.time.compute))
+    (m0, p0, c0), (m1, p1, c1) = points[0], points[-1]
+    scale = min(2.0, max(0.5, 1 + ((m1 - p1) - (m0 - p0)) / (c1 - c0)))
+    per_step = max(0.0, (m0 - p0) - (scale - 1) * c0)
+    return {"compute_scale": scale, "per_step": per_step,
+            "points": [{"measured": m, "predicted": p} for m, p, _ in points]}
 
 
 def fit_runtime_memory(rounds: list[list[tuple[float, float]]]) -> dict:
@@ -227,6 +354,22 @@ def describe(profile: dict) -> str:
         if rt:
             lines.append(f"      runtime memory: {rt['fixed'] / 1e6:.1f} MB + "
                          f"{rt['per_activation_byte']:.2f} x activations")
+        tr = e.get("trainer")
+        if tr:
+            lines.append(f"      Trainer step: {tr['compute_scale']:.3f} x the model's compute "
+                         f"+ {tr['per_step'] * 1e3:.1f} ms")
+        fitted = e.get("strategies")
+        if fitted:
+            lines.append("      ZeRO staging: " + ", ".join(
+                f"stage {k[4:]} {v:.2f} x its largest buffer" for k, v in fitted.items()
+                if k.startswith("zero")) + f"; disk offload {fitted['disk'] * 1e9:.2f} ns/byte, "
+                f"staging {fitted.get('disk_memory', 0):.2f} x")
+            lines.append("      tensor parallel's unsplit work: " + ", ".join(
+                f"tp={k[2:]} {v * 1e9:.0f} ns per token and block + "
+                f"{fitted[k + '_memory'] / 1e6:.1f} MB" for k, v in fitted.items()
+                if k.startswith("tp") and not k.endswith("_memory"))
+                + (f"; pipeline runtime {fitted['pp2'] * 1e3:.2f} ms per micro-batch and "
+                   f"chunk + {fitted['pp2_memory'] / 1e6:.1f} MB" if "pp2" in fitted else ""))
         for kind, c in e["collectives"].items():
             pts = ", ".join(f"{s / 2**20:g} MiB {fmt_rate(b, 'B/s')}" for s, b in zip(c["sizes"], c["busbw"]))
             lines.append(f"      {kind}: {pts}")
@@ -237,7 +380,8 @@ def calibrate_command(args) -> int:
     from meshtrain.planner.profile import save_profile
     worlds = sorted({1, 2, max(1, args.nproc)} | ({4} if args.nproc >= 4 else set()))
     print(f"calibrating on {worlds} local rank(s), {ROUNDS} rounds of about {BUDGET_S:g} s "
-          f"each, with the runtime memory (about two minutes)...", file=sys.stderr)
+          f"each, with the runtime memory and each strategy on a reference GPT (about three "
+          f"minutes)...", file=sys.stderr)
     profile = calibrate(tuple(worlds))
     path = save_profile(profile, args.profile)
     print(describe(profile))

@@ -117,6 +117,20 @@ class Cluster:
     runtime_per_act: float = 0.0    # ... and more per byte of saved activations
     optimizer_rate: float = 0.0     # parameters/s the optimizer step updates (0: from mem_bw)
     overlap: float = 1.0            # fraction of hideable gradient traffic really hidden
+    block_overhead: float = 0.0     # seconds per block per micro-batch not in FLOPs (dispatch)
+    compute_scale: float = 1.0      # the Trainer's micro-batch against the bare model's
+    step_overhead: float = 0.0      # seconds per step the Trainer adds (calibrated)
+    idle_speedup: float = 1.0       # how much faster a rank computes while others idle
+    host_is_device: bool = False    # CPU ranks: "host" memory is the ranks' own memory
+    tp_overhead: dict = field(default_factory=dict, compare=False)  # tp width -> seconds per
+                                    # block per token beyond its FLOPs and collectives (the
+                                    # work it cannot split; calibrated)
+    staging: dict = field(default_factory=dict, compare=False)  # ZeRO stage (or "disk") ->
+                                    # runtime bytes per byte of its largest collective buffer
+    tp_memory: dict = field(default_factory=dict, compare=False)  # tp width -> runtime bytes
+    pp_overhead: float = 0.0        # seconds per micro-batch per stage chunk (pipeline runtime)
+    pp_memory: float = 0.0          # runtime bytes a pipeline stage's buffers add
+    disk_overhead: float = 0.0      # seconds per byte offloaded to disk, per step
     name: str = "custom"
     curves: dict = field(default_factory=dict, compare=False)  # collective -> Curve (calibrated)
 
@@ -133,6 +147,9 @@ class Cluster:
             raise HardwareError(f"efficiency={self.efficiency!r}: must be in (0, 1]")
         if not 0 <= self.overlap <= 1:
             raise HardwareError(f"overlap={self.overlap!r}: must be in [0, 1]")
+        if self.block_overhead < 0 or self.idle_speedup < 1:
+            raise HardwareError(f"block_overhead={self.block_overhead!r} must be >= 0 and "
+                                f"idle_speedup={self.idle_speedup!r} >= 1")
         if not 0 <= self.reserve < 1:
             raise HardwareError(f"reserve={self.reserve!r}: must be in [0, 1)")
 
@@ -172,8 +189,29 @@ class Cluster:
         steps = {"all_reduce": 2 * (n - 1), "broadcast": 1, "p2p": 1}.get(kind, n - 1)
         return steps * alpha + factor * nbytes / bw
 
+    def memory_terms(self, plan) -> dict:
+        """The calibrated runtime-memory terms `memory.memory` takes for `plan` (all 0 on
+        presets): the fixed and per-activation runtime, ZeRO's staging factor, and what
+        tensor and pipeline parallel's buffers add."""
+        # tensor and pipeline parallel's buffers live at different moments of a step, and
+        # the heap one frees serves the other: the larger of the two
+        extra = max(nearest(self.tp_memory, plan.tp) if plan.tp > 1 else 0.0,
+                    self.pp_memory if plan.pp > 1 else 0.0)
+        return dict(runtime=(self.runtime_fixed, self.runtime_per_act),
+                    host_is_device=self.host_is_device,
+                    staging=self.staging.get("disk" if plan.offload == "disk" else plan.zero,
+                                             0.0), extra=extra)
+
     def with_(self, **changes) -> "Cluster":
         return replace(self, **changes)
+
+
+def nearest(table: dict, key: int) -> float:
+    """table[key], or the value of the nearest key calibrated (the smaller on a tie); 0 for
+    an empty table."""
+    if not table:
+        return 0.0
+    return table[min(table, key=lambda k: (abs(k - key), k))]
 
 
 def make_cluster(gpu: str | None = None, nodes: int = 1, gpus_per_node: int = 8,

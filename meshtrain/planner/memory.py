@@ -61,7 +61,7 @@ class Memory:
 
 
 def model_states(psi: float, setup: Setup, zero: int = 0, dp: int = 1,
-                 offload: str = "none") -> ModelStates:
+                 offload: str = "none", host_is_device: bool = False) -> ModelStates:
     """Bytes of parameters, gradients and optimizer states for `psi` parameters on one rank.
 
     ZeRO Table 1 / §5: baseline (2 + 2 + K) Psi; P_os 2Psi + 2Psi + K Psi/N_d;
@@ -73,10 +73,34 @@ def model_states(psi: float, setup: Setup, zero: int = 0, dp: int = 1,
     params = psi * setup.param_bytes / (n if zero >= 3 else 1)
     grads = psi * setup.grad_bytes / (n if zero >= 2 else 1)
     optim = psi * setup.optim_bytes / (n if zero >= 1 else 1)
-    if offload == "none" or zero == 0:
+    if offload == "none" or zero == 0 or (host_is_device and offload == "cpu"):
         return ModelStates(params, grads, optim)
+    if host_is_device:   # CPU ranks: disk takes the optimizer states (and ZeRO-3's parameter
+        # shards); the gradient shard stays in the memory the optimizer step reads it from
+        return ModelStates(params if zero < 3 else 0.0, grads, 0.0,
+                           optim + (params if zero >= 3 else 0))
     host = optim + (grads if zero >= 2 else 0) + (params if zero >= 3 else 0)
     return ModelStates(params if zero < 3 else 0.0, grads if zero < 2 else 0.0, 0.0, host)
+
+
+def server_states(psi: float, setup: Setup, shards: int, server: bool) -> ModelStates:
+    """A parameter server's rank (parameter_server.py): as a worker, the whole model and one
+    gradient bucket, no optimizer; a server adds its shard's master copy, the sum of the
+    pushes it receives and the optimizer's states for 1/K of the parameters."""
+    params, grads, optim = psi * setup.param_bytes, psi * setup.grad_bytes, 0.0
+    if server:
+        shard = math.ceil(psi / shards)
+        params += shard * setup.param_bytes
+        grads += shard * setup.grad_bytes
+        optim += shard * setup.optim_bytes
+    return ModelStates(params, grads, optim)
+
+
+def master_states(psi: float, setup: Setup, replicas: int) -> ModelStates:
+    """DP with a master device (master_dp.py): the one process holds every replica's
+    parameters and gradients and the master's optimizer states."""
+    return ModelStates(replicas * psi * setup.param_bytes, replicas * psi * setup.grad_bytes,
+                       psi * setup.optim_bytes)
 
 
 def zero_comm_volume(zero: int, psi: float) -> float:
@@ -199,8 +223,44 @@ def transient_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     return logits + absorb
 
 
+def rank_role(plan, rank: int) -> str:
+    """What global `rank` holds under `plan`, as the per-rank reports name it: its pipeline
+    stage, whether it hosts a parameter-server shard, or "every rank" where all are alike.
+    Mesh layout ("pp", "dp", "tp"), tp fastest-varying (ARCHITECTURE.md)."""
+    dp_rank = (rank // plan.tp) % plan.dp
+    stage = rank // (plan.tp * plan.dp)
+    parts = []
+    if plan.pp > 1:
+        parts.append(f"stage {stage}")
+    if plan.dp_mode == "dp":
+        parts.append("master")
+    elif plan.dp_mode.startswith("ps-") and plan.ps_shards < plan.dp:
+        parts.append("server" if dp_rank < plan.ps_shards else "worker")
+    return ", ".join(parts) or "every rank"
+
+
+def role_memories(spec: ModelSpec, cand: Candidate, setup: Setup,
+                  bucket_bytes: float | None = None,
+                  runtime: tuple[float, float] = (0.0, 0.0),
+                  host_is_device: bool = False, staging: float = 0.0,
+                  extra: float = 0.0) -> dict[str, Memory]:
+    """Device memory per role (`rank_role`): one entry per pipeline stage, and per server
+    and worker of a parameter server whose shards do not cover every rank."""
+    p = cand.plan
+    roles: dict[str, Memory] = {}
+    for rank in range(p.world_size):
+        role = rank_role(p, rank)
+        if role not in roles:
+            server = p.dp_mode.startswith("ps-") and (rank // p.tp) % p.dp < p.ps_shards
+            roles[role] = _stage_memory(spec, cand, setup, rank // (p.tp * p.dp),
+                                        bucket_bytes, runtime, host_is_device, server, staging,
+                                        extra)
+    return roles
+
+
 def memory(spec: ModelSpec, cand: Candidate, setup: Setup, bucket_bytes: float | None = None,
-           runtime: tuple[float, float] = (0.0, 0.0)) -> Memory:
+           runtime: tuple[float, float] = (0.0, 0.0), host_is_device: bool = False,
+           staging: float = 0.0, extra: float = 0.0) -> Memory:
     """Device memory on the busiest rank of `cand` (the stage that needs most), and what
     offload puts on the host.
 
@@ -208,53 +268,98 @@ def memory(spec: ModelSpec, cand: Candidate, setup: Setup, bucket_bytes: float |
     no tensor accounts for, calibrated on the machine (`meshtrain plan --calibrate`; see
     `calibrate.fit_runtime_memory`). On GPU presets it is 0: `Cluster.reserve` covers the
     CUDA context and the caching allocator's fragmentation instead."""
-    return max(stage_memories(spec, cand, setup, bucket_bytes, runtime), key=lambda m: m.total)
+    return max(role_memories(spec, cand, setup, bucket_bytes, runtime, host_is_device,
+                             staging, extra).values(), key=lambda m: m.total)
 
 
 def stage_memories(spec: ModelSpec, cand: Candidate, setup: Setup,
                    bucket_bytes: float | None = None,
-                   runtime: tuple[float, float] = (0.0, 0.0)) -> list[Memory]:
+                   runtime: tuple[float, float] = (0.0, 0.0),
+                   host_is_device: bool = False) -> list[Memory]:
     """Device memory of a rank on each pipeline stage (one entry when pp = 1): the first
     stage holds the embedding and the most micro-batches in flight, the last the head and
     the output layer's activations and logits."""
-    return [_stage_memory(spec, cand, setup, stage, bucket_bytes, runtime)
+    server = cand.plan.dp_mode.startswith("ps-")   # dp rank 0 hosts a shard
+    return [_stage_memory(spec, cand, setup, stage, bucket_bytes, runtime, host_is_device, server)
             for stage in range(cand.plan.pp)]
 
 
 def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
-                  bucket_bytes: float | None, runtime: tuple[float, float]) -> Memory:
+                  bucket_bytes: float | None, runtime: tuple[float, float],
+                  host_is_device: bool, server: bool = False, staging: float = 0.0,
+                  extra: float = 0.0) -> Memory:
     p = cand.plan
     last = stage == p.pp - 1
     psi = stage_params(spec, p.pp, p.tp, stage)
-    states = model_states(psi, setup, p.zero, p.dp, p.offload)
+    states = model_states(psi, setup, p.zero, p.dp, p.offload, host_is_device)
+    if p.dp_mode.startswith("ps-"):
+        states = server_states(psi, setup, p.ps_shards, server)
+    elif p.dp_mode == "dp":
+        states = master_states(psi, setup, p.dp)
     per_layer = layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
                                        cand.recompute, setup.act_bytes)
     layers_here = math.ceil(spec.layers / p.pp)
     inflight = inflight_microbatches(p.schedule, p.pp, p.microbatches, p.virtual_stages, stage)
     acts = per_layer * layers_here * inflight
-    if cand.recompute == "full":  # backward re-runs one layer's forward: its full set is live
-        acts += layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
-                                       "none", setup.act_bytes)
+    # what one micro-batch's forward allocates, saved or not: the heap the runtime keeps
+    # grows with it (the next micro-batch reuses what this one freed, whatever is in flight)
+    full_layer = layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
+                                        "none", setup.act_bytes)
+    traffic = full_layer * layers_here
     if last:   # the output layer lives on the last stage: the final norm's and the
         # projection's inputs (2 s b h elements) and the fp32 logits, for one micro-batch
-        acts += 2 * setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden / (p.tp if cand.sp else 1)
-        acts += logits_bytes(spec, spec.seq, cand.micro_batch, p.tp)
+        output = (2 * setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden
+                  / (p.tp if cand.sp else 1) + logits_bytes(spec, spec.seq, cand.micro_batch, p.tp))
+        acts += output
+        traffic += output
     # DDP and ZeRO-1 reduce gradients in place (they are views of the flat buckets, as in
     # PyTorch DDP with gradient_as_bucket_view and meshtrain's DDP); ZeRO-2 needs a bucket to
     # reduce-scatter from before keeping only its shard.
     buffers = 0.0
-    if p.zero == 2:
-        buffers = bucket_bytes if bucket_bytes is not None else p.bucket_mb * 2**20
+    if p.zero == 2:   # a bucket: Plan.bucket_mb, or the stage's gradients if fewer; with
+        # several micro-batches, the last one's reduce-scatter may still hold its bucket
+        # when the next backward fills a fresh one (seen in the allocator's events)
+        bucket = bucket_bytes if bucket_bytes is not None else p.bucket_mb * 2**20
+        buffers = min(bucket, psi * setup.grad_bytes) * (2 if p.microbatches > 1 else 1)
     if p.zero == 3:  # a gathered unit and the prefetched next one, and its full gradient
         unit = spec.largest_layer_params / p.tp
         buffers += unit * (2 * setup.param_bytes + setup.grad_bytes)
-    # the loss's backward works on logits-shaped tensors: on the last stage only
-    transient = transient_bytes(spec, cand, setup) if last else (
-        setup.grad_bytes * spec.largest_tensor_params / p.tp)
+    # the loss's backward works on logits-shaped tensors: on the last stage only; a stage
+    # without the loss peaks in its last block's backward, with every activation still
+    # saved, in the MLP's ffn-wide gradients (measured against the allocator's events:
+    # 1.5 ffn s b elements at b >= 8 on meshtrain's GPT, the two around the activation
+    # function overlapping in part)
+    absorb = setup.grad_bytes * spec.largest_tensor_params / p.tp
+    block = 1.5 * spec.ffn_hidden / p.tp * spec.seq * cand.micro_batch * setup.act_bytes
+    transient = transient_bytes(spec, cand, setup) if last else absorb + block
+    if cand.recompute == "full":  # backward re-runs one layer's forward: its full set is
+        # live, and its backward's ffn-wide gradients beside it
+        transient += full_layer + block
     fixed, per_act = runtime
-    runtime_bytes = fixed + per_act * acts
+    # the runtime's own memory: fixed, the heap the activations leave behind, the staging
+    # copies a CPU backend (gloo) makes of ZeRO's gathered and scattered buffers, and what
+    # tensor and pipeline parallel's own buffers add. ZeRO-1/2 gather and scatter their
+    # flat buckets once backward is over, in the heap the activations left: the larger of
+    # the two counts; ZeRO-3 gathers while the activations are alive: both count.
+    # DP's replicas run in threads, whose glibc arenas hand their freed tops back to the
+    # OS: no activations' heap stays behind there
+    heap = 0.0 if p.dp_mode == "dp" else per_act * traffic
+    staged = staging * collective_buffer_bytes(spec, cand, setup)
+    heap = heap + staged if p.zero == 3 else max(heap, staged)
+    runtime_bytes = fixed + heap + extra
     return Memory(states.params, states.grads, states.optim, acts, buffers, states.host,
                   transient, runtime_bytes)
+
+
+def collective_buffer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
+    """The largest buffer one of ZeRO's collectives gathers or scatters: a flat bucket under
+    ZeRO-1/2 (the stage's parameters, at most Plan.bucket_mb), a unit under ZeRO-3."""
+    p = cand.plan
+    if p.zero == 0 or p.dp == 1:
+        return 0.0
+    if p.zero == 3:
+        return spec.largest_layer_params / p.tp * setup.param_bytes
+    return min(stage_params(spec, p.pp, p.tp) * setup.param_bytes, p.bucket_mb * 2**20)
 
 
 def largest_layer_bytes(spec: ModelSpec, setup: Setup, tp: int = 1) -> float:

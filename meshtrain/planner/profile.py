@@ -5,7 +5,12 @@ matmul rate each rank achieves while all run (the "peak"), the rate a reference 
 step achieves (so efficiency = achieved / peak), memory-copy bandwidth, and each collective's
 bus bandwidth at several message sizes measured through meshtrain's accounted `Comm`; the
 AdamW update rate; and the runtime memory (fixed + per activation byte) a rank needs beyond
-its tensors.
+its tensors. The reference step at two batch sizes separates its FLOP rate from a fixed cost
+per micro-batch (`step_costs`); world 1's rate against world w's is what a rank gains while
+others idle (more ranks than cores). Per world > 1, `strategies`: what each strategy costs
+beyond the model on the reference GPT (calibrate.fit_strategies): ZeRO's staging copies,
+disk offload's paging, tensor parallel's unsplit work and buffers, the pipeline runtime's
+work per micro-batch and its buffers.
 
 Not measured: how much gradient all-reduce hides behind backward. On CPU ranks gloo's
 threads run on the cores backward uses (one thread per rank, ranks <= cores), so hiding buys
@@ -64,18 +69,61 @@ def cluster_from_profile(profile: dict, world: int | None = None, nodes: int = 1
               for kind, c in entry.get("collectives", {}).items()}
     ar = curves.get("all_reduce")
     link = ar.busbw[-1] if ar else entry["mem_bw"]
+    rate, per_block = step_costs(entry)
+    peak = max(entry["matmul_flops"], rate)
+    alone = worlds.get(1, entry)
+    # what a rank gains while others wait (a pipeline's fill and drain): more ranks than
+    # cores share them, and an idle rank's core goes to the busy ones
+    speedup = max(1.0, step_costs(alone)[0] / rate)
     settings = dict(nodes=nodes, gpus_per_node=w, gpu_mem=profile["host_mem"] / w,
-                    intra_bw=link, inter_bw=link, peak_flops=entry["matmul_flops"],
-                    efficiency=min(1.0, entry["model_flops"] / entry["matmul_flops"]),
+                    intra_bw=link, inter_bw=link, peak_flops=peak, efficiency=rate / peak,
                     mem_bw=entry["mem_bw"], host_bw=entry["mem_bw"],
                     host_mem=profile["host_mem"], name=f"local ({w} ranks)", curves=curves,
-                    optimizer_rate=entry.get("optimizer_rate", 0.0), overlap=LOCAL_OVERLAP)
+                    optimizer_rate=entry.get("optimizer_rate", 0.0), overlap=LOCAL_OVERLAP,
+                    block_overhead=per_block, idle_speedup=speedup, host_is_device=True)
     runtime = entry.get("runtime_memory")
     if runtime:
         settings.update(runtime_fixed=runtime["fixed"],
                         runtime_per_act=runtime["per_activation_byte"])
+    trainer = entry.get("trainer")
+    if trainer:
+        settings.update(compute_scale=trainer["compute_scale"], step_overhead=trainer["per_step"])
+    fitted = entry.get("strategies")
+    if fitted:
+        widths = [k for k in fitted if k[:2] == "tp" and not k.endswith("_memory")]
+        settings.update(tp_overhead={int(k[2:]): fitted[k] for k in widths},
+                        tp_memory={int(k[2:]): fitted.get(f"{k}_memory", 0.0) for k in widths},
+                        pp_overhead=fitted.get("pp2", 0.0), pp_memory=fitted.get("pp2_memory", 0.0),
+                        disk_overhead=fitted.get("disk", 0.0),
+                        staging={**{z: fitted.get(f"zero{z}", 0.0) for z in (1, 2, 3)},
+                                 "disk": fitted.get("disk_memory", 0.0)})
     settings.update(extra)
     return Cluster(**settings)
+
+
+def step_costs(entry: dict) -> tuple[float, float]:
+    """(FLOP/s, seconds per block per micro-batch) of a training step on this machine, from
+    the reference GPT's step timed at two batch sizes: t(b) = overhead + flops(b) / rate.
+    The overhead (Python, autograd and kernel dispatch: the same for any batch) is spread
+    over the reference's blocks plus one for the embedding, head and loss. A profile from
+    before the second size was measured gives (its one rate, 0)."""
+    from meshtrain.models.gpt import GPTConfig
+    from meshtrain.planner.calibrate import REFERENCE_BATCH, REFERENCE_GPT, SMALL_BATCH
+    from meshtrain.planner.model_spec import from_gpt_config
+    from meshtrain.planner.time_model import step_flops
+
+    big = entry["model_flops"]
+    small = entry.get("model_flops_small")
+    if not small:
+        return big, 0.0
+    spec = from_gpt_config(GPTConfig(**REFERENCE_GPT))
+    f_big, f_small = step_flops(spec, REFERENCE_BATCH), step_flops(spec, SMALL_BATCH)
+    t_big, t_small = f_big / big, f_small / small
+    if t_big <= t_small:   # noise swamped the difference: no overhead to separate
+        return big, 0.0
+    rate = (f_big - f_small) / (t_big - t_small)
+    overhead = max(0.0, t_small - f_small / rate)
+    return rate, overhead / (REFERENCE_GPT["n_layer"] + 1)
 
 
 def load_profile_cluster(path=None, world: int | None = None, nodes: int = 1, **extra) -> Cluster:

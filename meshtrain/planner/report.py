@@ -52,9 +52,19 @@ def words(advice: Advice) -> str:
                    f"tensor-parallel {t.tp_comm:.3g} s, pipeline p2p {t.pp_comm:.3g} s, data-"
                    f"parallel {t.dp_comm:.3g} s of which {t.dp_exposed:.3g} s exposed, offload "
                    f"{t.offload:.3g} s.")
+        roles = _roles(advice, advice.ranked[0])
+        if len(roles) > 1:   # ranks that differ: each one's own memory, never one number
+            out.append("Its memory per rank: " + ", ".join(
+                f"{role} {_gb(m.total)} GB" for role, m in roles.items()) + ".")
     if cl.world > 1:
         out += ["", data_parallel_family.words(spec, setup, cl)]
     return "\n".join(out)
+
+
+def _roles(advice: Advice, ev) -> dict:
+    from meshtrain.planner.memory import role_memories
+    return role_memories(advice.spec, ev.cand, advice.setup,
+                         **advice.cluster.memory_terms(ev.cand.plan))
 
 
 def to_json(advice: Advice, top: int = 10) -> str:
@@ -73,7 +83,9 @@ def to_json(advice: Advice, top: int = 10) -> str:
         "considered": advice.considered, "fitting": len(advice.ranked),
         "rejected": len(advice.rejected),
         "guide": v.to_dict(),
-        "plans": [ev.to_dict() for ev in advice.ranked[:top]],
+        "plans": [{**ev.to_dict(), "memory_per_role": {
+            role: m.to_dict() for role, m in _roles(advice, ev).items()}}
+            for ev in advice.ranked[:top]],
         "data_parallel_family": [r.to_dict() for r in data_parallel_family.family(
             advice.spec, advice.setup, advice.cluster)] if advice.cluster.world > 1 else [],
     }

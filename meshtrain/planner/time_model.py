@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from meshtrain.planner.hardware import Cluster
-from meshtrain.planner.memory import stage_params
+from meshtrain.planner.hardware import Cluster, nearest
+from meshtrain.planner.memory import model_states, stage_params
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
 
@@ -106,16 +106,47 @@ def bucket_sizes(total: float, bucket: float) -> tuple[int, float, float]:
     return full, float(bucket), rest
 
 
+def tp_overhead(cluster: Cluster, tp: int) -> float:
+    """The calibrated unsplit work per block and token at width `tp` (the nearest width
+    calibrated when this one was not; 0 when none was)."""
+    return nearest(cluster.tp_overhead, tp)
+
+
+def family_exchange(psi: float, setup: Setup, plan, cluster: Cluster) -> float:
+    """Seconds a step's gradient exchange takes on the busiest rank of the parameter server
+    or DP (data_parallel_family.py): a server receives N-1 pushes of its 1/K shard one after
+    another and sends as many pulls back; DP's master copies the parameters out to N-1
+    replicas and adds their gradients in, at memory speed."""
+    n = plan.dp
+    if plan.dp_mode == "dp":
+        return (n - 1) * psi * (setup.param_bytes + 2 * setup.grad_bytes) / cluster.mem_bw
+    shard = math.ceil(psi / plan.ps_shards)
+    p2p = lambda nbytes: cluster.collective_time("p2p", nbytes, 2, n)
+    return (n - 1) * (p2p(shard * setup.grad_bytes) + p2p(shard * setup.param_bytes))
+
+
 def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) -> StepTime:
     p = cand.plan
     b, m, s, h = cand.micro_batch, p.microbatches, spec.seq, spec.hidden
+    if p.dp_mode == "dp":   # every replica computes its 1/N slice of the micro-batch
+        b = b / p.dp
     # Compute per micro-batch on one rank: the model's FLOPs for b sequences over pp stages
     # (the busiest holds ceil(l/p) layers, plus the logit layer when pp = 1) and tp ranks.
     layer_f, scores_f, logits_f = forward_flops_per_token(spec, s)
     extra = layer_f if cand.recompute == "full" else scores_f if cand.recompute == "selective" else 0
     layers_here = math.ceil(spec.layers / p.pp)
     mb_flops = b * s * (layers_here * (3 * layer_f + extra) + 3 * logits_f) / p.tp
-    t_mb = mb_flops / cluster.achievable_flops
+    # plus a fixed cost per block per micro-batch that no FLOP count sees (kernel launches,
+    # autograd, Python: calibrated on CPU ranks, 0 on GPU presets), which tensor parallel
+    # does not divide; the embedding, head and loss count as one more block
+    dispatch = cluster.block_overhead * (layers_here * (4 / 3 if cand.recompute == "full" else 1) + 1)
+    if p.dp_mode == "dp":   # the replicas' threads take turns at Python's interpreter lock
+        dispatch *= p.dp
+    # the Trainer's micro-batch against the bare model's (calibrated; 1 on presets)
+    t_mb = (mb_flops / cluster.achievable_flops + dispatch) * cluster.compute_scale
+    if p.tp > 1:   # what tensor parallel does not split (norms, residuals, the vocabulary
+        # loss's extra passes), calibrated per token and block
+        t_mb += tp_overhead(cluster, p.tp) * b * s * (layers_here + 1)
 
     # Tensor parallel: 4 collectives of b s h per layer (2 forward, 2 backward; Megatron 2019
     # §3), 6 with full recomputation (its forward runs twice); ring all-reduce volume.
@@ -124,22 +155,25 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     t_tp = n_tp * cluster.collective_time("all_reduce", act, p.tp, p.tp)
 
     # Pipeline: each micro-batch sends b s h forward and its gradient back across a boundary;
-    # with tp > 1 each tp rank sends 1/t and the receiver all-gathers over the fast link
-    # (Megatron 2021 §4.1 scatter/gather optimisation).
+    # with tp > 1 every tp rank sends the whole activation to its peer in the next stage
+    # (meshtrain's runtime; Megatron 2021 §4.1 would send 1/t and all-gather it).
     t_pp = 0.0
     if p.pp > 1:
-        span = p.tp * p.dp * p.pp
-        chunk = act / p.tp
-        t_pp = 2 * cluster.collective_time("p2p", chunk, 2, span)
-        if p.tp > 1:
-            t_pp += 2 * cluster.collective_time("all_gather", act, p.tp, p.tp)
-        t_pp *= p.virtual_stages  # interleaving multiplies the boundaries crossed (§2.2.2)
+        t_pp = 2 * cluster.collective_time("p2p", act, 2, p.tp * p.dp * p.pp)
+        # interleaving multiplies the boundaries crossed (§2.2.2), and the runtime's work
+        # per chunk a micro-batch runs through (calibrated on CPU ranks; 0 on presets)
+        t_pp = (t_pp + cluster.pp_overhead) * p.virtual_stages
 
     slots = pipeline_slots(p.schedule, p.pp, m, p.virtual_stages)
     slot = t_mb + t_tp + t_pp
     compute = m * t_mb
-    bubble = (slots - m) * slot
     pipeline = slots * slot
+    if cluster.idle_speedup > 1 and p.pp > 1:
+        # more ranks than cores: while some stages wait in the fill and drain, the busy ones
+        # get their cores; the step is then bound by the work itself, m slots per rank at
+        # the shared speed, or by the critical path at the solo speed
+        pipeline = max(m * slot, pipeline / cluster.idle_speedup)
+    bubble = pipeline - m * slot
 
     # Data parallel (ZeRO §7.2): S = this rank's gradients. DDP / ZeRO-1: one all-reduce (or
     # reduce-scatter + all-gather) per step; ZeRO-2 reduce-scatters every micro-batch (it keeps
@@ -180,8 +214,10 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
         unit = spec.largest_layer_params / p.tp * setup.param_bytes
         last = (coll("all_gather", unit)
                 + coll("reduce_scatter", bucket_sizes(grad_bytes, p.bucket_mb * 2**20)[2]))
-    if p.dp > 1 and p.zero >= 1:  # the statistics: one small all-reduce behind the gradients
-        stats = coll("all_reduce", stats_bytes)
+    if p.dp_mode.startswith("ps-") or p.dp_mode == "dp":
+        t_dp, last = family_exchange(psi, setup, p, cluster), 0.0
+    if p.dp > 1 and (p.zero >= 1 or p.dp_mode.startswith("ps-")):
+        stats = coll("all_reduce", stats_bytes)   # one small all-reduce behind the gradients
     # Overlap: DDP buckets overlap the all-reduce with the last micro-batch's backward (2/3
     # of its compute; Li et al. 2020, PyTorch DDP §3.2.3), ZeRO-2 its reduce-scatters with
     # every micro-batch's backward, except the last bucket, which is ready only when
@@ -190,7 +226,7 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     # pipeline flush (Megatron 2021 §2.2) and is not hidden. `cluster.overlap` scales what
     # can hide: 1 on GPUs (copy engines and NCCL's own SMs); on CPU ranks gloo's threads take
     # the cores backward runs on, so a local profile sets it low (see profile.py).
-    if p.dp == 1:
+    if p.dp == 1 or p.dp_mode != "ddp":   # pushes and copies start when backward ends
         hidden = 0.0
     elif p.pp > 1:
         hidden = 0.0
@@ -205,7 +241,13 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     # Offload (ZeRO-Offload §4): gradient shard to host, updated parameters back, over the
     # host link, and Adam on the host CPUs at host_update_rate shared by the node's GPUs.
     t_off = 0.0
-    if p.offload != "none":
+    if p.offload != "none" and cluster.host_is_device:
+        # CPU ranks: the optimizer runs where it always does (t_opt below); disk adds the
+        # calibrated cost of paging the offloaded states in and out each step
+        if p.offload == "disk":
+            on_disk = model_states(psi, setup, p.zero, p.dp, p.offload, True).host
+            t_off = on_disk * cluster.disk_overhead
+    elif p.offload != "none":
         shard = psi / p.dp
         t_off = shard * (setup.grad_bytes + setup.param_bytes) / cluster.host_bw
         t_off += shard * cluster.gpus_per_node / cluster.host_update_rate
@@ -216,11 +258,64 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     # PyTorch's AdamW on CPU runs tensor by tensor, several passes per tensor, well below
     # the single-pass bound.
     t_opt = 0.0
-    if p.offload == "none":
-        shard = psi / (p.dp if p.zero >= 1 else 1)
+    if p.offload == "none" or cluster.host_is_device:
+        shard = psi / (p.dp if p.zero >= 1 else p.ps_shards if p.dp_mode.startswith("ps-") else 1)
         per_param = setup.param_bytes + setup.grad_bytes + 2 * setup.optim_bytes + setup.param_bytes
         t_opt = shard * per_param / cluster.mem_bw
         if cluster.optimizer_rate:
             t_opt = shard / cluster.optimizer_rate
-    total = pipeline + exposed + t_off + t_opt
+    total = pipeline + exposed + t_off + t_opt + cluster.step_overhead
     return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, t_opt, total)
+
+
+def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None = None,
+               server: bool = True) -> dict[str, float]:
+    """Bytes one rank sends per step on each mesh axis, as meshtrain's Comm counts them (ring
+    shares for collectives, whole messages point to point; a step's few statistics bytes
+    left out): the busiest pipeline stage's rank, or `stage`'s; a parameter server's
+    server or worker. Empty for DP's one process (its copies never leave it)."""
+    p = cand.plan
+    if p.dp_mode == "dp":
+        return {}
+    b, m, s, h = cand.micro_batch, p.microbatches, spec.seq, spec.hidden
+    layers_here = math.ceil(spec.layers / p.pp)
+    out: dict[str, float] = {}
+    stages = range(p.pp) if stage is None else [stage]
+    if p.tp > 1:   # per micro-batch: 2 all-reduces per block each way (one more forward
+        # with full recomputation), the vocab-parallel embedding's on the first stage, the
+        # head's and the loss's b s-sized three on the last (Megatron 2019 §3;
+        # tests/multirank/test_tp_accounting.py)
+        ring = 2 * (p.tp - 1) / p.tp
+        per_block = 6 if cand.recompute == "full" else 4
+        act = b * s * h * setup.act_bytes
+
+        def tp_sent(st: int) -> float:
+            first, last = st == 0, st == p.pp - 1
+            return (per_block * layers_here + first + last) * act + last * 3 * b * s * 4
+
+        out["tp"] = m * ring * max(tp_sent(st) for st in stages)
+    if p.pp > 1:   # each micro-batch's activation forward and gradient back, per boundary
+        act = b * s * h * setup.act_bytes
+        v = p.virtual_stages
+        # chunk boundaries a stage sends across: activations out of every chunk but the
+        # model's last, gradients out of every chunk but the model's first
+        sends = [(v - (st == p.pp - 1)) + (v - (st == 0)) for st in stages]
+        out["pp"] = m * act * max(sends)
+    if p.dp > 1:
+        psi = stage_params(spec, p.pp, p.tp, stage)
+        grads, params = psi * setup.grad_bytes, psi * setup.param_bytes
+        share = (p.dp - 1) / p.dp
+        if p.dp_mode.startswith("ps-"):
+            k = p.ps_shards
+            # a worker pushes the shards it does not serve; a server also sends its shard's
+            # update to every other worker
+            out["dp"] = (grads * (k - 1) / k + (p.dp - 1) * params / k) if server else grads
+        elif p.zero == 0:
+            out["dp"] = 2 * share * grads
+        elif p.zero == 1:
+            out["dp"] = share * (grads + params)
+        elif p.zero == 2:   # a reduce-scatter every micro-batch, one all-gather
+            out["dp"] = share * (m * grads + params)
+        else:   # gathered for forward and again for backward, scattered, every micro-batch
+            out["dp"] = m * share * (2 * params + grads)
+    return out

@@ -12,9 +12,12 @@ storages), the bytes autograd saved for backward, its step time, and two peaks:
   the timed steps, from the kernel's high-water mark (`ResidentPeak`): what the OS must
   provide. The planner predicts it as peak alloc plus the runtime memory calibrated on
   this machine.
-The step time is the median of the timed steps after the warm-up. Beside them: the
+The step time is the median of the timed steps after the warm-up, and one more step is
+counted: the bytes each rank sends on each mesh axis (Comm's counters). Beside them: the
 planner's predictions from the calibrated profile (`--calibrate`) of the same world size.
-Each strategy joins `PLANS` as it lands: a plan (Plan's fields) and the per-rank batch.
+Where ranks differ (pipeline stages, a parameter server's servers and workers) each role
+is compared on its own row under the plan's, which shows the busiest. Each strategy joins
+`PLANS` as it lands: a plan (Plan's fields) and the per-rank batch.
 """
 from __future__ import annotations
 
@@ -42,7 +45,11 @@ PLANS = (({"dp": 1}, 8), ({"dp": 1, "microbatches": 2}, 16), ({"dp": 2}, 8),
          ({"pp": 2, "microbatches": 4, "schedule": "interleaved", "virtual_stages": 2}, 8),
          # 2D plans on this machine's 4 ranks (3D needs 8: calibrate with --nproc 8 first)
          ({"dp": 2, "tp": 2, "zero": 1}, 8), ({"dp": 2, "pp": 2, "microbatches": 4}, 8),
-         ({"pp": 2, "tp": 2, "microbatches": 4}, 8))
+         ({"pp": 2, "tp": 2, "microbatches": 4}, 8),
+         # the data-parallel family: a parameter server with one root, with 2 shards over 4
+         # ranks (servers and workers differ), and DP's one process with 2 replicas
+         ({"dp": 2, "dp_mode": "ps-sync"}, 8), ({"dp": 4, "dp_mode": "ps-sync", "ps_shards": 2}, 4),
+         ({"dp": 2, "dp_mode": "dp"}, 8))
 
 
 def world_of(plan: dict) -> int:
@@ -55,7 +62,11 @@ def label(plan: dict, batch: int) -> str:
     return f"{Plan(**plan).describe()[5:-1] or 'one process'}, batch {batch}/rank"
 MODEL = dict(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256)   # "small"
 ROUNDS = 3      # runs of each plan, interleaved with the other plans'
-LIMITS = {"model_states": 0.05, "peak_alloc": 0.15, "peak_rss": 0.15, "step": 0.30}  # the issue's
+# the acceptance of issue 16 (model states 2%, resident peak 10%, step 15%); the allocated
+# peak, a derived quantity it does not name, is held to 15%, the bytes sent (exact counters
+# against ring theory; the statistics' few bytes left out) to 2%
+LIMITS = {"model_states": 0.02, "peak_alloc": 0.15, "peak_rss": 0.10, "step": 0.15,
+          "sent": 0.02}
 
 
 def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int = 2,
@@ -88,11 +99,20 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     times = time_each_step(lambda: trainer.step(x, y), steps, sync, wait_for_all=False)
     peak = meter.stop()
     report = trainer.memory_report()
+    trainer.comm.stats.reset()   # one more step, counted: the bytes sent on each axis
+    trainer.step(x, y)
+    sent = {axis: trainer.comm.stats.total(axis=axis).sent for axis in ("dp", "tp", "pp")}
     # after the RSS window: the profiler's own records would inflate the resident memory
     peak_alloc = report.model_states + allocated_peak(lambda: trainer.step(x, y)) if alloc else 0
+    if plan.get("dp_mode") == "dp":   # the profiler sees this thread's allocations only,
+        peak_alloc = None             # not the replicas' threads'
+
     trainer.close()
+    from meshtrain.planner.memory import rank_role
+    role = rank_role(Plan(**plan), dist.get_rank() if dist.is_initialized() else 0)
     return {"step": statistics.median(times), "peak_growth": peak,
-            "peak_alloc": peak_alloc, **report.to_dict()}
+            "peak_alloc": peak_alloc, "role": role,
+            "sent": None if plan.get("dp_mode") == "dp" else sent, **report.to_dict()}
 
 
 def allocated_peak(fn) -> int:
@@ -167,26 +187,55 @@ class ResidentPeak:
         return fields
 
 
-def predict(profile: dict, plan: dict, batch: int, model: dict = MODEL):
+def plan_inputs(plan: dict, batch: int, model: dict = MODEL):
+    """(spec, candidate, setup) the planner judges `plan` with, `batch` sequences per rank
+    (DP's one process takes them all and splits them over its replicas)."""
     from meshtrain.core.plan import Plan
     from meshtrain.models.gpt import GPTConfig
-    from meshtrain.planner.advisor import evaluate
     from meshtrain.planner.model_spec import from_gpt_config
-    from meshtrain.planner.profile import cluster_from_profile
     from meshtrain.planner.setup import Candidate, Setup
 
     p = Plan(**plan)
     spec = from_gpt_config(GPTConfig(**model), "gpt")
     micro = batch // p.microbatches
-    setup = Setup(global_batch=p.dp * batch, micro_batch=micro, precision=p.precision,
+    setup = Setup(global_batch=p.mesh_dp * batch, micro_batch=micro, precision=p.precision,
                   optimizer="adam", recompute=p.recompute,
                   sequence_parallel=p.sequence_parallel)
-    cand = Candidate(p, micro, p.recompute, p.sequence_parallel)
-    return evaluate(spec, cand, setup, cluster_from_profile(profile, p.world_size))
+    return spec, Candidate(p, micro, p.recompute, p.sequence_parallel), setup
 
 
-def _err(pred: float, meas: float) -> float:
-    return (pred - meas) / meas if meas else float("inf")
+def predict_cluster(profile: dict, plan: dict):
+    """The calibrated cluster of the plan's ranks; DP's replicas run as threads of one
+    process, one per core share, as that many ranks would."""
+    from meshtrain.core.plan import Plan
+    from meshtrain.planner.profile import cluster_from_profile
+
+    p = Plan(**plan)
+    return cluster_from_profile(profile, p.dp if p.dp_mode == "dp" else p.world_size)
+
+
+def predict(profile: dict, plan: dict, batch: int, model: dict = MODEL):
+    from meshtrain.planner.advisor import evaluate
+
+    return evaluate(*plan_inputs(plan, batch, model), predict_cluster(profile, plan))
+
+
+def predict_roles(profile: dict, plan: dict, batch: int, model: dict = MODEL) -> dict:
+    """The memory each role of `plan` (memory.rank_role) needs, predicted."""
+    from meshtrain.planner.memory import role_memories
+
+    spec, cand, setup = plan_inputs(plan, batch, model)
+    cluster = predict_cluster(profile, plan)
+    return role_memories(spec, cand, setup, **cluster.memory_terms(cand.plan))
+
+
+def _err(pred: float, meas: float | None) -> float | None:
+    """Relative error; None where the run could not measure the quantity."""
+    if meas is None:
+        return None
+    if not meas:   # nothing measured (bytes sent by one process): right only if none predicted
+        return 0.0 if not pred else float("inf")
+    return (pred - meas) / meas
 
 
 def verify(profile: dict, plans=PLANS, steps: int = 5, out=sys.stdout, model: dict = MODEL,
@@ -210,29 +259,80 @@ def verify(profile: dict, plans=PLANS, steps: int = 5, out=sys.stdout, model: di
                 bar.update()
     rows = []
     for (plan, batch), results in zip(plans, runs):
-        first = results[0]
-        step_rounds = [statistics.median(rank["step"] for rank in ranks) for ranks in results]
-        rss_rounds = [max(rank["peak_growth"] for rank in ranks) for ranks in results]
-        measured = {"model_states": max(r["model_states"] for r in first),
-                    "activations": max(r["activations"] for r in first),
-                    "peak_alloc": max(r["peak_alloc"] for r in first),
-                    "peak_rss": statistics.median(rss_rounds),
-                    "step": statistics.median(step_rounds)}
         ev = predict(profile, plan, batch, model)
-        predicted = {"model_states": ev.mem.model_states, "activations": ev.mem.activations,
-                     "peak_alloc": ev.mem.allocated, "peak_rss": ev.mem.total,
-                     "step": ev.time.total}
-        rows.append({"plan": label(plan, batch), "world": world_of(plan),
-                     "predicted": predicted, "measured": measured,
-                     "rounds": {"step": step_rounds, "peak_rss": rss_rounds},
-                     "error": {k: _err(predicted[k], measured[k]) for k in predicted}})
-        print(_row(rows[-1]), file=out, flush=True)
+        row = _compare(label(plan, batch), results, ev.mem, ev.time.total,
+                       predict_sent(plan, batch, model))
+        row["world"] = world_of(plan)
+        roles = sorted({r["role"] for r in results[0]})
+        if len(roles) > 1:   # ranks that differ are reported apart (pipeline stages, servers)
+            predicted = predict_roles(profile, plan, batch, model)
+            row["roles"] = [_compare(role, [[r for r in ranks if r["role"] == role]
+                                            for ranks in results], predicted[role],
+                                     ev.time.total, predict_sent(plan, batch, model, role))
+                            for role in roles]
+            # the plan's row: the most any role needs of each quantity, on both sides
+            for key in ("model_states", "activations", "peak_alloc", "peak_rss"):
+                for side in ("predicted", "measured"):
+                    row[side][key] = _max_measured(sub[side][key] for sub in row["roles"])
+                row["error"][key] = _err(row["predicted"][key], row["measured"][key])
+        rows.append(row)
+        print(_row(row), file=out, flush=True)
+        for sub in row.get("roles", ()):
+            print(_row({**sub, "plan": f"  - {sub['plan']}"}), file=out, flush=True)
     return rows
+
+
+def _max_measured(values) -> float | None:
+    values = list(values)
+    return None if None in values else max(values)
+
+
+def _compare(name: str, results: list[list[dict]], mem, step: float,
+             sent: dict[str, float] | None) -> dict:
+    """One row: these ranks' measurements (`results`: per round, the ranks) against the
+    predicted memory and step. Exact quantities from the first round; the step time and the
+    resident peak the median over rounds of the median rank's and the highest rank's."""
+    first = results[0]
+    step_rounds = [statistics.median(rank["step"] for rank in ranks) for ranks in results]
+    rss_rounds = [max(rank["peak_growth"] for rank in ranks) for ranks in results]
+    measured = {"model_states": max(r["model_states"] for r in first),
+                "activations": _max_measured(r["activations"] for r in first),
+                "peak_alloc": _max_measured(r["peak_alloc"] for r in first),
+                "peak_rss": statistics.median(rss_rounds),
+                "step": statistics.median(step_rounds)}
+    predicted = {"model_states": mem.model_states, "activations": mem.activations,
+                 "peak_alloc": mem.allocated, "peak_rss": mem.total, "step": step}
+    # bytes sent per step, per axis: the busiest rank's on each (exact counters, one round)
+    by_axis = None if sent is None or first[0]["sent"] is None else {
+        axis: max(r["sent"][axis] for r in first) for axis in ("dp", "tp", "pp")}
+    predicted["sent"] = None if by_axis is None else sum(sent.values())
+    measured["sent"] = None if by_axis is None else sum(by_axis.values())
+    errors = {k: (None if predicted[k] is None else _err(predicted[k], measured[k]))
+              for k in predicted}
+    return {"plan": name, "predicted": predicted, "measured": measured,
+            "sent_by_axis": {"predicted": sent, "measured": by_axis},
+            "rounds": {"step": step_rounds, "peak_rss": rss_rounds}, "error": errors}
+
+
+def predict_sent(plan: dict, batch: int, model: dict = MODEL, role: str | None = None
+                 ) -> dict[str, float] | None:
+    """Bytes per axis a rank of `role` (None: the busiest) sends per step, predicted; None
+    for DP, whose copies never leave its one process."""
+    from meshtrain.planner.time_model import axis_bytes
+
+    spec, cand, setup = plan_inputs(plan, batch, model)
+    if cand.plan.dp_mode == "dp":
+        return None
+    stage = None
+    if role and role.startswith("stage "):
+        stage = int(role.split(",")[0].split()[1])
+    return {axis: axis_bytes(spec, cand, setup, stage, server=not (role or "").endswith("worker")
+                             ).get(axis, 0.0) for axis in ("dp", "tp", "pp")}
 
 
 COLUMNS = (("model_states", "model states MB", 1e6), ("activations", "activations MB", 1e6),
            ("peak_alloc", "peak alloc MB", 1e6), ("peak_rss", "peak RSS MB", 1e6),
-           ("step", "step ms", 1e-3))
+           ("step", "step ms", 1e-3), ("sent", "sent MB/step", 1e6))
 HEADER = (f"{'plan':<36}" + "".join(f" {title:>22}" for _, title, _ in COLUMNS)
           + f"\n{'':<36}" + f" {'pred / meas (err)':>22}" * len(COLUMNS))
 
@@ -241,14 +341,21 @@ def _row(row: dict) -> str:
     cells = []
     for key, _, scale in COLUMNS:
         p, m, e = row["predicted"][key], row["measured"][key], row["error"][key]
-        cells.append(f"{p / scale:7.2f} /{m / scale:7.2f} ({e:+.0%})".rjust(22))
+        if p is None:   # DP: nothing leaves its one process
+            cells.append("- / -".rjust(22))
+        elif m is None:   # e.g. DP's replicas run in threads the activation count cannot see
+            cells.append(f"{p / scale:7.2f} /      - (   )".rjust(22))
+        else:
+            cells.append(f"{p / scale:7.2f} /{m / scale:7.2f} ({e:+.0%})".rjust(22))
     return f"{row['plan']:<36} " + " ".join(cells)
 
 
 def summary(rows: list[dict]) -> tuple[bool, str]:
+    """Each quantity's worst error over every plan and every role of a plan, against LIMITS."""
     lines, ok = [], True
+    every = [r for row in rows for r in (row, *row.get("roles", ()))]
     for key, limit in LIMITS.items():
-        worst = max(abs(r["error"][key]) for r in rows)
+        worst = max(abs(r["error"][key]) for r in every if r["error"][key] is not None)
         passed = worst <= limit
         ok &= passed
         lines.append(f"  {key}: worst error {worst:.1%} (limit {limit:.0%}) "

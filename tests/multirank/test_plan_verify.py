@@ -1,5 +1,6 @@
-"""`meshtrain plan --verify` machinery on a tiny GPT: 2 DDP plans (world 1 and 2) and a
-tensor-parallel one (tp 2), real ranks.
+"""`meshtrain plan --verify` machinery on a tiny GPT: 2 DDP plans (world 1 and 2), a
+tensor-parallel one (tp 2), two pipeline stages and a parameter server (whose ranks differ,
+so each is reported per role), real ranks.
 
 Model-state bytes and the exact allocated peak are deterministic and asserted against the
 Trainer's accounting; step time and resident memory depend on the machine and its load, so
@@ -12,13 +13,14 @@ import pytest
 from meshtrain.planner import verify
 
 TINY = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=32)
-PLANS = (({"dp": 1}, 4), ({"dp": 2, "microbatches": 2}, 4), ({"tp": 2}, 4))
+PLANS = (({"dp": 1}, 4), ({"dp": 2, "microbatches": 2}, 4), ({"tp": 2}, 4),
+         ({"pp": 2, "microbatches": 2}, 4), ({"dp": 2, "dp_mode": "ps-sync"}, 4))
 
 # A synthetic profile: predictions need rates to exist, not to be right (no timed asserts).
 _CURVE = {"sizes": [256, 2**20], "busbw": [1e6, 1e9]}
 _ENTRY = {"matmul_flops": 1e11, "model_flops": 5e10, "mem_bw": 1e10, "optimizer_rate": 1e8,
           "collectives": {k: _CURVE for k in ("all_reduce", "all_gather", "reduce_scatter",
-                                                "broadcast")},
+                                                "broadcast", "p2p")},
           "runtime_memory": {"fixed": 5e6, "per_activation_byte": 0.4}}
 PROFILE = {"created": "test", "cpu_count": 2, "host_mem": 8e9,
            "worlds": {"1": {**_ENTRY, "collectives": {}}, "2": _ENTRY}}
@@ -35,8 +37,8 @@ def rows_and_text():
 
 def test_model_states_predicted_equal_the_trainers_accounting(rows_and_text):
     rows, _ = rows_and_text
-    assert [r["world"] for r in rows] == [1, 2, 2]
-    for r in rows:
+    assert [r["world"] for r in rows] == [1, 2, 2, 2, 2]
+    for r in [r for row in rows for r in (row, *row.get("roles", ()))]:
         # the planner counts the GPT's parameters exactly: 4 + 4 (bucket) + 8 (AdamW) bytes
         # each; it leaves out only AdamW's 4-byte step counter per parameter tensor
         measured = r["measured"]["model_states"]
@@ -66,14 +68,45 @@ def test_time_and_resident_memory_are_measured(rows_and_text):
 def test_report_has_predicted_and_measured_columns(rows_and_text):
     rows, text = rows_and_text
     lines = text.strip().splitlines()
-    assert len(lines) == len(PLANS)
-    for r, line in zip(rows, lines):
+    every = [r for row in rows for r in (row, *[{**sub, "plan": f"  - {sub['plan']}"}
+                                                for sub in row.get("roles", ())])]
+    assert len(lines) == len(every)
+    for r, line in zip(every, lines):
         assert line.startswith(r["plan"])
         for key, _, scale in verify.COLUMNS:
             assert f"{r['predicted'][key] / scale:7.2f} /{r['measured'][key] / scale:7.2f}" in line
     assert "pred / meas" in verify.HEADER and "peak RSS MB" in verify.HEADER
     ok, summary = verify.summary(rows)
     assert "model_states: worst error" in summary
+
+
+def test_bytes_sent_per_axis_equal_the_comm_counters(rows_and_text):
+    rows, _ = rows_and_text
+    axes = {}
+    for r in [r for row in rows for r in (row, *row.get("roles", ()))]:
+        predicted, measured = r["sent_by_axis"]["predicted"], r["sent_by_axis"]["measured"]
+        for axis in ("dp", "tp", "pp"):
+            # exact counters against ring theory; only the step's statistics are left out
+            assert predicted[axis] == pytest.approx(measured[axis], rel=0.02, abs=64), (r["plan"], axis)
+            axes[axis] = axes.get(axis, 0) + measured[axis]
+    assert all(axes[a] > 0 for a in ("dp", "tp", "pp"))   # every axis was exercised
+
+
+def test_ranks_that_differ_are_reported_per_role(rows_and_text):
+    rows, _ = rows_and_text
+    plain, pipeline, server = rows[1], rows[3], rows[4]
+    assert "roles" not in plain
+    assert [r["plan"] for r in pipeline["roles"]] == ["stage 0", "stage 1"]
+    assert [r["plan"] for r in server["roles"]] == ["server", "worker"]
+    # the root holds the master copy, the summed pushes and the optimizer on top of a
+    # worker's parameters and bucket: 4 + 4 + 8 more bytes per parameter (fp32, AdamW)
+    root, worker = (r["measured"]["model_states"] for r in server["roles"])
+    assert root == pytest.approx(3 * worker, rel=0.01)
+    assert server["measured"]["model_states"] == root
+    for row in (pipeline, server):   # the plan's row: the most any role needs, both sides
+        for key in ("model_states", "activations", "peak_alloc", "peak_rss"):
+            assert row["predicted"][key] == max(r["predicted"][key] for r in row["roles"])
+            assert row["measured"][key] == max(r["measured"][key] for r in row["roles"])
 
 
 def test_calibration_ranks_agree_on_repetitions_and_measure_every_collective():

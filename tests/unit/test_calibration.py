@@ -9,7 +9,8 @@ from meshtrain.planner.calibrate import _combine, _mean_of_rounds
 
 
 def _rank(rate: float, busbw: list[float]) -> dict:
-    return {"matmul_flops": 2 * rate, "model_flops": rate, "mem_bw": 10 * rate,
+    return {"matmul_flops": 2 * rate, "model_flops": rate, "model_flops_small": rate / 2,
+            "mem_bw": 10 * rate,
             "optimizer_rate": 3 * rate,
             "collectives": {"all_reduce": {"sizes": [256, 1024], "busbw": busbw}}}
 
@@ -64,3 +65,25 @@ def test_runtime_memory_is_a_line_through_the_median_points():
     # memory never shrinks as activations grow: a falling line is clamped to flat
     flat = fit_runtime_memory([[(10 * MB, 8 * MB), (40 * MB, 5 * MB)]])
     assert flat["per_activation_byte"] == 0.0 and flat["fixed"] == 8 * MB
+
+
+def test_the_trainer_correction_meets_both_measured_ddp_steps():
+    from meshtrain.planner.calibrate import MEMORY_BATCHES, REFERENCE_GPT, fit_trainer
+    from meshtrain.planner.verify import predict
+
+    curve = {"sizes": [256, 2**24], "busbw": [1e7, 1e9]}
+    entry = {"matmul_flops": 1e11, "model_flops": 8e10, "model_flops_small": 7e10,
+             "mem_bw": 1e10, "optimizer_rate": 1e8,
+             "collectives": {k: curve for k in ("all_reduce", "all_gather", "reduce_scatter",
+                                                "broadcast", "p2p")},
+             "runtime_memory": {"fixed": 1e6, "per_activation_byte": 0.4}}
+    profile = {"worlds": {"1": {**entry, "collectives": {}}, "2": entry}, "host_mem": 8e9}
+    # the Trainer takes 1.25x the model's compute and 30 ms more a step
+    evs = [predict(profile, {"dp": 2}, b, REFERENCE_GPT) for b in MEMORY_BATCHES]
+    measured = [ev.time.total + 0.25 * ev.time.compute + 0.03 for ev in evs]
+    fit = fit_trainer(profile, 2, [measured, measured])   # two rounds alike
+    assert fit["compute_scale"] == pytest.approx(1.25)
+    assert fit["per_step"] == pytest.approx(0.03)
+    profile["worlds"]["2"]["trainer"] = fit
+    for b, m in zip(MEMORY_BATCHES, measured):   # the fitted model meets both points
+        assert predict(profile, {"dp": 2}, b, REFERENCE_GPT).time.total == pytest.approx(m, rel=1e-3)
