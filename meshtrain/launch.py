@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import pickle
+import sys
 import tempfile
 import traceback
 import uuid
@@ -102,12 +103,21 @@ def _store_of_this_attempt(timeout):
     return dist.PrefixStore(f"meshtrain/attempt{attempt}", store)
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(exit_code: int | None = None) -> None:
+    """A barrier, then the process group's teardown. With `exit_code`, the process then
+    ends at once: gloo's threads can abort the interpreter's exit with SIGABRT after a
+    finished run ("terminate called without an active exception", PEERS.md), which would
+    turn a run torchrun launched into a failure; everything the run writes is closed by
+    then, so the exit skips only those destructors."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()  # cuts the teardown abort's frequency (PEERS.md)
         dist.destroy_process_group()
+    if exit_code is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
 
 
 def _worker(ref, payload: bytes, result_dir: str, collective_timeout_s: float = 600.0):

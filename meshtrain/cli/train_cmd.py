@@ -247,8 +247,7 @@ def run(args) -> int:
         if int(os.environ["RANK"]) == 0:
             print_summary(summary)
             print_report(config.run_dir)
-        shutdown_distributed()   # a barrier, then teardown: see PEERS.md on gloo's abort
-        return 0
+        shutdown_distributed(exit_code=0)   # see PEERS.md on gloo's abort at exit
     print(f"meshtrain train: {plan.describe()} on {plan.world_size} local rank(s), run folder "
           f"{config.run_dir}", file=sys.stderr)
     try:
