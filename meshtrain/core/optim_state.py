@@ -24,6 +24,17 @@ def state_by_name(optimizer: torch.optim.Optimizer,
     return {names[id(p)]: dict(s) for p, s in optimizer.state.items() if id(p) in names}
 
 
+def flat_state_by_name(optimizer: torch.optim.Optimizer, state: dict[str, dict],
+                       stepped: set[str], names: list[str]) -> tuple[dict[str, dict], list[dict]]:
+    """The one-process format of a strategy whose optimizer steps flat shards (one group):
+    the per-name `state` it rebuilt, without the parameters never stepped (in one process a
+    parameter whose .grad was always None has no state), and the group's hyper-parameters
+    over every name."""
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    return ({n: s for n, s in state.items() if s and n in stepped},
+            [{**group, "params": list(names)}])
+
+
 def load_state_by_name(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter],
                        state: dict[str, dict], groups: list[dict]) -> None:
     """Put per-name states into `optimizer` (whose parameters are `params`, by name), with

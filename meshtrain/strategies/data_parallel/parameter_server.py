@@ -30,6 +30,7 @@ from torch import nn
 
 from meshtrain.core.comm import Comm
 from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
+from meshtrain.core.optim_state import flat_state_by_name
 from meshtrain.core.plan import Plan, PlanError
 from meshtrain.strategies.data_parallel.buckets import Bucket, build_buckets
 from meshtrain.strategies.data_parallel.ddp import broadcast_tensors
@@ -236,10 +237,7 @@ class ParameterServer:
                 for name in state:
                     state[name][key] = (torch.tensor(kind[1], dtype=getattr(
                         torch, kind[2].removeprefix("torch."))) if kind[2] else kind[1])
-        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        # a parameter never stepped has no state in one process (its .grad was always None)
-        return ({n: s for n, s in state.items() if s and n in self._stepped},
-                [{**group, "params": list(self.named)}])
+        return flat_state_by_name(self.optimizer, state, self._stepped, list(self.named))
 
     @torch.no_grad()
     def load_local(self, params: dict[str, torch.Tensor],
