@@ -224,7 +224,7 @@ def strategy_points(world: int, tick=lambda: None) -> dict:
     points = {}
     for name, (plan, batch) in strategy_runs(world).items():
         results = launch(verify_rank, nproc=world, args=(REFERENCE_GPT, plan, batch),
-                         kwargs={"steps": 4, "alloc": False})
+                         kwargs={"steps": 4, "exact": False})
         points[name] = {"peak_rss": max(r["peak_growth"] for r in results),
                         "step": statistics.median(r["step"] for r in results)}
         tick()
@@ -249,6 +249,7 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
     def median(values):
         return max(0.0, statistics.median(values))
 
+    fixed = profile["worlds"][str(world)]["runtime_memory"]["fixed"]
     fitted = {}
     for name, (plan, batch) in strategy_runs(world).items():
         ev = predict(profile, plan, batch, REFERENCE_GPT)   # with nothing fitted yet
@@ -257,7 +258,6 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
         extra = [r[name]["peak_rss"] - ev.mem.total for r in rounds]
         buffer = collective_buffer_bytes(spec, cand, setup)
         # ZeRO's staging: beside the activations' heap (ZeRO-3) or in it (memory.py)
-        fixed = profile["worlds"][str(world)]["runtime_memory"]["fixed"]
         staged = [r[name]["peak_rss"] - ev.mem.allocated - fixed for r in rounds]
         if name.startswith("zero"):
             fitted[name] = median((e if plan["zero"] == 3 else s) / buffer
@@ -283,7 +283,7 @@ def runtime_memory_point(world: int, batch: int) -> tuple[float, float, float]:
     from meshtrain.planner.verify import verify_rank
 
     results = launch(verify_rank, nproc=world, args=(REFERENCE_GPT, {"dp": world}, batch),
-                     kwargs={"steps": 4, "alloc": False})
+                     kwargs={"steps": 4, "exact": False})
     acts = max(r["activations"] for r in results)
     tensors = max(r["model_states"] for r in results) + acts + _transient(batch)
     step = statistics.median(r["step"] for r in results)

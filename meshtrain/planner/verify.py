@@ -70,15 +70,18 @@ LIMITS = {"model_states": 0.02, "peak_alloc": 0.15, "peak_rss": 0.10, "step": 0.
 
 
 def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int = 2,
-                alloc: bool = True) -> dict:
-    """One rank of one verification run: train, then report measured memory and time.
-    (`calibrate` runs it too, to measure the runtime memory, with alloc=False.)"""
+                exact: bool = True) -> dict:
+    """One rank of one verification run: train, then report measured memory and time, and
+    with `exact` the quantities one round suffices for: the allocated peak and the bytes
+    sent per axis, each from one more step (None without). `calibrate` runs it too, for
+    the runtime memory and the strategies' costs, with exact=False."""
     import torch
     import torch.distributed as dist
 
     from meshtrain.bench.timing import time_each_step
     from meshtrain.core.plan import Plan
     from meshtrain.models.gpt import GPT, GPTConfig
+    from meshtrain.planner.memory import rank_role
     from meshtrain.train.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -99,20 +102,19 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     times = time_each_step(lambda: trainer.step(x, y), steps, sync, wait_for_all=False)
     peak = meter.stop()
     report = trainer.memory_report()
-    trainer.comm.stats.reset()   # one more step, counted: the bytes sent on each axis
-    trainer.step(x, y)
-    sent = {axis: trainer.comm.stats.total(axis=axis).sent for axis in ("dp", "tp", "pp")}
-    # after the RSS window: the profiler's own records would inflate the resident memory
-    peak_alloc = report.model_states + allocated_peak(lambda: trainer.step(x, y)) if alloc else 0
-    if plan.get("dp_mode") == "dp":   # the profiler sees this thread's allocations only,
-        peak_alloc = None             # not the replicas' threads'
-
+    peak_alloc = sent = None
+    # after the RSS window: the profiler's own records would inflate the resident memory.
+    # DP's copies never leave its process, and the profiler sees this thread's allocations
+    # only, not its replicas' threads'
+    if exact and plan.get("dp_mode") != "dp":
+        trainer.comm.stats.reset()   # one more step, counted
+        trainer.step(x, y)
+        sent = {axis: trainer.comm.stats.total(axis=axis).sent for axis in ("dp", "tp", "pp")}
+        peak_alloc = report.model_states + allocated_peak(lambda: trainer.step(x, y))
     trainer.close()
-    from meshtrain.planner.memory import rank_role
     role = rank_role(Plan(**plan), dist.get_rank() if dist.is_initialized() else 0)
     return {"step": statistics.median(times), "peak_growth": peak,
-            "peak_alloc": peak_alloc, "role": role,
-            "sent": None if plan.get("dp_mode") == "dp" else sent, **report.to_dict()}
+            "peak_alloc": peak_alloc, "role": role, "sent": sent, **report.to_dict()}
 
 
 def allocated_peak(fn) -> int:
