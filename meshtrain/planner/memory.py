@@ -247,14 +247,17 @@ def role_memories(spec: ModelSpec, cand: Candidate, setup: Setup,
     """Device memory per role (`rank_role`): one entry per pipeline stage, and per server
     and worker of a parameter server whose shards do not cover every rank."""
     p = cand.plan
+    ps = p.dp_mode.startswith("ps-")
+    # one rank of each role (the advisor asks for thousands of plans: never walk the world):
+    # a stage's first dp rank (a server under ps), and its first worker where there is one
+    dp_ranks = [0] + ([p.ps_shards] if ps and p.ps_shards < p.dp else [])
     roles: dict[str, Memory] = {}
-    for rank in range(p.world_size):
-        role = rank_role(p, rank)
-        if role not in roles:
-            server = p.dp_mode.startswith("ps-") and (rank // p.tp) % p.dp < p.ps_shards
-            roles[role] = _stage_memory(spec, cand, setup, rank // (p.tp * p.dp),
-                                        bucket_bytes, runtime, host_is_device, server, staging,
-                                        extra)
+    for stage in range(p.pp):
+        for dp_rank in dp_ranks:
+            rank = (stage * p.dp + dp_rank) * p.tp
+            roles[rank_role(p, rank)] = _stage_memory(
+                spec, cand, setup, stage, bucket_bytes, runtime, host_is_device,
+                ps and dp_rank < p.ps_shards, staging, extra)
     return roles
 
 
@@ -272,16 +275,13 @@ def memory(spec: ModelSpec, cand: Candidate, setup: Setup, bucket_bytes: float |
                              staging, extra).values(), key=lambda m: m.total)
 
 
-def stage_memories(spec: ModelSpec, cand: Candidate, setup: Setup,
-                   bucket_bytes: float | None = None,
-                   runtime: tuple[float, float] = (0.0, 0.0),
-                   host_is_device: bool = False) -> list[Memory]:
-    """Device memory of a rank on each pipeline stage (one entry when pp = 1): the first
+def stage_memories(spec: ModelSpec, cand: Candidate, setup: Setup, **terms) -> list[Memory]:
+    """Device memory of each pipeline stage's first rank (one entry when pp = 1): the first
     stage holds the embedding and the most micro-batches in flight, the last the head and
-    the output layer's activations and logits."""
-    server = cand.plan.dp_mode.startswith("ps-")   # dp rank 0 hosts a shard
-    return [_stage_memory(spec, cand, setup, stage, bucket_bytes, runtime, host_is_device, server)
-            for stage in range(cand.plan.pp)]
+    the output layer's activations and logits. `terms` as `role_memories` takes them."""
+    p = cand.plan
+    roles = role_memories(spec, cand, setup, **terms)
+    return [roles[rank_role(p, stage * p.tp * p.dp)] for stage in range(p.pp)]
 
 
 def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
