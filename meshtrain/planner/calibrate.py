@@ -39,8 +39,10 @@ SIZES = (256, 16 * 2**10, 256 * 2**10, 2 * 2**20, 16 * 2**20)   # bytes per coll
 ROUNDS = 4                  # launches per world size, interleaved with the other worlds'
 BUDGET_S = 2.0              # seconds of alternated repetitions per launch
 MIN_REPS = 5
-MEMORY_BATCHES = (2, 16)    # micro-batches of the runtime-memory calibration (far apart:
-                            # a few MB of noise in each point moves the slope less)
+MEMORY_BATCHES = (2, 16)    # micro-batches of the runtime-memory calibration on the reference
+                            # GPT (far apart: a few MB of noise in a point moves a slope less)
+DEEP_POINT = (4, 8)         # ... and (layers, batch) of a deeper one: the heap keeps more of
+                            # a micro-batch's first layer than of each further layer's
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 REFERENCE_GPT = dict(vocab_size=256, seq_len=128, n_layer=2, n_head=4, d_model=256)
 REFERENCE_BATCH, SMALL_BATCH = 8, 2   # the reference step at two sizes: its rate and its
@@ -172,23 +174,25 @@ def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S
     rates: dict[int, list[dict]] = {w: [] for w in worlds}
     memory: dict[int, list[list[tuple[float, float]]]] = {w: [] for w in worlds}
     strategies: dict[int, list[dict]] = {w: [] for w in worlds}
-    runs = sum(1 + len(MEMORY_BATCHES) + len(strategy_runs(w)) for w in worlds)
+    runs = sum(2 + len(MEMORY_BATCHES) + len(strategy_runs(w)) for w in worlds)
     bar = tqdm(total=rounds * runs, unit="run", desc="calibrating", disable=not progress,
                file=sys.stderr)
     for _ in range(rounds):
         for w in worlds:
             rates[w].append(_combine(launch(measure_rank, nproc=w, kwargs={"budget_s": budget_s})))
             bar.update()
-            memory[w].append([runtime_memory_point(w, b) for b in MEMORY_BATCHES])
-            bar.update(len(MEMORY_BATCHES))
+            memory[w].append([runtime_memory_point(w, b) for b in MEMORY_BATCHES]
+                             + [runtime_memory_point(w, DEEP_POINT[1], DEEP_POINT[0])])
+            bar.update(len(MEMORY_BATCHES) + 1)
             if w > 1:
                 strategies[w].append(strategy_points(w, bar.update))
     bar.close()
     for w in worlds:
         entry = _mean_of_rounds(rates[w])
-        entry["runtime_memory"] = fit_runtime_memory([[(a, o) for a, o, _ in r] for r in memory[w]])
+        entry["runtime_memory"] = fit_runtime_memory([[(t, o) for t, o, _ in r] for r in memory[w]])
         profile["worlds"][str(w)] = entry
-        entry["trainer"] = fit_trainer(profile, w, [[t for *_, t in r] for r in memory[w]])
+        entry["trainer"] = fit_trainer(profile, w, [[t for *_, t in r[:len(MEMORY_BATCHES)]]
+                                                    for r in memory[w]])
         if w > 1:
             entry["strategies"] = fit_strategies(profile, w, strategies[w])
     return profile
@@ -205,6 +209,8 @@ def strategy_runs(world: int) -> dict[str, tuple[dict, int]]:
     if world == 1:
         return {}
     runs = {f"zero{z}": ({"dp": world, "zero": z}, 2) for z in (1, 2, 3)}
+    # the recomputed forward gathers every unit again: staged while backward's are
+    runs["zero3r"] = ({"dp": world, "zero": 3, "recompute": "full"}, 8)
     runs["disk"] = ({"dp": world, "zero": 2, "offload": "disk"}, 8)
     for t in range(2, world + 1):
         if world % t == 0:
@@ -212,12 +218,16 @@ def strategy_runs(world: int) -> dict[str, tuple[dict, int]]:
     if world % 2 == 0:
         runs["pp2"] = ({"dp": world // 2, "pp": 2, "microbatches": 4} if world > 2 else
                        {"pp": 2, "microbatches": 4}, 8)
+    if world % 4 == 0:   # tensor parallel inside a pipeline: each stage's collectives
+        # beside the other stage's compute
+        runs["pp2tp2"] = ({"pp": 2, "tp": 2, "microbatches": 4, "dp": world // 4}, 8)
     return runs
 
 
 def strategy_points(world: int, tick=lambda: None) -> dict:
     """One round of `strategy_runs(world)`, each in fresh ranks as `--verify` runs
-    a plan: the highest rank's resident growth and the median rank's step time."""
+    a plan: the highest rank's resident growth (and each role's: pipeline stages) and the
+    median rank's step time."""
     from meshtrain.launch import launch
     from meshtrain.planner.verify import verify_rank
 
@@ -225,7 +235,10 @@ def strategy_points(world: int, tick=lambda: None) -> dict:
     for name, (plan, batch) in strategy_runs(world).items():
         results = launch(verify_rank, nproc=world, args=(REFERENCE_GPT, plan, batch),
                          kwargs={"steps": 4, "exact": False})
-        points[name] = {"peak_rss": max(r["peak_growth"] for r in results),
+        by_role = {}
+        for r in results:
+            by_role[r["role"]] = max(by_role.get(r["role"], 0), r["peak_growth"])
+        points[name] = {"peak_rss": max(by_role.values()), "peak_rss_by_role": by_role,
                         "step": statistics.median(r["step"] for r in results)}
         tick()
     return points
@@ -235,28 +248,37 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
     """What the planner misses on each `strategy_runs` plan, turned into its parameters, each
     the median over the rounds of (measured - predicted with nothing fitted), never below 0:
     - zeroK: resident bytes per byte of ZeRO-K's largest collective buffer (gloo's staging;
-      ZeRO-1/2's in place of the activations' heap, ZeRO-3's beside it: memory.py);
+      ZeRO-1/2's in place of the activations' heap, ZeRO-3's beside it: memory.py); zero3r
+      the same with full recomputation (per layer: memory.staged_buffer_bytes);
     - disk: seconds per byte of offloaded state (paging it in and out, and the heap that
       the step's trim returns and the next step faults back in), and "disk_memory", its
       staging (the trim returns the heap it would otherwise stage in);
     - tpT: seconds per token and block of what width T does not split, and "tpT_memory",
       the resident bytes its collectives' buffers add;
     - pp2: seconds per micro-batch per stage chunk of the pipeline runtime's own work
-      (posting and matching messages), and "pp2_memory", the bytes its buffers add."""
-    from meshtrain.planner.memory import collective_buffer_bytes
-    from meshtrain.planner.verify import plan_inputs, predict
+      (posting and matching messages), and "pp2_memory_stages", the bytes its buffers add
+      on a stage before the last and on the last (they differ: the first stage keeps the
+      most micro-batches' messages, the last none of the activations' sends);
+    - pp2tp2: the factor on tensor parallel's collectives inside a pipeline (with every
+      other term fitted: what is left of the step, against their price on the curve), and
+      "pp2tp2_memory_stages" as pp2's."""
+    import copy
+
+    from meshtrain.planner.memory import staged_buffer_bytes
+    from meshtrain.planner.verify import plan_inputs, predict, predict_roles
 
     def median(values):
         return max(0.0, statistics.median(values))
 
     fixed = profile["worlds"][str(world)]["runtime_memory"]["fixed"]
+    runs = strategy_runs(world)
     fitted = {}
-    for name, (plan, batch) in strategy_runs(world).items():
+    for name, (plan, batch) in runs.items():
         ev = predict(profile, plan, batch, REFERENCE_GPT)   # with nothing fitted yet
         spec, cand, setup = plan_inputs(plan, batch, REFERENCE_GPT)
         late = [r[name]["step"] - ev.time.total for r in rounds]
         extra = [r[name]["peak_rss"] - ev.mem.total for r in rounds]
-        buffer = collective_buffer_bytes(spec, cand, setup)
+        buffer = staged_buffer_bytes(spec, cand, setup)
         # ZeRO's staging: beside the activations' heap (ZeRO-3) or in it (memory.py)
         staged = [r[name]["peak_rss"] - ev.mem.allocated - fixed for r in rounds]
         if name.startswith("zero"):
@@ -268,26 +290,43 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
         elif name.startswith("tp"):
             fitted[name] = median(t / (batch * spec.seq * (spec.layers + 1)) for t in late)
             fitted[f"{name}_memory"] = median(extra)
-        else:
-            fitted[name] = median(t / plan["microbatches"] for t in late)
-            fitted[f"{name}_memory"] = median(extra)
+        else:   # pipelines: per stage kind, the first stage's and the last's
+            roles = predict_roles(profile, plan, batch, REFERENCE_GPT)
+            fitted[f"{name}_memory_stages"] = [
+                median(r[name]["peak_rss_by_role"][stage] - roles[stage].total for r in rounds)
+                for stage in ("stage 0", f"stage {plan['pp'] - 1}")]
+            if name == "pp2":
+                fitted[name] = median(t / plan["microbatches"] for t in late)
+    if "pp2tp2" in runs:   # with every other term in place
+        plan, batch = runs["pp2tp2"]
+        trial = copy.deepcopy(profile)
+        trial["worlds"][str(world)]["strategies"] = fitted
+        ev = predict(trial, plan, batch, REFERENCE_GPT)
+        left = statistics.median(r["pp2tp2"]["step"] - ev.time.total for r in rounds)
+        fitted["pp2tp2"] = min(5.0, max(0.2, 1 + left / ev.time.tp_comm)) if ev.time.tp_comm else 1.0
     fitted["rounds"] = rounds
     return fitted
 
 
-def runtime_memory_point(world: int, batch: int) -> tuple[float, float, float]:
-    """(activation bytes, runtime memory, step seconds) of the reference GPT at `batch` on
-    `world` ranks, in fresh ranks (a heap already grown by an earlier run would hide this
-    run's growth), run exactly as `--verify` runs a plan; see the module docstring."""
+def runtime_memory_point(world: int, batch: int, layers: int = REFERENCE_GPT["n_layer"]
+                         ) -> tuple[tuple[float, float], float, float]:
+    """((first layer's, the rest's forward traffic), runtime memory, step seconds) of the
+    reference GPT with `layers` blocks at `batch` on `world` ranks, in fresh ranks (a heap
+    already grown by an earlier run would hide this run's growth), run exactly as `--verify`
+    runs a plan; see the module docstring."""
     from meshtrain.launch import launch
-    from meshtrain.planner.verify import verify_rank
+    from meshtrain.planner.memory import forward_traffic, transient_bytes
+    from meshtrain.planner.verify import plan_inputs, verify_rank
 
-    results = launch(verify_rank, nproc=world, args=(REFERENCE_GPT, {"dp": world}, batch),
+    model = {**REFERENCE_GPT, "n_layer": layers}
+    results = launch(verify_rank, nproc=world, args=(model, {"dp": world}, batch),
                      kwargs={"steps": 4, "exact": False})
-    acts = max(r["activations"] for r in results)
-    tensors = max(r["model_states"] for r in results) + acts + _transient(batch)
+    spec, cand, setup = plan_inputs({"dp": world}, batch, model)
+    tensors = (max(r["model_states"] for r in results) + max(r["activations"] for r in results)
+               + transient_bytes(spec, cand, setup))
     step = statistics.median(r["step"] for r in results)
-    return acts, max(r["peak_growth"] for r in results) - tensors, step
+    return (forward_traffic(spec, cand, setup, 0), max(r["peak_growth"] for r in results)
+            - tensors, step)
 
 
 def fit_trainer(profile: dict, world: int, rounds: list[list[float]]) -> dict:
@@ -309,17 +348,44 @@ def fit_trainer(profile: dict, world: int, rounds: list[list[float]]) -> dict:
             "points": [{"measured": m, "predicted": p} for m, p, _ in points]}
 
 
-def fit_runtime_memory(rounds: list[list[tuple[float, float]]]) -> dict:
-    """(fixed, per activation byte): a line through the first and last batch's points, each
-    the median over the rounds (one run's heap growth varies by a few MB)."""
-    points = [(statistics.median(a for a, _ in col), statistics.median(o for _, o in col))
-              for col in zip(*rounds)]
-    (a0, o0), (a1, o1) = points[0], points[-1]
-    per_act = max(0.0, (o1 - o0) / (a1 - a0)) if a1 != a0 else 0.0
-    fixed = max(0.0, o0 - per_act * a0)
-    return {"fixed": fixed, "per_activation_byte": per_act,
-            "points": [{"activations": a, "overhead": o} for a, o in points],
+def fit_runtime_memory(rounds: list[list[tuple[tuple[float, float], float]]]) -> dict:
+    """(fixed, per byte of the first layer's forward traffic, per byte of the rest's), from
+    the runtime-memory points of each round ((first, rest), overhead): each point's overhead
+    the median over the rounds, then the three terms that meet all three points (with two
+    points, or where the three give a negative term: one rate for all traffic, the line
+    through the first and last). Measured on this machine (1, 2 and 4 blocks at batch 2 to
+    16): the first layer's rate is about 3x the rest's, and one rate for all traffic
+    missed the 4-block GPT at batch 8 by +12 MB."""
+    points = [(col[0][0], statistics.median(o for _, o in col)) for col in zip(*rounds)]
+    fit = _line(points[0], points[len(MEMORY_BATCHES) - 1])
+    if len(points) > len(MEMORY_BATCHES):
+        terms = _solve3([(1.0, f, r) for (f, r), _ in points[:3]], [o for _, o in points[:3]])
+        if terms and min(terms) >= 0:
+            fit = dict(zip(("fixed", "per_first_layer_byte", "per_activation_byte"), terms))
+    return {**fit, "points": [{"first": f, "rest": r, "overhead": o} for (f, r), o in points],
             "per_round": [[o for _, o in r] for r in rounds]}
+
+
+def _line(p0, p1) -> dict:
+    """One rate for all forward traffic: the line through two ((first, rest), overhead)
+    points, the rate never below 0."""
+    (a0, o0), (a1, o1) = (sum(p0[0]), p0[1]), (sum(p1[0]), p1[1])
+    per_act = max(0.0, (o1 - o0) / (a1 - a0)) if a1 != a0 else 0.0
+    return {"fixed": max(0.0, o0 - per_act * a0), "per_activation_byte": per_act,
+            "per_first_layer_byte": per_act}
+
+
+def _solve3(rows, rhs) -> tuple[float, float, float] | None:
+    """x with rows . x = rhs (3 x 3, Cramer's rule); None where the rows are dependent."""
+    def det(m):
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+                - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+    d = det(rows)
+    if abs(d) < 1e-12 * max(1.0, max(abs(v) for row in rows for v in row)) ** 3:
+        return None
+    return tuple(det([[rhs[i] if j == k else rows[i][j] for j in range(3)] for i in range(3)]) / d
+                 for k in range(3))
 
 
 def _transient(micro_batch: int) -> float:
@@ -341,6 +407,10 @@ def _host_mem() -> float:
         return 16e9
 
 
+def _mb(stages: list[float]) -> str:
+    return " / ".join(f"{v / 1e6:.1f}" for v in stages) + " MB (first / last stage)"
+
+
 def describe(profile: dict) -> str:
     from meshtrain.planner.units import fmt_rate
     lines = [f"calibrated {profile['created']} on {profile['cpu_count']} cores, "
@@ -353,7 +423,9 @@ def describe(profile: dict) -> str:
         rt = e.get("runtime_memory")
         if rt:
             lines.append(f"      runtime memory: {rt['fixed'] / 1e6:.1f} MB + "
-                         f"{rt['per_activation_byte']:.2f} x activations")
+                         f"{rt.get('per_first_layer_byte', rt['per_activation_byte']):.2f} x "
+                         f"a micro-batch's first layer + {rt['per_activation_byte']:.2f} x "
+                         f"the rest of its forward")
         tr = e.get("trainer")
         if tr:
             lines.append(f"      Trainer step: {tr['compute_scale']:.3f} x the model's compute "
@@ -369,7 +441,9 @@ def describe(profile: dict) -> str:
                 f"{fitted[k + '_memory'] / 1e6:.1f} MB" for k, v in fitted.items()
                 if k.startswith("tp") and not k.endswith("_memory"))
                 + (f"; pipeline runtime {fitted['pp2'] * 1e3:.2f} ms per micro-batch and "
-                   f"chunk + {fitted['pp2_memory'] / 1e6:.1f} MB" if "pp2" in fitted else ""))
+                   f"chunk + {_mb(fitted['pp2_memory_stages'])}" if "pp2" in fitted else "")
+                + (f"; tensor parallel in a pipeline: its collectives x {fitted['pp2tp2']:.2f}"
+                   f", + {_mb(fitted['pp2tp2_memory_stages'])}" if "pp2tp2" in fitted else ""))
         for kind, c in e["collectives"].items():
             pts = ", ".join(f"{s / 2**20:g} MiB {fmt_rate(b, 'B/s')}" for s, b in zip(c["sizes"], c["busbw"]))
             lines.append(f"      {kind}: {pts}")

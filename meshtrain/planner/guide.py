@@ -64,7 +64,7 @@ def questions(advice: Advice) -> tuple[list[Question], str]:
     usable = cluster.usable_mem
     b = setup.micro_batch or 1
     one = memory(spec, Candidate(Plan(precision=setup.precision), b, "none"), setup,
-                 runtime=(cluster.runtime_fixed, cluster.runtime_per_act))
+                 runtime=cluster.runtime)
     fits = one.total <= usable
     qs = [Question("Does the model fit on one device?", fits,
                    f"one device (micro-batch {b}, no recomputation) needs {_gb(one.total)}: "

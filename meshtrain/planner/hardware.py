@@ -114,7 +114,9 @@ class Cluster:
     reserve: float = 0.1            # fraction of device memory kept for context/fragmentation
     # Calibrated on a local profile (`meshtrain plan --calibrate`); presets keep the defaults:
     runtime_fixed: float = 0.0      # bytes of a rank's working memory outside tensors
-    runtime_per_act: float = 0.0    # ... and more per byte of saved activations
+    runtime_per_act: float = 0.0    # ... and more per byte a micro-batch's forward allocates
+    runtime_first_layer: float | None = None   # ... per byte of its first layer's (the heap
+                                    # keeps most of one layer's temporaries); None: per_act
     optimizer_rate: float = 0.0     # parameters/s the optimizer step updates (0: from mem_bw)
     overlap: float = 1.0            # fraction of hideable gradient traffic really hidden
     block_overhead: float = 0.0     # seconds per block per micro-batch not in FLOPs (dispatch)
@@ -129,7 +131,12 @@ class Cluster:
                                     # runtime bytes per byte of its largest collective buffer
     tp_memory: dict = field(default_factory=dict, compare=False)  # tp width -> runtime bytes
     pp_overhead: float = 0.0        # seconds per micro-batch per stage chunk (pipeline runtime)
-    pp_memory: float = 0.0          # runtime bytes a pipeline stage's buffers add
+    pp_memory: float | tuple = 0.0  # runtime bytes a pipeline stage's buffers add: one for
+                                    # all, or (a stage before the last, the last stage)
+    pp_tp_memory: tuple | None = None   # ... the same with tensor parallel in every stage
+    pp_tp_scale: float = 1.0        # tensor parallel's collectives in a pipeline against the
+                                    # curve's price (calibrated: one stage's collectives wait
+                                    # on the other's compute, or hide behind it)
     disk_overhead: float = 0.0      # seconds per byte offloaded to disk, per step
     name: str = "custom"
     curves: dict = field(default_factory=dict, compare=False)  # collective -> Curve (calibrated)
@@ -189,21 +196,45 @@ class Cluster:
         steps = {"all_reduce": 2 * (n - 1), "broadcast": 1, "p2p": 1}.get(kind, n - 1)
         return steps * alpha + factor * nbytes / bw
 
+    @property
+    def runtime(self) -> tuple[float, float, float]:
+        """(fixed bytes, per byte of a micro-batch's forward traffic, per byte of its first
+        layer's): `memory.memory`'s runtime argument."""
+        first = self.runtime_per_act if self.runtime_first_layer is None else self.runtime_first_layer
+        return self.runtime_fixed, self.runtime_per_act, first
+
     def memory_terms(self, plan) -> dict:
         """The calibrated runtime-memory terms `memory.memory` takes for `plan` (all 0 on
         presets): the fixed and per-activation runtime, ZeRO's staging factor, and what
         tensor and pipeline parallel's buffers add."""
         # tensor and pipeline parallel's buffers live at different moments of a step, and
-        # the heap one frees serves the other: the larger of the two
-        extra = max(nearest(self.tp_memory, plan.tp) if plan.tp > 1 else 0.0,
-                    self.pp_memory if plan.pp > 1 else 0.0)
-        return dict(runtime=(self.runtime_fixed, self.runtime_per_act),
+        # the heap one frees serves the other: the larger of the two, unless a pipeline
+        # with tensor parallel was calibrated as such; a pipeline's, per stage kind
+        tp = nearest(self.tp_memory, plan.tp) if plan.tp > 1 else 0.0
+        extra = tp
+        if plan.pp > 1:
+            per_stage = (self.pp_tp_memory if plan.tp > 1 and self.pp_tp_memory else
+                         tuple(max(tp, x) for x in _stage_pair(self.pp_memory)))
+            if plan.schedule in ("gpipe", "naive") or plan.virtual_stages > 1:
+                # the last rank, too, keeps every micro-batch's messages (GPipe), or sends
+                # activations out of its earlier chunks (interleaved): the first's term
+                per_stage = (per_stage[0],) * 2
+            extra = tuple(per_stage)
+        zero = plan.zero
+        if zero == 3 and plan.recompute == "full" and "3+recompute" in self.staging:
+            zero = "3+recompute"   # the recomputed forward gathers every unit again
+        return dict(runtime=self.runtime,
                     host_is_device=self.host_is_device,
-                    staging=self.staging.get("disk" if plan.offload == "disk" else plan.zero,
+                    staging=self.staging.get("disk" if plan.offload == "disk" else zero,
                                              0.0), extra=extra)
 
     def with_(self, **changes) -> "Cluster":
         return replace(self, **changes)
+
+
+def _stage_pair(value) -> tuple[float, float]:
+    """(a stage before the last's, the last stage's) from one value for all or a pair."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
 
 
 def nearest(table: dict, key: int) -> float:

@@ -241,9 +241,9 @@ def rank_role(plan, rank: int) -> str:
 
 def role_memories(spec: ModelSpec, cand: Candidate, setup: Setup,
                   bucket_bytes: float | None = None,
-                  runtime: tuple[float, float] = (0.0, 0.0),
+                  runtime: tuple[float, ...] = (0.0, 0.0),
                   host_is_device: bool = False, staging: float = 0.0,
-                  extra: float = 0.0) -> dict[str, Memory]:
+                  extra: float | tuple = 0.0) -> dict[str, Memory]:
     """Device memory per role (`rank_role`): one entry per pipeline stage, and per server
     and worker of a parameter server whose shards do not cover every rank."""
     p = cand.plan
@@ -262,12 +262,13 @@ def role_memories(spec: ModelSpec, cand: Candidate, setup: Setup,
 
 
 def memory(spec: ModelSpec, cand: Candidate, setup: Setup, bucket_bytes: float | None = None,
-           runtime: tuple[float, float] = (0.0, 0.0), host_is_device: bool = False,
-           staging: float = 0.0, extra: float = 0.0) -> Memory:
+           runtime: tuple[float, ...] = (0.0, 0.0), host_is_device: bool = False,
+           staging: float = 0.0, extra: float | tuple = 0.0) -> Memory:
     """Device memory on the busiest rank of `cand` (the stage that needs most), and what
     offload puts on the host.
 
-    `runtime` = (fixed bytes, bytes per activation byte): the process's working memory that
+    `runtime` = (fixed bytes, bytes per byte of a micro-batch's forward traffic[, per byte of
+    its first layer's: the same as the rest if left out]): the process's working memory that
     no tensor accounts for, calibrated on the machine (`meshtrain plan --calibrate`; see
     `calibrate.fit_runtime_memory`). On GPU presets it is 0: `Cluster.reserve` covers the
     CUDA context and the caching allocator's fragmentation instead."""
@@ -285,9 +286,9 @@ def stage_memories(spec: ModelSpec, cand: Candidate, setup: Setup, **terms) -> l
 
 
 def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
-                  bucket_bytes: float | None, runtime: tuple[float, float],
+                  bucket_bytes: float | None, runtime: tuple[float, ...],
                   host_is_device: bool, server: bool = False, staging: float = 0.0,
-                  extra: float = 0.0) -> Memory:
+                  extra: float | tuple = 0.0) -> Memory:
     p = cand.plan
     last = stage == p.pp - 1
     psi = stage_params(spec, p.pp, p.tp, stage)
@@ -301,17 +302,10 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     layers_here = math.ceil(spec.layers / p.pp)
     inflight = inflight_microbatches(p.schedule, p.pp, p.microbatches, p.virtual_stages, stage)
     acts = per_layer * layers_here * inflight
-    # what one micro-batch's forward allocates, saved or not: the heap the runtime keeps
-    # grows with it (the next micro-batch reuses what this one freed, whatever is in flight)
-    full_layer = layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
-                                        "none", setup.act_bytes)
-    traffic = full_layer * layers_here
+    first, rest = forward_traffic(spec, cand, setup, stage)
     if last:   # the output layer lives on the last stage: the final norm's and the
         # projection's inputs (2 s b h elements) and the fp32 logits, for one micro-batch
-        output = (2 * setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden
-                  / (p.tp if cand.sp else 1) + logits_bytes(spec, spec.seq, cand.micro_batch, p.tp))
-        acts += output
-        traffic += output
+        acts += output_bytes(spec, cand, setup)
     # DDP and ZeRO-1 reduce gradients in place (they are views of the flat buckets, as in
     # PyTorch DDP with gradient_as_bucket_view and meshtrain's DDP); ZeRO-2 needs a bucket to
     # reduce-scatter from before keeping only its shard.
@@ -334,8 +328,8 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     transient = transient_bytes(spec, cand, setup) if last else absorb + block
     if cand.recompute == "full":  # backward re-runs one layer's forward: its full set is
         # live, and its backward's ffn-wide gradients beside it
-        transient += full_layer + block
-    fixed, per_act = runtime
+        transient += first + block
+    fixed, per_act, per_first = (*runtime, runtime[1])[:3]
     # the runtime's own memory: fixed, the heap the activations leave behind, the staging
     # copies a CPU backend (gloo) makes of ZeRO's gathered and scattered buffers, and what
     # tensor and pipeline parallel's own buffers add. ZeRO-1/2 gather and scatter their
@@ -343,12 +337,39 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     # the two counts; ZeRO-3 gathers while the activations are alive: both count.
     # DP's replicas run in threads, whose glibc arenas hand their freed tops back to the
     # OS: no activations' heap stays behind there
-    heap = 0.0 if p.dp_mode == "dp" else per_act * traffic
-    staged = staging * collective_buffer_bytes(spec, cand, setup)
+    heap = 0.0 if p.dp_mode == "dp" else per_first * first + per_act * rest
+    staged = staging * staged_buffer_bytes(spec, cand, setup)
     heap = heap + staged if p.zero == 3 else max(heap, staged)
+    if isinstance(extra, tuple):   # per stage kind: (a stage before the last, the last)
+        extra = extra[last]
     runtime_bytes = fixed + heap + extra
     return Memory(states.params, states.grads, states.optim, acts, buffers, states.host,
                   transient, runtime_bytes)
+
+
+def output_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
+    """The output layer's activations for one micro-batch, on the last stage: the final
+    norm's and the projection's inputs (2 s b h elements) and the fp32 logits."""
+    p = cand.plan
+    return (2 * setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden
+            / (p.tp if cand.sp else 1) + logits_bytes(spec, spec.seq, cand.micro_batch, p.tp))
+
+
+def forward_traffic(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int
+                    ) -> tuple[float, float]:
+    """What one micro-batch's forward allocates on `stage`, saved or not, as (its first
+    layer's, the rest: its other layers' and the output layer's on the last stage). The heap
+    the runtime keeps grows with it (the next micro-batch reuses what this one freed,
+    whatever is in flight); measured, glibc keeps most of one layer's temporaries and a
+    smaller part of each further layer's (calibrate.fit_runtime_memory)."""
+    p = cand.plan
+    layer = layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
+                                   "none", setup.act_bytes)
+    layers_here = math.ceil(spec.layers / p.pp)
+    rest = layer * (layers_here - 1)
+    if stage == p.pp - 1:
+        rest += output_bytes(spec, cand, setup)
+    return layer, rest
 
 
 def collective_buffer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
@@ -360,6 +381,18 @@ def collective_buffer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> f
     if p.zero == 3:
         return spec.largest_layer_params / p.tp * setup.param_bytes
     return min(stage_params(spec, p.pp, p.tp) * setup.param_bytes, p.bucket_mb * 2**20)
+
+
+def staged_buffer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
+    """The buffer bytes a CPU backend's staging copies grow with (calibrated per byte):
+    ZeRO's largest collective buffer; under ZeRO-3 with full recomputation, once per layer
+    of the stage (each layer's re-run forward gathers its unit again amid the recomputed
+    activations: measured on meshtrain's GPT, the staging grows with the depth, 2 to 4
+    blocks: +30 MB against one buffer's count)."""
+    buffer = collective_buffer_bytes(spec, cand, setup)
+    if cand.plan.zero == 3 and cand.recompute == "full":
+        buffer *= math.ceil(spec.layers / cand.plan.pp)
+    return buffer
 
 
 def largest_layer_bytes(spec: ModelSpec, setup: Setup, tp: int = 1) -> float:

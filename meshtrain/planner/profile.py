@@ -84,7 +84,8 @@ def cluster_from_profile(profile: dict, world: int | None = None, nodes: int = 1
     runtime = entry.get("runtime_memory")
     if runtime:
         settings.update(runtime_fixed=runtime["fixed"],
-                        runtime_per_act=runtime["per_activation_byte"])
+                        runtime_per_act=runtime["per_activation_byte"],
+                        runtime_first_layer=runtime.get("per_first_layer_byte"))
     trainer = entry.get("trainer")
     if trainer:
         settings.update(compute_scale=trainer["compute_scale"], step_overhead=trainer["per_step"])
@@ -93,9 +94,13 @@ def cluster_from_profile(profile: dict, world: int | None = None, nodes: int = 1
         widths = [k for k in fitted if k[:2] == "tp" and not k.endswith("_memory")]
         settings.update(tp_overhead={int(k[2:]): fitted[k] for k in widths},
                         tp_memory={int(k[2:]): fitted.get(f"{k}_memory", 0.0) for k in widths},
-                        pp_overhead=fitted.get("pp2", 0.0), pp_memory=fitted.get("pp2_memory", 0.0),
+                        pp_overhead=fitted.get("pp2", 0.0),
+                        pp_memory=tuple(fitted.get("pp2_memory_stages", ())) or fitted.get("pp2_memory", 0.0),
+                        pp_tp_memory=tuple(fitted.get("pp2tp2_memory_stages", ())) or None,
+                        pp_tp_scale=fitted.get("pp2tp2", 1.0),
                         disk_overhead=fitted.get("disk", 0.0),
                         staging={**{z: fitted.get(f"zero{z}", 0.0) for z in (1, 2, 3)},
+                                 **({"3+recompute": fitted["zero3r"]} if "zero3r" in fitted else {}),
                                  "disk": fitted.get("disk_memory", 0.0)})
     settings.update(extra)
     return Cluster(**settings)

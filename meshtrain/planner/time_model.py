@@ -153,6 +153,8 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     act = b * s * h * setup.act_bytes
     n_tp = (6 if cand.recompute == "full" else 4) * layers_here
     t_tp = n_tp * cluster.collective_time("all_reduce", act, p.tp, p.tp)
+    if p.pp > 1:   # beside the other stages' work (calibrated on CPU ranks; 1 on presets)
+        t_tp *= cluster.pp_tp_scale
 
     # Pipeline: each micro-batch sends b s h forward and its gradient back across a boundary;
     # with tp > 1 every tp rank sends the whole activation to its peer in the next stage

@@ -8,6 +8,14 @@ from meshtrain.bench.timing import time_each_step
 from meshtrain.planner.calibrate import _combine, _mean_of_rounds
 
 
+def _spec4():
+    """The 4-block GPT `meshtrain plan --verify` runs."""
+    from meshtrain.models.gpt import GPTConfig
+    from meshtrain.planner.model_spec import from_gpt_config
+    from meshtrain.planner.verify import MODEL
+    return from_gpt_config(GPTConfig(**MODEL))
+
+
 def _rank(rate: float, busbw: list[float]) -> dict:
     return {"matmul_flops": 2 * rate, "model_flops": rate, "model_flops_small": rate / 2,
             "mem_bw": 10 * rate,
@@ -53,18 +61,56 @@ def test_timing_counts_the_trailing_barrier_only_when_waiting_for_all():
 def test_runtime_memory_is_a_line_through_the_median_points():
     from meshtrain.planner.calibrate import fit_runtime_memory
     MB = 1e6
-    # three rounds of (activations, overhead) at two batch sizes; one round's heap grew more
-    rounds = [[(10 * MB, 6 * MB), (40 * MB, 24 * MB)],
-              [(10 * MB, 7 * MB), (40 * MB, 27 * MB)],
-              [(10 * MB, 9 * MB), (40 * MB, 22 * MB)]]
+    # three rounds of ((first layer, rest) traffic, overhead) at two batch sizes; one
+    # round's heap grew more
+    a, b = (4 * MB, 6 * MB), (16 * MB, 24 * MB)
+    rounds = [[(a, 6 * MB), (b, 24 * MB)],
+              [(a, 7 * MB), (b, 27 * MB)],
+              [(a, 9 * MB), (b, 22 * MB)]]
     fit = fit_runtime_memory(rounds)
     # medians (10, 7) and (40, 24): slope 17/30, intercept 7 - 10 * 17/30
     assert fit["per_activation_byte"] == pytest.approx(17 / 30)
+    assert fit["per_first_layer_byte"] == fit["per_activation_byte"]
     assert fit["fixed"] == pytest.approx(7 * MB - 10 * MB * 17 / 30)
     assert fit["per_round"] == [[6 * MB, 24 * MB], [7 * MB, 27 * MB], [9 * MB, 22 * MB]]
     # memory never shrinks as activations grow: a falling line is clamped to flat
-    flat = fit_runtime_memory([[(10 * MB, 8 * MB), (40 * MB, 5 * MB)]])
+    flat = fit_runtime_memory([[(a, 8 * MB), (b, 5 * MB)]])
     assert flat["per_activation_byte"] == 0.0 and flat["fixed"] == 8 * MB
+
+
+def test_runtime_memory_with_a_deeper_point_separates_the_first_layer():
+    """Measured here (1, 2 and 4 blocks): the heap keeps ~0.66 of a micro-batch's first
+    layer's traffic and ~0.2 of each further layer's; three points give the three terms."""
+    from meshtrain.planner.calibrate import fit_runtime_memory
+    MB = 1e6
+    fixed, first, rest = 2 * MB, 0.66, 0.2
+    traffic = [(4.6 * MB, 4.7 * MB), (36.8 * MB, 37.4 * MB), (18.4 * MB, 56 * MB)]
+    rounds = [[(t, fixed + first * t[0] + rest * t[1] + noise) for t in traffic]
+              for noise in (0.0, 1e5, -1e5)]
+    fit = fit_runtime_memory(rounds)
+    assert fit["fixed"] == pytest.approx(fixed)
+    assert fit["per_first_layer_byte"] == pytest.approx(first)
+    assert fit["per_activation_byte"] == pytest.approx(rest)
+    # a deeper point below the line (a negative term) falls back to the two-point line
+    low = [[(t, o) for t, o in zip(traffic, (6 * MB, 30 * MB, 1 * MB))]]
+    line = fit_runtime_memory(low)
+    assert line["per_first_layer_byte"] == line["per_activation_byte"] > 0
+
+
+def test_the_heap_counts_the_first_layer_at_its_own_rate():
+    from meshtrain.core.plan import Plan
+    from meshtrain.planner import memory as mm
+    from meshtrain.planner.setup import Candidate, Setup
+    spec = _spec4()
+    cand, setup = Candidate(Plan(), 8), Setup(precision="fp32")
+    first, rest = mm.forward_traffic(spec, cand, setup, 0)
+    assert rest > 3 * first   # three more blocks and the output layer
+    base = mm.memory(spec, cand, setup, runtime=(1e6, 0.0, 0.0)).runtime
+    assert mm.memory(spec, cand, setup, runtime=(1e6, 0.2, 0.66)).runtime == pytest.approx(
+        base + 0.66 * first + 0.2 * rest)
+    # two terms: one rate for all traffic, as before
+    assert mm.memory(spec, cand, setup, runtime=(1e6, 0.3)).runtime == pytest.approx(
+        base + 0.3 * (first + rest))
 
 
 def test_the_trainer_correction_meets_both_measured_ddp_steps():

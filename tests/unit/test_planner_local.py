@@ -172,9 +172,45 @@ def test_a_cluster_hands_its_calibrated_memory_terms_to_the_memory_model():
                      tp_memory={2: 3e6, 4: 7e6}, pp_memory=2e6)
     terms = cl.memory_terms(Plan(dp=2, pp=2, tp=2, zero=1))
     # tensor and pipeline parallel's buffers share the heap: the larger counts
-    assert terms == dict(runtime=(5e6, 0.4), host_is_device=True, staging=4.0, extra=3e6)
+    assert terms == dict(runtime=(5e6, 0.4, 0.4), host_is_device=True, staging=4.0,
+                         extra=(3e6, 3e6))
     assert cl.memory_terms(Plan(tp=8))["extra"] == 7e6       # the nearest width calibrated
     assert cl.memory_terms(Plan(dp=2))["extra"] == 0.0
+
+
+def test_pipeline_buffers_are_calibrated_per_stage_kind():
+    """The first stage keeps the most micro-batches' messages, the last sends no
+    activations: each its own calibrated term; a pipeline with tensor parallel its own pair
+    where calibrated (the larger of the two terms otherwise), and ZeRO-3 with recomputation
+    its own staging."""
+    cl = LOCAL.with_(runtime_fixed=5e6, pp_memory=(9e6, 2e6), tp_memory={2: 4e6},
+                     staging={3: 10.0, "3+recompute": 14.0})
+    plan = Plan(pp=2, microbatches=4)
+    assert cl.memory_terms(plan)["extra"] == (9e6, 2e6)
+    for other in (Plan(pp=2, microbatches=4, schedule="gpipe"),
+                  Plan(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2)):
+        assert cl.memory_terms(other)["extra"] == (9e6, 9e6)   # the last rank as the first
+    cand = Candidate(plan, 2, "none")
+    first, last = mm.stage_memories(SPEC, cand, FP32, **cl.memory_terms(plan))
+    bare = mm.stage_memories(SPEC, cand, FP32, **LOCAL.with_(runtime_fixed=5e6).memory_terms(plan))
+    assert (first.runtime - bare[0].runtime, last.runtime - bare[1].runtime) == \
+        pytest.approx((9e6, 2e6))
+    assert cl.memory_terms(Plan(pp=2, tp=2, microbatches=4))["extra"] == (9e6, 4e6)
+    both = cl.with_(pp_tp_memory=(1e6, 3e6))
+    assert both.memory_terms(Plan(pp=2, tp=2, microbatches=4))["extra"] == (1e6, 3e6)
+    assert both.memory_terms(Plan(pp=2, microbatches=4))["extra"] == (9e6, 2e6)
+    assert cl.memory_terms(Plan(dp=2, zero=3))["staging"] == 10.0
+    assert cl.memory_terms(Plan(dp=2, zero=3, recompute="full"))["staging"] == 14.0
+
+
+def test_tensor_parallel_in_a_pipeline_scales_its_collectives_by_the_calibrated_factor():
+    cand = Candidate(Plan(pp=2, tp=2, microbatches=4), 2, "none")
+    base = step_time(SPEC, cand, FP32, LOCAL)
+    scaled = step_time(SPEC, cand, FP32, LOCAL.with_(pp_tp_scale=0.5))
+    assert base.tp_comm > 0 and scaled.tp_comm == pytest.approx(base.tp_comm * 0.5)
+    alone = Candidate(Plan(tp=2), 2, "none")   # outside a pipeline: untouched
+    assert step_time(SPEC, alone, FP32, LOCAL.with_(pp_tp_scale=0.5)).tp_comm == \
+        step_time(SPEC, alone, FP32, LOCAL).tp_comm
 
 
 def test_a_stage_without_the_loss_peaks_in_its_last_blocks_backward():
