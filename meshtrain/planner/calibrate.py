@@ -29,6 +29,7 @@ bytes, bytes per activation byte).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import statistics
@@ -36,13 +37,15 @@ import sys
 import time
 
 SIZES = (256, 16 * 2**10, 256 * 2**10, 2 * 2**20, 16 * 2**20)   # bytes per collective
-ROUNDS = 4                  # launches per world size, interleaved with the other worlds'
+ROUNDS = 5                  # launches per world size, interleaved with the other worlds'
 BUDGET_S = 2.0              # seconds of alternated repetitions per launch
 MIN_REPS = 5
 MEMORY_BATCHES = (2, 16)    # micro-batches of the runtime-memory calibration on the reference
                             # GPT (far apart: a few MB of noise in a point moves a slope less)
 DEEP_POINT = (4, 8)         # ... and (layers, batch) of a deeper one: the heap keeps more of
                             # a micro-batch's first layer than of each further layer's
+ACCUMULATION_POINT = (16, 2)   # ... and (batch, micro-batches) of one that accumulates
+                            # gradients over micro-batches: its heap keeps more
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 REFERENCE_GPT = dict(vocab_size=256, seq_len=128, n_layer=2, n_head=4, d_model=256)
 REFERENCE_BATCH, SMALL_BATCH = 8, 2   # the reference step at two sizes: its rate and its
@@ -174,7 +177,7 @@ def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S
     rates: dict[int, list[dict]] = {w: [] for w in worlds}
     memory: dict[int, list[list[tuple[float, float]]]] = {w: [] for w in worlds}
     strategies: dict[int, list[dict]] = {w: [] for w in worlds}
-    runs = sum(2 + len(MEMORY_BATCHES) + len(strategy_runs(w)) for w in worlds)
+    runs = sum(3 + len(MEMORY_BATCHES) + len(strategy_runs(w)) for w in worlds)
     bar = tqdm(total=rounds * runs, unit="run", desc="calibrating", disable=not progress,
                file=sys.stderr)
     for _ in range(rounds):
@@ -182,8 +185,10 @@ def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S
             rates[w].append(_combine(launch(measure_rank, nproc=w, kwargs={"budget_s": budget_s})))
             bar.update()
             memory[w].append([runtime_memory_point(w, b) for b in MEMORY_BATCHES]
-                             + [runtime_memory_point(w, DEEP_POINT[1], DEEP_POINT[0])])
-            bar.update(len(MEMORY_BATCHES) + 1)
+                             + [runtime_memory_point(w, DEEP_POINT[1], DEEP_POINT[0]),
+                                runtime_memory_point(w, ACCUMULATION_POINT[0],
+                                                     microbatches=ACCUMULATION_POINT[1])])
+            bar.update(len(MEMORY_BATCHES) + 2)
             if w > 1:
                 strategies[w].append(strategy_points(w, bar.update))
     bar.close()
@@ -191,8 +196,7 @@ def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S
         entry = _mean_of_rounds(rates[w])
         entry["runtime_memory"] = fit_runtime_memory([[(t, o) for t, o, _ in r] for r in memory[w]])
         profile["worlds"][str(w)] = entry
-        entry["trainer"] = fit_trainer(profile, w, [[t for *_, t in r[:len(MEMORY_BATCHES)]]
-                                                    for r in memory[w]])
+        entry["trainer"] = fit_trainer(profile, w, [[t for *_, t in r] for r in memory[w]])
         if w > 1:
             entry["strategies"] = fit_strategies(profile, w, strategies[w])
     return profile
@@ -215,6 +219,8 @@ def strategy_runs(world: int) -> dict[str, tuple[dict, int]]:
     for t in range(2, world + 1):
         if world % t == 0:
             runs[f"tp{t}"] = ({"dp": world // t, "tp": t} if t < world else {"tp": t}, 8)
+    # sequence parallel: its gathers and scatters along the sequence, staged per layer
+    runs["tp2sp"] = ({**runs["tp2"][0], "sequence_parallel": True}, 8)
     if world % 2 == 0:
         runs["pp2"] = ({"dp": world // 2, "pp": 2, "microbatches": 4} if world > 2 else
                        {"pp": 2, "microbatches": 4}, 8)
@@ -254,7 +260,9 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
       the step's trim returns and the next step faults back in), and "disk_memory", its
       staging (the trim returns the heap it would otherwise stage in);
     - tpT: seconds per token and block of what width T does not split, and "tpT_memory",
-      the resident bytes its collectives' buffers add;
+      the resident bytes its collectives' buffers add; "tp2sp_memory", with sequence
+      parallel, per byte of forward traffic (its gathers and scatters are staged per layer:
+      measured, -14 MB at 2 blocks and -31 MB at 4 against tp's term);
     - pp2: seconds per micro-batch per stage chunk of the pipeline runtime's own work
       (posting and matching messages), and "pp2_memory_stages", the bytes its buffers add
       on a stage before the last and on the last (they differ: the first stage keeps the
@@ -264,7 +272,7 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
       "pp2tp2_memory_stages" as pp2's."""
     import copy
 
-    from meshtrain.planner.memory import staged_buffer_bytes
+    from meshtrain.planner.memory import forward_traffic, staged_buffer_bytes
     from meshtrain.planner.verify import plan_inputs, predict, predict_roles
 
     def median(values):
@@ -287,6 +295,9 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
         elif name == "disk":   # its step trims the heap: a staging of its own
             fitted[name] = median(t / ev.mem.host for t in late)
             fitted[f"{name}_memory"] = median(s / buffer for s in staged)
+        elif name.endswith("sp"):   # per byte of forward traffic
+            fitted[f"{name}_memory"] = median(e / sum(forward_traffic(spec, cand, setup, 0))
+                                              for e in extra)
         elif name.startswith("tp"):
             fitted[name] = median(t / (batch * spec.seq * (spec.layers + 1)) for t in late)
             fitted[f"{name}_memory"] = median(extra)
@@ -308,10 +319,10 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
     return fitted
 
 
-def runtime_memory_point(world: int, batch: int, layers: int = REFERENCE_GPT["n_layer"]
-                         ) -> tuple[tuple[float, float], float, float]:
+def runtime_memory_point(world: int, batch: int, layers: int = REFERENCE_GPT["n_layer"],
+                         microbatches: int = 1) -> tuple[tuple[float, float], float, float]:
     """((first layer's, the rest's forward traffic), runtime memory, step seconds) of the
-    reference GPT with `layers` blocks at `batch` on `world` ranks, in fresh ranks (a heap
+    reference GPT with `layers` blocks at `batch` (in `microbatches`) on `world` ranks, in fresh ranks (a heap
     already grown by an earlier run would hide this run's growth), run exactly as `--verify`
     runs a plan; see the module docstring."""
     from meshtrain.launch import launch
@@ -319,9 +330,10 @@ def runtime_memory_point(world: int, batch: int, layers: int = REFERENCE_GPT["n_
     from meshtrain.planner.verify import plan_inputs, verify_rank
 
     model = {**REFERENCE_GPT, "n_layer": layers}
-    results = launch(verify_rank, nproc=world, args=(model, {"dp": world}, batch),
+    plan = {"dp": world, "microbatches": microbatches}
+    results = launch(verify_rank, nproc=world, args=(model, plan, batch),
                      kwargs={"steps": 4, "exact": False})
-    spec, cand, setup = plan_inputs({"dp": world}, batch, model)
+    spec, cand, setup = plan_inputs(plan, batch, model)
     tensors = (max(r["model_states"] for r in results) + max(r["activations"] for r in results)
                + transient_bytes(spec, cand, setup))
     step = statistics.median(r["step"] for r in results)
@@ -331,38 +343,54 @@ def runtime_memory_point(world: int, batch: int, layers: int = REFERENCE_GPT["n_
 
 def fit_trainer(profile: dict, world: int, rounds: list[list[float]]) -> dict:
     """The Trainer's step against the model of a bare forward and backward: from the DDP
-    steps of the runtime-memory runs at the two batch sizes (each the median over rounds),
-    a factor on the micro-batch's compute and a fixed cost per step (the optimizer's and
-    the Trainer's own work the model leaves out), so that the model meets both points;
-    the factor kept within [0.5, 2], the fixed cost never below 0."""
+    steps of the runtime-memory runs (each point the median over rounds: the reference GPT
+    at the two batch sizes, then the deeper one), a factor on the micro-batch's compute and
+    a fixed cost per step (the optimizer's and the Trainer's own work the model leaves
+    out), nearest to the points (through them, with two); the factor kept within [0.5, 2],
+    the fixed cost never below 0."""
     from meshtrain.planner.verify import predict
 
+    shapes = [(b, REFERENCE_GPT["n_layer"]) for b in MEMORY_BATCHES] + [DEEP_POINT[::-1]]
     points = []
-    for batch, steps in zip(MEMORY_BATCHES, zip(*rounds)):
-        ev = predict(profile, {"dp": world}, batch, REFERENCE_GPT)   # with nothing fitted yet
+    for (batch, layers), steps in zip(shapes, zip(*rounds)):
+        model = {**REFERENCE_GPT, "n_layer": layers}
+        ev = predict(profile, {"dp": world}, batch, model)   # with nothing fitted yet
         points.append((statistics.median(steps), ev.time.total, ev.time.compute))
-    (m0, p0, c0), (m1, p1, c1) = points[0], points[-1]
-    scale = min(2.0, max(0.5, 1 + ((m1 - p1) - (m0 - p0)) / (c1 - c0)))
-    per_step = max(0.0, (m0 - p0) - (scale - 1) * c0)
-    return {"compute_scale": scale, "per_step": per_step,
+    late = [m - p for m, p, _ in points]
+    fit = _least_squares([[c, 1.0] for *_, c in points], late)
+    if fit is None or fit[1] < 0:   # no fixed cost: the factor alone
+        fit = [sum(c * d for (*_, c), d in zip(points, late)) / sum(c * c for *_, c in points), 0.0]
+    scale = min(2.0, max(0.5, 1 + fit[0]))
+    return {"compute_scale": scale, "per_step": fit[1],
             "points": [{"measured": m, "predicted": p} for m, p, _ in points]}
 
 
 def fit_runtime_memory(rounds: list[list[tuple[tuple[float, float], float]]]) -> dict:
     """(fixed, per byte of the first layer's forward traffic, per byte of the rest's), from
     the runtime-memory points of each round ((first, rest), overhead): each point's overhead
-    the median over the rounds, then the three terms that meet all three points (with two
-    points, or where the three give a negative term: one rate for all traffic, the line
-    through the first and last). Measured on this machine (1, 2 and 4 blocks at batch 2 to
-    16): the first layer's rate is about 3x the rest's, and one rate for all traffic
-    missed the 4-block GPT at batch 8 by +12 MB."""
+    the median over the rounds, then the three terms, none negative, nearest to the points
+    (three points: exact where that leaves no term negative). With only the two reference
+    points, one rate for all traffic: the line through them, which the profile keeps as
+    well (tensor-parallel ranks' heap grows so: Cluster.memory_terms). Measured on this
+    machine (1, 2 and 4 blocks at batch 2 to 16): the first layer's rate is 3-8x the
+    rest's, and one rate for all traffic missed the 4-block GPT at batch 8 by +12 MB.
+    A fourth point, two micro-batches a step, gives "accumulation": the bytes its heap keeps
+    beyond one micro-batch's (4-14 MB measured: the second micro-batch's forward runs
+    beside the first's gradients, made in the heap its activations left)."""
     points = [(col[0][0], statistics.median(o for _, o in col)) for col in zip(*rounds)]
-    fit = _line(points[0], points[len(MEMORY_BATCHES) - 1])
-    if len(points) > len(MEMORY_BATCHES):
-        terms = _solve3([(1.0, f, r) for (f, r), _ in points[:3]], [o for _, o in points[:3]])
-        if terms and min(terms) >= 0:
+    line = _line(points[0], points[len(MEMORY_BATCHES) - 1])
+    fit = dict(line)
+    single = points[:len(MEMORY_BATCHES) + 1]   # one micro-batch a step
+    if len(single) > len(MEMORY_BATCHES):
+        terms = _nonnegative_fit([(1.0, f, r) for (f, r), _ in single], [o for _, o in single])
+        if terms:
             fit = dict(zip(("fixed", "per_first_layer_byte", "per_activation_byte"), terms))
-    return {**fit, "points": [{"first": f, "rest": r, "overhead": o} for (f, r), o in points],
+    if len(points) > len(single):   # accumulating over micro-batches: what it adds
+        (f, r), o = points[len(single)]
+        fit["accumulation"] = max(0.0, o - fit["fixed"] - fit["per_first_layer_byte"] * f
+                                  - fit["per_activation_byte"] * r)
+    return {**fit, "line": {k: line[k] for k in ("fixed", "per_activation_byte")},
+            "points": [{"first": f, "rest": r, "overhead": o} for (f, r), o in points],
             "per_round": [[o for _, o in r] for r in rounds]}
 
 
@@ -375,17 +403,45 @@ def _line(p0, p1) -> dict:
             "per_first_layer_byte": per_act}
 
 
-def _solve3(rows, rhs) -> tuple[float, float, float] | None:
-    """x with rows . x = rhs (3 x 3, Cramer's rule); None where the rows are dependent."""
-    def det(m):
-        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
-                - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
-    d = det(rows)
-    if abs(d) < 1e-12 * max(1.0, max(abs(v) for row in rows for v in row)) ** 3:
-        return None
-    return tuple(det([[rhs[i] if j == k else rows[i][j] for j in range(3)] for i in range(3)]) / d
-                 for k in range(3))
+def _nonnegative_fit(rows: list[tuple], rhs: list[float]) -> list[float] | None:
+    """Least squares of rows . x = rhs with no term of x negative: the best over the terms
+    left free (all, then any two, then any one; a term left out is 0), the larger set
+    first on a tie. None where no set gives a solution."""
+    k = len(rows[0])
+    best = None
+    for size in range(k, 0, -1):
+        for free in itertools.combinations(range(k), size):
+            x = _least_squares([[row[j] for j in free] for row in rows], rhs)
+            if x is None or min(x) < 0:
+                continue
+            full = [0.0] * k
+            for j, v in zip(free, x):
+                full[j] = v
+            miss = sum((sum(a * b for a, b in zip(row, full)) - o) ** 2
+                       for row, o in zip(rows, rhs))
+            if best is None or miss < best[0] * (1 - 1e-9):
+                best = (miss, full)
+    return best and best[1]
+
+
+def _least_squares(rows: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """x minimising |rows . x - rhs| (the normal equations, by Gaussian elimination on
+    columns scaled to 1); None where the columns are dependent."""
+    k = len(rows[0])
+    scale = [max(abs(row[j]) for row in rows) or 1.0 for j in range(k)]
+    a = [[r[j] / scale[j] for j in range(k)] for r in rows]
+    m = [[sum(r[i] * r[j] for r in a) for j in range(k)] + [sum(r[i] * o for r, o in zip(a, rhs))]
+         for i in range(k)]
+    for c in range(k):
+        pivot = max(range(c, k), key=lambda i: abs(m[i][c]))
+        if abs(m[pivot][c]) < 1e-12:
+            return None
+        m[c], m[pivot] = m[pivot], m[c]
+        for i in range(k):
+            if i != c:
+                f = m[i][c] / m[c][c]
+                m[i] = [v - f * w for v, w in zip(m[i], m[c])]
+    return [m[i][k] / m[i][i] / scale[i] for i in range(k)]
 
 
 def _transient(micro_batch: int) -> float:
@@ -439,7 +495,9 @@ def describe(profile: dict) -> str:
             lines.append("      tensor parallel's unsplit work: " + ", ".join(
                 f"tp={k[2:]} {v * 1e9:.0f} ns per token and block + "
                 f"{fitted[k + '_memory'] / 1e6:.1f} MB" for k, v in fitted.items()
-                if k.startswith("tp") and not k.endswith("_memory"))
+                if k.startswith("tp") and k[2:].isdigit())
+                + (f"; with sequence parallel + {fitted['tp2sp_memory']:.2f} x the forward "
+                   f"traffic" if "tp2sp_memory" in fitted else "")
                 + (f"; pipeline runtime {fitted['pp2'] * 1e3:.2f} ms per micro-batch and "
                    f"chunk + {_mb(fitted['pp2_memory_stages'])}" if "pp2" in fitted else "")
                 + (f"; tensor parallel in a pipeline: its collectives x {fitted['pp2tp2']:.2f}"

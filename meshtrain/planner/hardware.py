@@ -117,11 +117,17 @@ class Cluster:
     runtime_per_act: float = 0.0    # ... and more per byte a micro-batch's forward allocates
     runtime_first_layer: float | None = None   # ... per byte of its first layer's (the heap
                                     # keeps most of one layer's temporaries); None: per_act
+    runtime_line: tuple | None = None   # (fixed, per byte of all forward traffic): the heap
+                                    # of tensor-parallel ranks (memory_terms)
+    accumulation_memory: float = 0.0   # runtime bytes several micro-batches a step add
+                                    # outside a pipeline (a pipeline's are in pp_memory)
     optimizer_rate: float = 0.0     # parameters/s the optimizer step updates (0: from mem_bw)
     overlap: float = 1.0            # fraction of hideable gradient traffic really hidden
     block_overhead: float = 0.0     # seconds per block per micro-batch not in FLOPs (dispatch)
     compute_scale: float = 1.0      # the Trainer's micro-batch against the bare model's
     step_overhead: float = 0.0      # seconds per step the Trainer adds (calibrated)
+    process_trainer: tuple | None = None   # (compute_scale, step_overhead) of one process
+                                    # (DP's replica threads: no DDP hooks, no backend threads)
     idle_speedup: float = 1.0       # how much faster a rank computes while others idle
     host_is_device: bool = False    # CPU ranks: "host" memory is the ranks' own memory
     tp_overhead: dict = field(default_factory=dict, compare=False)  # tp width -> seconds per
@@ -130,6 +136,8 @@ class Cluster:
     staging: dict = field(default_factory=dict, compare=False)  # ZeRO stage (or "disk") ->
                                     # runtime bytes per byte of its largest collective buffer
     tp_memory: dict = field(default_factory=dict, compare=False)  # tp width -> runtime bytes
+    sp_memory: dict = field(default_factory=dict, compare=False)  # tp width -> runtime bytes
+                                    # per byte of forward traffic, with sequence parallel
     pp_overhead: float = 0.0        # seconds per micro-batch per stage chunk (pipeline runtime)
     pp_memory: float | tuple = 0.0  # runtime bytes a pipeline stage's buffers add: one for
                                     # all, or (a stage before the last, the last stage)
@@ -197,11 +205,11 @@ class Cluster:
         return steps * alpha + factor * nbytes / bw
 
     @property
-    def runtime(self) -> tuple[float, float, float]:
+    def runtime(self) -> tuple[float, float, float, float]:
         """(fixed bytes, per byte of a micro-batch's forward traffic, per byte of its first
-        layer's): `memory.memory`'s runtime argument."""
+        layer's, bytes accumulating over micro-batches adds): `memory.memory`'s runtime."""
         first = self.runtime_per_act if self.runtime_first_layer is None else self.runtime_first_layer
-        return self.runtime_fixed, self.runtime_per_act, first
+        return self.runtime_fixed, self.runtime_per_act, first, self.accumulation_memory
 
     def memory_terms(self, plan) -> dict:
         """The calibrated runtime-memory terms `memory.memory` takes for `plan` (all 0 on
@@ -211,6 +219,9 @@ class Cluster:
         # the heap one frees serves the other: the larger of the two, unless a pipeline
         # with tensor parallel was calibrated as such; a pipeline's, per stage kind
         tp = nearest(self.tp_memory, plan.tp) if plan.tp > 1 else 0.0
+        sp_heap = 0.0
+        if plan.tp > 1 and plan.sequence_parallel and self.sp_memory:   # calibrated with
+            tp, sp_heap = 0.0, nearest(self.sp_memory, plan.tp)        # sequence parallel
         extra = tp
         if plan.pp > 1:
             per_stage = (self.pp_tp_memory if plan.tp > 1 and self.pp_tp_memory else
@@ -223,10 +234,17 @@ class Cluster:
         zero = plan.zero
         if zero == 3 and plan.recompute == "full" and "3+recompute" in self.staging:
             zero = "3+recompute"   # the recomputed forward gathers every unit again
-        return dict(runtime=self.runtime,
+        # tensor parallel's collectives run inside every layer, and the buffers they keep
+        # sit between the layers' freed temporaries: the heap cannot pass one layer's to
+        # the next and grows with all the forward traffic (measured: the first-layer
+        # terms under-predicted tp = 2 and 4 by 6-9%, one rate for all within 4%)
+        runtime = self.runtime
+        if plan.tp > 1 and self.runtime_line:
+            runtime = (self.runtime_line[0], *self.runtime_line[1:2] * 2, self.accumulation_memory)
+        return dict(runtime=runtime,
                     host_is_device=self.host_is_device,
                     staging=self.staging.get("disk" if plan.offload == "disk" else zero,
-                                             0.0), extra=extra)
+                                             0.0), extra=extra, sp_heap=sp_heap)
 
     def with_(self, **changes) -> "Cluster":
         return replace(self, **changes)

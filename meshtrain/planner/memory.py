@@ -113,7 +113,7 @@ def zero_comm_volume(zero: int, psi: float) -> float:
 
 def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int = 1,
                            sp: bool = False, recompute: str = "none",
-                           elem_bytes: int = 2) -> float:
+                           elem_bytes: int = 2, gathered_inputs: bool = False) -> float:
     """Activation bytes one transformer layer keeps for backward (Korthikanti 2022, Table 2).
 
     In 16-bit with dropout and multi-head attention the paper's counts are:
@@ -128,13 +128,18 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
     (8sbh) and the MLP's two 4h-wide tensors (16sbh); the scores are softmax output (2),
     dropout mask (1) and dropout output (2) per a s^2 b. Other element sizes scale the
     2-byte terms; masks stay 1 byte.
+    `gathered_inputs`: under sequence parallel, the attention and MLP inputs are saved as
+    all-gathered (whole sequence: meshtrain's runtime), not as this rank's slice re-gathered
+    in backward (Megatron-LM, the paper's 34/t).
     """
     s, b, h, a, e = seq, micro_batch, spec.hidden, spec.heads, elem_bytes
     sbh = s * b * h
     if recompute == "full":
         return e * sbh / (tp if sp else 1)
     masks = 2 if spec.dropout else 0
-    replicated = 4 * e + masks
+    kept = (4 * e + masks) / (tp if sp else 1)
+    if sp and gathered_inputs:   # the LayerNorm inputs and masks split, those two whole
+        kept = (2 * e + masks) / tp + 2 * e
     attn = e * (2 + 2 * spec.kv_dim / h)
     mlp = e * (4 if spec.mlp == "swiglu" else 2) * spec.ffn_hidden / h
     divided = attn + mlp
@@ -142,7 +147,7 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
         scores = 0.0
     else:
         scores = (a * s / h) * (e + (1 + e if spec.dropout else 0))
-    return sbh * (replicated / (tp if sp else 1) + (divided + scores) / tp)
+    return sbh * (kept + (divided + scores) / tp)
 
 
 def inflight_microbatches(schedule: str, pp: int, m: int, v: int = 1, stage: int = 0) -> float:
@@ -243,7 +248,7 @@ def role_memories(spec: ModelSpec, cand: Candidate, setup: Setup,
                   bucket_bytes: float | None = None,
                   runtime: tuple[float, ...] = (0.0, 0.0),
                   host_is_device: bool = False, staging: float = 0.0,
-                  extra: float | tuple = 0.0) -> dict[str, Memory]:
+                  extra: float | tuple = 0.0, sp_heap: float = 0.0) -> dict[str, Memory]:
     """Device memory per role (`rank_role`): one entry per pipeline stage, and per server
     and worker of a parameter server whose shards do not cover every rank."""
     p = cand.plan
@@ -257,23 +262,23 @@ def role_memories(spec: ModelSpec, cand: Candidate, setup: Setup,
             rank = (stage * p.dp + dp_rank) * p.tp
             roles[rank_role(p, rank)] = _stage_memory(
                 spec, cand, setup, stage, bucket_bytes, runtime, host_is_device,
-                ps and dp_rank < p.ps_shards, staging, extra)
+                ps and dp_rank < p.ps_shards, staging, extra, sp_heap)
     return roles
 
 
 def memory(spec: ModelSpec, cand: Candidate, setup: Setup, bucket_bytes: float | None = None,
            runtime: tuple[float, ...] = (0.0, 0.0), host_is_device: bool = False,
-           staging: float = 0.0, extra: float | tuple = 0.0) -> Memory:
+           staging: float = 0.0, extra: float | tuple = 0.0, sp_heap: float = 0.0) -> Memory:
     """Device memory on the busiest rank of `cand` (the stage that needs most), and what
     offload puts on the host.
 
     `runtime` = (fixed bytes, bytes per byte of a micro-batch's forward traffic[, per byte of
-    its first layer's: the same as the rest if left out]): the process's working memory that
-    no tensor accounts for, calibrated on the machine (`meshtrain plan --calibrate`; see
+    its first layer's: the same as the rest if left out[, bytes that accumulating over
+    several micro-batches adds]]): the process's working memory that no tensor accounts for, calibrated on the machine (`meshtrain plan --calibrate`; see
     `calibrate.fit_runtime_memory`). On GPU presets it is 0: `Cluster.reserve` covers the
     CUDA context and the caching allocator's fragmentation instead."""
     return max(role_memories(spec, cand, setup, bucket_bytes, runtime, host_is_device,
-                             staging, extra).values(), key=lambda m: m.total)
+                             staging, extra, sp_heap).values(), key=lambda m: m.total)
 
 
 def stage_memories(spec: ModelSpec, cand: Candidate, setup: Setup, **terms) -> list[Memory]:
@@ -288,7 +293,7 @@ def stage_memories(spec: ModelSpec, cand: Candidate, setup: Setup, **terms) -> l
 def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
                   bucket_bytes: float | None, runtime: tuple[float, ...],
                   host_is_device: bool, server: bool = False, staging: float = 0.0,
-                  extra: float | tuple = 0.0) -> Memory:
+                  extra: float | tuple = 0.0, sp_heap: float = 0.0) -> Memory:
     p = cand.plan
     last = stage == p.pp - 1
     psi = stage_params(spec, p.pp, p.tp, stage)
@@ -298,7 +303,7 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     elif p.dp_mode == "dp":
         states = master_states(psi, setup, p.dp)
     per_layer = layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
-                                       cand.recompute, setup.act_bytes)
+                                       cand.recompute, setup.act_bytes, not setup.sp_saves_slices)
     layers_here = math.ceil(spec.layers / p.pp)
     inflight = inflight_microbatches(p.schedule, p.pp, p.microbatches, p.virtual_stages, stage)
     acts = per_layer * layers_here * inflight
@@ -329,7 +334,11 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     if cand.recompute == "full":  # backward re-runs one layer's forward: its full set is
         # live, and its backward's ffn-wide gradients beside it
         transient += first + block
-    fixed, per_act, per_first = (*runtime, runtime[1])[:3]
+    fixed, per_act, *more = runtime
+    per_first = more[0] if more else per_act
+    # several micro-batches a step outside a pipeline: the next one's forward runs beside
+    # the gradients the first made in its heap (calibrated; a pipeline's is in `extra`)
+    accumulation = more[1] if len(more) > 1 and p.microbatches > 1 and p.pp == 1 else 0.0
     # the runtime's own memory: fixed, the heap the activations leave behind, the staging
     # copies a CPU backend (gloo) makes of ZeRO's gathered and scattered buffers, and what
     # tensor and pipeline parallel's own buffers add. ZeRO-1/2 gather and scatter their
@@ -337,11 +346,14 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     # the two counts; ZeRO-3 gathers while the activations are alive: both count.
     # DP's replicas run in threads, whose glibc arenas hand their freed tops back to the
     # OS: no activations' heap stays behind there
-    heap = 0.0 if p.dp_mode == "dp" else per_first * first + per_act * rest
+    heap = 0.0 if p.dp_mode == "dp" else per_first * first + per_act * rest + accumulation
     staged = staging * staged_buffer_bytes(spec, cand, setup)
     heap = heap + staged if p.zero == 3 else max(heap, staged)
     if isinstance(extra, tuple):   # per stage kind: (a stage before the last, the last)
         extra = extra[last]
+    if cand.sp:   # sequence parallel's gathers and scatters, a few per layer, each staged
+        # by a CPU backend: grows with the forward traffic (calibrated; 0 on presets)
+        extra += sp_heap * (first + rest)
     runtime_bytes = fixed + heap + extra
     return Memory(states.params, states.grads, states.optim, acts, buffers, states.host,
                   transient, runtime_bytes)
@@ -349,10 +361,14 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
 
 def output_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     """The output layer's activations for one micro-batch, on the last stage: the final
-    norm's and the projection's inputs (2 s b h elements) and the fp32 logits."""
+    norm's and the projection's inputs (2 s b h elements; under sequence parallel the
+    norm's a slice, the projection's too where it is re-gathered in backward) and the fp32
+    logits."""
     p = cand.plan
-    return (2 * setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden
-            / (p.tp if cand.sp else 1) + logits_bytes(spec, spec.seq, cand.micro_batch, p.tp))
+    sbh = setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden
+    split = p.tp if cand.sp else 1
+    projection = sbh / (split if setup.sp_saves_slices else 1)
+    return sbh / split + projection + logits_bytes(spec, spec.seq, cand.micro_batch, p.tp)
 
 
 def forward_traffic(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int
@@ -364,7 +380,7 @@ def forward_traffic(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int
     smaller part of each further layer's (calibrate.fit_runtime_memory)."""
     p = cand.plan
     layer = layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
-                                   "none", setup.act_bytes)
+                                   "none", setup.act_bytes, not setup.sp_saves_slices)
     layers_here = math.ceil(spec.layers / p.pp)
     rest = layer * (layers_here - 1)
     if stage == p.pp - 1:

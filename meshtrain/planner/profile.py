@@ -85,15 +85,23 @@ def cluster_from_profile(profile: dict, world: int | None = None, nodes: int = 1
     if runtime:
         settings.update(runtime_fixed=runtime["fixed"],
                         runtime_per_act=runtime["per_activation_byte"],
-                        runtime_first_layer=runtime.get("per_first_layer_byte"))
+                        runtime_first_layer=runtime.get("per_first_layer_byte"),
+                        runtime_line=(runtime["line"]["fixed"], runtime["line"]["per_activation_byte"])
+                        if "line" in runtime else None,
+                        accumulation_memory=runtime.get("accumulation", 0.0))
     trainer = entry.get("trainer")
     if trainer:
         settings.update(compute_scale=trainer["compute_scale"], step_overhead=trainer["per_step"])
+    single = alone.get("trainer")
+    if single:
+        settings.update(process_trainer=(single["compute_scale"], single["per_step"]))
     fitted = entry.get("strategies")
     if fitted:
-        widths = [k for k in fitted if k[:2] == "tp" and not k.endswith("_memory")]
+        widths = [k for k in fitted if k[:2] == "tp" and k[2:].isdigit()]
         settings.update(tp_overhead={int(k[2:]): fitted[k] for k in widths},
                         tp_memory={int(k[2:]): fitted.get(f"{k}_memory", 0.0) for k in widths},
+                        sp_memory={int(k[2:-10]): v for k, v in fitted.items()
+                                   if k.startswith("tp") and k.endswith("sp_memory")},
                         pp_overhead=fitted.get("pp2", 0.0),
                         pp_memory=tuple(fitted.get("pp2_memory_stages", ())) or fitted.get("pp2_memory", 0.0),
                         pp_tp_memory=tuple(fitted.get("pp2tp2_memory_stages", ())) or None,

@@ -40,7 +40,8 @@ def _ranks(values: list[float]) -> list[float]:
 
 def runnable(cand) -> bool:
     """Plans `verify` can run and measure fairly: the Trainer builds them, without sequence
-    parallel (see verify.PLANS) and without offload (disk speed is not calibrated)."""
+    parallel (the ranking's setup leaves it off: one tp variant per plan) and without
+    offload (disk speed is not calibrated)."""
     from meshtrain.core.plan import PlanError
     from meshtrain.train.trainer import refuse_unbuilt
 

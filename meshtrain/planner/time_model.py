@@ -142,8 +142,12 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     dispatch = cluster.block_overhead * (layers_here * (4 / 3 if cand.recompute == "full" else 1) + 1)
     if p.dp_mode == "dp":   # the replicas' threads take turns at Python's interpreter lock
         dispatch *= p.dp
-    # the Trainer's micro-batch against the bare model's (calibrated; 1 on presets)
-    t_mb = (mb_flops / cluster.achievable_flops + dispatch) * cluster.compute_scale
+    # the Trainer's micro-batch against the bare model's (calibrated; 1 on presets); DP's
+    # replicas are threads of one process: one process's
+    compute_scale, step_overhead = cluster.compute_scale, cluster.step_overhead
+    if p.dp_mode == "dp" and cluster.process_trainer:
+        compute_scale, step_overhead = cluster.process_trainer
+    t_mb = (mb_flops / cluster.achievable_flops + dispatch) * compute_scale
     if p.tp > 1:   # what tensor parallel does not split (norms, residuals, the vocabulary
         # loss's extra passes), calibrated per token and block
         t_mb += tp_overhead(cluster, p.tp) * b * s * (layers_here + 1)
@@ -266,7 +270,7 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
         t_opt = shard * per_param / cluster.mem_bw
         if cluster.optimizer_rate:
             t_opt = shard / cluster.optimizer_rate
-    total = pipeline + exposed + t_off + t_opt + cluster.step_overhead
+    total = pipeline + exposed + t_off + t_opt + step_overhead
     return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, t_opt, total)
 
 
@@ -293,9 +297,17 @@ def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None
 
         def tp_sent(st: int) -> float:
             first, last = st == 0, st == p.pp - 1
-            return (per_block * layers_here + first + last) * act + last * 3 * b * s * 4
+            per_micro = (per_block * layers_here + first + last) * act + last * 3 * b * s * 4
+            if not cand.sp:
+                return m * ring * per_micro
+            # sequence parallel: the embedding's split all-gathers in backward ((t-1)/t each
+            # way), and the replicated parameters' gradients, which saw only a slice of the
+            # sequence, are all-reduced once a step (the norms and the row-parallel biases)
+            partial = (layers_here * spec.layer_replicated_params + last * spec.norm_params)
+            return (m * (ring * per_micro + first * act * (p.tp - 1) / p.tp)
+                    + ring * partial * setup.grad_bytes)
 
-        out["tp"] = m * ring * max(tp_sent(st) for st in stages)
+        out["tp"] = max(tp_sent(st) for st in stages)
     if p.pp > 1:   # each micro-batch's activation forward and gradient back, per boundary
         act = b * s * h * setup.act_bytes
         v = p.virtual_stages

@@ -30,17 +30,15 @@ from contextlib import contextmanager
 
 # (Plan fields, per-rank batch): DDP at several world sizes and batch sizes; ZeRO-1/2/3 with
 # recomputation and disk offload; tensor parallel at tp 2 and 4 (every tp rank feeds the same
-# batch); pipeline stages under 1F1B, GPipe and interleaved 1F1B (every stage is fed the same
-# batch; memory is the busiest stage's). Sequence parallel is left out: the planner's activations for it (Korthikanti's 34/t)
-# assume the column layers keep only their input's sequence slice and all-gather it again in
-# backward, which meshtrain does not do.
+# batch), with sequence parallel at tp 2; pipeline stages under 1F1B, GPipe and interleaved
+# 1F1B (every stage is fed the same batch; memory is the busiest stage's).
 PLANS = (({"dp": 1}, 8), ({"dp": 1, "microbatches": 2}, 16), ({"dp": 2}, 8),
          ({"dp": 2, "microbatches": 2}, 16), ({"dp": 4}, 4), ({"dp": 4}, 8),
          ({"dp": 2, "zero": 1}, 8), ({"dp": 2, "zero": 2, "microbatches": 2}, 16),
          ({"dp": 4, "zero": 2}, 8), ({"dp": 2, "zero": 3}, 8),
          ({"dp": 2, "zero": 3, "recompute": "full"}, 8),
          ({"dp": 2, "zero": 2, "offload": "disk"}, 8),
-         ({"tp": 2}, 8), ({"tp": 4}, 8),
+         ({"tp": 2}, 8), ({"tp": 4}, 8), ({"tp": 2, "sequence_parallel": True}, 8),
          ({"pp": 2, "microbatches": 4}, 8), ({"pp": 2, "microbatches": 4, "schedule": "gpipe"}, 8),
          ({"pp": 2, "microbatches": 4, "schedule": "interleaved", "virtual_stages": 2}, 8),
          # 2D plans on this machine's 4 ranks (3D needs 8: calibrate with --nproc 8 first)

@@ -1,6 +1,6 @@
 """`meshtrain plan --verify` machinery on a tiny GPT: 2 DDP plans (world 1 and 2), a
 tensor-parallel one (tp 2), two pipeline stages and a parameter server (whose ranks differ,
-so each is reported per role), real ranks.
+so each is reported per role), tensor parallel with sequence parallel, real ranks.
 
 Model-state bytes and the exact allocated peak are deterministic and asserted against the
 Trainer's accounting; step time and resident memory depend on the machine and its load, so
@@ -14,7 +14,8 @@ from meshtrain.planner import verify
 
 TINY = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=32)
 PLANS = (({"dp": 1}, 4), ({"dp": 2, "microbatches": 2}, 4), ({"tp": 2}, 4),
-         ({"pp": 2, "microbatches": 2}, 4), ({"dp": 2, "dp_mode": "ps-sync"}, 4))
+         ({"pp": 2, "microbatches": 2}, 4), ({"dp": 2, "dp_mode": "ps-sync"}, 4),
+         ({"tp": 2, "sequence_parallel": True}, 4))
 
 # A synthetic profile: predictions need rates to exist, not to be right (no timed asserts).
 _CURVE = {"sizes": [256, 2**20], "busbw": [1e6, 1e9]}
@@ -37,7 +38,7 @@ def rows_and_text():
 
 def test_model_states_predicted_equal_the_trainers_accounting(rows_and_text):
     rows, _ = rows_and_text
-    assert [r["world"] for r in rows] == [1, 2, 2, 2, 2]
+    assert [r["world"] for r in rows] == [1, 2, 2, 2, 2, 2]
     for r in [r for row in rows for r in (row, *row.get("roles", ()))]:
         # the planner counts the GPT's parameters exactly: 4 + 4 (bucket) + 8 (AdamW) bytes
         # each; it leaves out only AdamW's 4-byte step counter per parameter tensor
@@ -107,6 +108,21 @@ def test_ranks_that_differ_are_reported_per_role(rows_and_text):
         for key in ("model_states", "activations", "peak_alloc", "peak_rss"):
             assert row["predicted"][key] == max(r["predicted"][key] for r in row["roles"])
             assert row["measured"][key] == max(r["measured"][key] for r in row["roles"])
+
+
+def test_sequence_parallel_activations_are_what_meshtrain_saves(rows_and_text):
+    """meshtrain's sequence parallel saves the attention's and the MLP's all-gathered inputs
+    (whole sequence), Megatron-LM only their slice (Korthikanti's 34/t): the planner counts
+    meshtrain's, which the Trainer's accounting confirms; Megatron's count misses them."""
+    rows, _ = rows_and_text
+    tp, sp = rows[2], rows[5]
+    assert sp["predicted"]["activations"] == pytest.approx(sp["measured"]["activations"], rel=0.03)
+    assert sp["measured"]["activations"] < tp["measured"]["activations"]   # the norms' slices
+    spec, cand, setup = verify.plan_inputs(*PLANS[5], TINY)
+    from dataclasses import replace
+    from meshtrain.planner.memory import memory
+    megatron = memory(spec, cand, replace(setup, sp_saves_slices=True)).activations
+    assert megatron < 0.9 * sp["measured"]["activations"]
 
 
 def test_calibration_ranks_agree_on_repetitions_and_measure_every_collective():

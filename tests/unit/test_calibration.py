@@ -88,13 +88,50 @@ def test_runtime_memory_with_a_deeper_point_separates_the_first_layer():
     rounds = [[(t, fixed + first * t[0] + rest * t[1] + noise) for t in traffic]
               for noise in (0.0, 1e5, -1e5)]
     fit = fit_runtime_memory(rounds)
+    assert "accumulation" not in fit   # no point with several micro-batches
     assert fit["fixed"] == pytest.approx(fixed)
     assert fit["per_first_layer_byte"] == pytest.approx(first)
     assert fit["per_activation_byte"] == pytest.approx(rest)
-    # a deeper point below the line (a negative term) falls back to the two-point line
-    low = [[(t, o) for t, o in zip(traffic, (6 * MB, 30 * MB, 1 * MB))]]
-    line = fit_runtime_memory(low)
-    assert line["per_first_layer_byte"] == line["per_activation_byte"] > 0
+    # and the line through the first two points, for tensor-parallel ranks
+    (f0, r0), (f1, r1) = traffic[:2]
+    o0, o1 = (fixed + first * f + rest * r for f, r in traffic[:2])
+    slope = (o1 - o0) / (f1 + r1 - f0 - r0)
+    assert fit["line"]["per_activation_byte"] == pytest.approx(slope)
+    assert fit["line"]["fixed"] == pytest.approx(o0 - slope * (f0 + r0))
+
+
+def test_accumulation_is_what_two_micro_batches_keep_beyond_one():
+    from meshtrain.planner.calibrate import fit_runtime_memory
+    MB = 1e6
+    fixed, first, rest = 2 * MB, 0.66, 0.2
+    traffic = [(4.6 * MB, 4.7 * MB), (36.8 * MB, 37.4 * MB), (18.4 * MB, 56 * MB),
+               (18.4 * MB, 18.7 * MB)]
+    overheads = [fixed + first * f + rest * r for f, r in traffic]
+    overheads[3] += 8 * MB
+    fit = fit_runtime_memory([list(zip(traffic, overheads))])
+    assert fit["accumulation"] == pytest.approx(8 * MB)
+    assert fit["per_first_layer_byte"] == pytest.approx(first)   # the three single points
+
+
+def test_runtime_memory_terms_are_never_negative():
+    """One process in a calibration here: the deeper point lay a little below what the
+    reference points' first-layer rate gives, so the exact terms had the rest's rate at
+    -0.03; the fit keeps it at 0 and fits the other two to the three points."""
+    from meshtrain.planner.calibrate import fit_runtime_memory
+    MB = 1e6
+    points = [((4.2 * MB, 5.0 * MB), 7.1 * MB), ((33.6 * MB, 39.8 * MB), 37.0 * MB),
+              ((16.8 * MB, 53.5 * MB), 19.0 * MB)]
+    fit = fit_runtime_memory([points])
+    assert fit["per_activation_byte"] == 0.0
+    assert fit["fixed"] >= 0 and fit["per_first_layer_byte"] > 0.9
+    for (f, r), o in points:   # every point within 1 MB (the line misses the deep one by 5)
+        assert fixed_plus(fit, f, r) == pytest.approx(o, abs=1 * MB)
+    line = fit["line"]
+    assert abs(line["fixed"] + line["per_activation_byte"] * (16.8 + 53.5) * MB - 19.0 * MB) > 4 * MB
+
+
+def fixed_plus(fit: dict, first: float, rest: float) -> float:
+    return fit["fixed"] + fit["per_first_layer_byte"] * first + fit["per_activation_byte"] * rest
 
 
 def test_the_heap_counts_the_first_layer_at_its_own_rate():
@@ -114,7 +151,7 @@ def test_the_heap_counts_the_first_layer_at_its_own_rate():
 
 
 def test_the_trainer_correction_meets_both_measured_ddp_steps():
-    from meshtrain.planner.calibrate import MEMORY_BATCHES, REFERENCE_GPT, fit_trainer
+    from meshtrain.planner.calibrate import DEEP_POINT, MEMORY_BATCHES, REFERENCE_GPT, fit_trainer
     from meshtrain.planner.verify import predict
 
     curve = {"sizes": [256, 2**24], "busbw": [1e7, 1e9]}
@@ -133,3 +170,11 @@ def test_the_trainer_correction_meets_both_measured_ddp_steps():
     profile["worlds"]["2"]["trainer"] = fit
     for b, m in zip(MEMORY_BATCHES, measured):   # the fitted model meets both points
         assert predict(profile, {"dp": 2}, b, REFERENCE_GPT).time.total == pytest.approx(m, rel=1e-3)
+    # with the deeper point too: the nearest terms, here exact again
+    del profile["worlds"]["2"]["trainer"]
+    layers, batch = DEEP_POINT
+    deep = predict(profile, {"dp": 2}, batch, {**REFERENCE_GPT, "n_layer": layers}).time
+    three = measured + [deep.total + 0.25 * deep.compute + 0.03]
+    fit = fit_trainer(profile, 2, [three, three])
+    assert (fit["compute_scale"], fit["per_step"]) == (pytest.approx(1.25), pytest.approx(0.03))
+    assert len(fit["points"]) == 3

@@ -172,10 +172,14 @@ def test_a_cluster_hands_its_calibrated_memory_terms_to_the_memory_model():
                      tp_memory={2: 3e6, 4: 7e6}, pp_memory=2e6)
     terms = cl.memory_terms(Plan(dp=2, pp=2, tp=2, zero=1))
     # tensor and pipeline parallel's buffers share the heap: the larger counts
-    assert terms == dict(runtime=(5e6, 0.4, 0.4), host_is_device=True, staging=4.0,
-                         extra=(3e6, 3e6))
+    assert terms == dict(runtime=(5e6, 0.4, 0.4, 0.0), host_is_device=True, staging=4.0,
+                         extra=(3e6, 3e6), sp_heap=0.0)
     assert cl.memory_terms(Plan(tp=8))["extra"] == 7e6       # the nearest width calibrated
     assert cl.memory_terms(Plan(dp=2))["extra"] == 0.0
+    # tensor-parallel ranks' heap grows with all their forward traffic at one rate
+    split = cl.with_(runtime_first_layer=0.9, runtime_line=(4e6, 0.45))
+    assert split.memory_terms(Plan(dp=2))["runtime"] == (5e6, 0.4, 0.9, 0.0)
+    assert split.memory_terms(Plan(dp=2, tp=2))["runtime"] == (4e6, 0.45, 0.45, 0.0)
 
 
 def test_pipeline_buffers_are_calibrated_per_stage_kind():
@@ -245,11 +249,19 @@ def test_bytes_sent_by_pipeline_stages_and_tensor_parallel_ranks():
     cand = Candidate(Plan(pp=4, microbatches=3), 2, "none")
     # the first stage only sends activations, a middle one both ways, the last only gradients
     assert [axis_bytes(SPEC, cand, FP32, st)["pp"] / act for st in range(4)] == [3, 6, 6, 3]
-    tp = Candidate(Plan(tp=2, pp=2, microbatches=1), 2, "none")
+    tp = Candidate(Plan(tp=2, pp=2, microbatches=1), 2, "none", sequence_parallel=False)
     blocks = SPEC.layers // 2
     first, last = (axis_bytes(SPEC, tp, FP32, st)["tp"] for st in (0, 1))
     assert first == pytest.approx((4 * blocks + 1) * act)          # ring share 2(t-1)/t = 1
     assert last == pytest.approx((4 * blocks + 1) * act + 3 * 2 * SPEC.seq * 4)
+    # sequence parallel: the same bytes per block (reduce-scatter + all-gather for each
+    # all-reduce), the embedding split's all-gather in backward, and the gradients of what
+    # saw a slice of the sequence (norms, row-parallel biases) all-reduced once a step
+    sp = Candidate(Plan(tp=2, pp=2, microbatches=1), 2, "none", sequence_parallel=True)
+    partial = blocks * SPEC.layer_replicated_params * 4
+    sp_first, sp_last = (axis_bytes(SPEC, sp, FP32, st)["tp"] for st in (0, 1))
+    assert sp_first == pytest.approx(first + act / 2 + partial)
+    assert sp_last == pytest.approx(last + partial + SPEC.norm_params * 4)
 
 
 def test_the_activations_heap_is_one_micro_batchs_whatever_is_in_flight():
@@ -264,3 +276,49 @@ def test_the_activations_heap_is_one_micro_batchs_whatever_is_in_flight():
     # DP's replica threads keep no heap behind (their arenas give it back)
     master = mm.memory(SPEC, Candidate(Plan(dp=2, dp_mode="dp"), 8, "none"), FP32, **runtime)
     assert master.runtime == 0.0
+
+
+def test_dp_replicas_take_one_processs_trainer_terms():
+    """DP's replicas are threads of one process: the Trainer's factor and fixed cost
+    calibrated on one process apply, not those of DDP's ranks (hooks, backend threads)."""
+    cand = Candidate(Plan(dp=2, dp_mode="dp"), 8, "none")
+    ranks = LOCAL.with_(compute_scale=1.2, step_overhead=0.01)
+    both = ranks.with_(process_trainer=(1.0, 0.002))
+    plain = step_time(SPEC, cand, FP32, LOCAL.with_(step_overhead=0.002))
+    assert step_time(SPEC, cand, FP32, both).total == pytest.approx(plain.total)
+    assert step_time(SPEC, cand, FP32, ranks).total > plain.total
+    ddp = Candidate(Plan(dp=2), 8, "none")   # DDP keeps its ranks' terms
+    assert step_time(SPEC, ddp, FP32, both).total == step_time(SPEC, ddp, FP32, ranks).total
+
+
+def test_accumulating_over_micro_batches_keeps_its_calibrated_heap():
+    """Outside a pipeline, two or more micro-batches a step add the calibrated heap (the next
+    forward beside the gradients the first made); one micro-batch and pipelines (whose
+    buffers term has it) do not; ZeRO-1/2's staging reuses it as it reuses the rest."""
+    cl = LOCAL.with_(runtime_fixed=5e6, runtime_per_act=0.3, accumulation_memory=8e6)
+    base = LOCAL.with_(runtime_fixed=5e6, runtime_per_act=0.3)
+    def runtime(cluster, plan, b=8):
+        return mm.memory(SPEC, Candidate(plan, b, "none"), FP32, **cluster.memory_terms(plan)).runtime
+    two = Plan(dp=2, microbatches=2)
+    assert runtime(cl, two) - runtime(base, two) == pytest.approx(8e6)
+    assert runtime(cl, Plan(dp=2)) == runtime(base, Plan(dp=2))
+    piped = Plan(pp=2, microbatches=4)
+    assert runtime(cl, piped, 2) == runtime(base, piped, 2)
+    staged = Plan(dp=2, zero=2, microbatches=2)   # staging larger than the heap: unchanged
+    big = cl.with_(staging={2: 50.0})
+    assert runtime(big, staged) == runtime(big.with_(accumulation_memory=0.0), staged)
+
+
+def test_sequence_parallel_adds_its_calibrated_heap_per_byte_of_forward_traffic():
+    """Its gathers and scatters along the sequence, a few per layer, are staged by a CPU
+    backend: a calibrated rate per byte of forward traffic replaces tp's fixed term."""
+    cl = LOCAL.with_(tp_memory={2: 3e6}, sp_memory={2: 0.5})
+    plan = Plan(tp=2, sequence_parallel=True)
+    terms = cl.memory_terms(plan)
+    assert terms["sp_heap"] == 0.5 and terms["extra"] == 0.0
+    assert cl.memory_terms(Plan(tp=2))["extra"] == 3e6     # without sequence parallel
+    cand = Candidate(plan, 8, "none", True)
+    first, rest = mm.forward_traffic(SPEC, cand, FP32, 0)
+    bare = mm.memory(SPEC, cand, FP32, **LOCAL.memory_terms(plan))
+    assert mm.memory(SPEC, cand, FP32, **terms).runtime - bare.runtime == \
+        pytest.approx(0.5 * (first + rest))

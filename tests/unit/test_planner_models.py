@@ -1,4 +1,6 @@
 """The planner's memory and FLOP formulas against the papers' published figures."""
+from dataclasses import replace
+
 import pytest
 
 from meshtrain.planner import memory as mm
@@ -57,6 +59,20 @@ GPT3 = PRESETS["gpt3-175b"]
 def test_korthikanti_table2(tp, sp, recompute, expected):
     got = mm.layer_activation_bytes(GPT3, S, B, tp=tp, sp=sp, recompute=recompute)
     assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_meshtrain_sequence_parallel_keeps_the_gathered_inputs():
+    """meshtrain's column-parallel layers save their all-gathered input (the attention's and
+    the MLP's: 2 x 2sbh, whole), where Megatron-LM saves the slice and gathers it again in
+    backward: 4sbh (1 - 1/t) more per layer than Table 2's 34/t (the LayerNorm inputs and
+    masks still split); the memory model counts meshtrain's unless the setup says
+    Megatron's."""
+    got = mm.layer_activation_bytes(GPT3, S, B, tp=T, sp=True, gathered_inputs=True)
+    assert got == pytest.approx(SBH * (6 / T + 4 + 24 / T + 5 * A * S / (H * T)), rel=1e-12)
+    cand = Candidate(Plan(tp=T), B, "none", True)
+    ours = mm.memory(GPT3, cand, MIXED_ADAM).activations
+    megatron = mm.memory(GPT3, cand, replace(MIXED_ADAM, sp_saves_slices=True)).activations
+    assert ours - megatron == pytest.approx((GPT3.layers * 4 + 2) * SBH * (1 - 1 / T), rel=1e-9)
 
 
 def test_korthikanti_none_is_34_plus_5as_over_h():
