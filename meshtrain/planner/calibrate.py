@@ -512,7 +512,7 @@ def calibrate_command(args) -> int:
     from meshtrain.planner.profile import save_profile
     worlds = sorted({1, 2, max(1, args.nproc)} | ({4} if args.nproc >= 4 else set()))
     print(f"calibrating on {worlds} local rank(s), {ROUNDS} rounds of about {BUDGET_S:g} s "
-          f"each, with the runtime memory and each strategy on a reference GPT (about three "
+          f"each, with the runtime memory and each strategy on a reference GPT (about five "
           f"minutes)...", file=sys.stderr)
     profile = calibrate(tuple(worlds))
     path = save_profile(profile, args.profile)
