@@ -481,7 +481,9 @@ def describe(profile: dict) -> str:
             lines.append(f"      runtime memory: {rt['fixed'] / 1e6:.1f} MB + "
                          f"{rt.get('per_first_layer_byte', rt['per_activation_byte']):.2f} x "
                          f"a micro-batch's first layer + {rt['per_activation_byte']:.2f} x "
-                         f"the rest of its forward")
+                         f"the rest of its forward" + (
+                             f"; + {rt['accumulation'] / 1e6:.1f} MB accumulating over "
+                             f"micro-batches" if "accumulation" in rt else ""))
         tr = e.get("trainer")
         if tr:
             lines.append(f"      Trainer step: {tr['compute_scale']:.3f} x the model's compute "
