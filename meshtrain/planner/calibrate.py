@@ -219,8 +219,9 @@ def strategy_runs(world: int) -> dict[str, tuple[dict, int]]:
     for t in range(2, world + 1):
         if world % t == 0:
             runs[f"tp{t}"] = ({"dp": world // t, "tp": t} if t < world else {"tp": t}, 8)
-    # sequence parallel: its gathers and scatters along the sequence, staged per layer
-    runs["tp2sp"] = ({**runs["tp2"][0], "sequence_parallel": True}, 8)
+    # sequence parallel: its gathers and scatters along the sequence, staged per layer,
+    # on the reference GPT and a deeper one (run_model)
+    runs["tp2sp"] = runs["tp2sp_deep"] = ({**runs["tp2"][0], "sequence_parallel": True}, 8)
     if world % 2 == 0:
         runs["pp2"] = ({"dp": world // 2, "pp": 2, "microbatches": 4} if world > 2 else
                        {"pp": 2, "microbatches": 4}, 8)
@@ -228,6 +229,11 @@ def strategy_runs(world: int) -> dict[str, tuple[dict, int]]:
         # beside the other stage's compute
         runs["pp2tp2"] = ({"pp": 2, "tp": 2, "microbatches": 4, "dp": world // 4}, 8)
     return runs
+
+
+def run_model(name: str) -> dict:
+    """The GPT a strategy run trains: the reference, or with DEEP_POINT's blocks ("_deep")."""
+    return {**REFERENCE_GPT, "n_layer": DEEP_POINT[0]} if name.endswith("_deep") else REFERENCE_GPT
 
 
 def strategy_points(world: int, tick=lambda: None) -> dict:
@@ -239,7 +245,7 @@ def strategy_points(world: int, tick=lambda: None) -> dict:
 
     points = {}
     for name, (plan, batch) in strategy_runs(world).items():
-        results = launch(verify_rank, nproc=world, args=(REFERENCE_GPT, plan, batch),
+        results = launch(verify_rank, nproc=world, args=(run_model(name), plan, batch),
                          kwargs={"steps": 4, "exact": False})
         by_role = {}
         for r in results:
@@ -261,8 +267,9 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
       staging (the trim returns the heap it would otherwise stage in);
     - tpT: seconds per token and block of what width T does not split, and "tpT_memory",
       the resident bytes its collectives' buffers add; "tp2sp_memory", with sequence
-      parallel, per byte of forward traffic (its gathers and scatters are staged per layer:
-      measured, -14 MB at 2 blocks and -31 MB at 4 against tp's term);
+      parallel, (fixed bytes, bytes per byte of forward traffic) through its runs on the
+      reference GPT and a deeper one (its gathers and scatters are staged per layer, some
+      of it reused: measured, 17-21 MB at 2 blocks and 28-37 MB at 4);
     - pp2: seconds per micro-batch per stage chunk of the pipeline runtime's own work
       (posting and matching messages), and "pp2_memory_stages", the bytes its buffers add
       on a stage before the last and on the last (they differ: the first stage keeps the
@@ -280,10 +287,11 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
 
     fixed = profile["worlds"][str(world)]["runtime_memory"]["fixed"]
     runs = strategy_runs(world)
-    fitted = {}
+    fitted, sp_points = {}, {}
     for name, (plan, batch) in runs.items():
-        ev = predict(profile, plan, batch, REFERENCE_GPT)   # with nothing fitted yet
-        spec, cand, setup = plan_inputs(plan, batch, REFERENCE_GPT)
+        model = run_model(name)
+        ev = predict(profile, plan, batch, model)   # with nothing fitted yet
+        spec, cand, setup = plan_inputs(plan, batch, model)
         late = [r[name]["step"] - ev.time.total for r in rounds]
         extra = [r[name]["peak_rss"] - ev.mem.total for r in rounds]
         buffer = staged_buffer_bytes(spec, cand, setup)
@@ -295,14 +303,19 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
         elif name == "disk":   # its step trims the heap: a staging of its own
             fitted[name] = median(t / ev.mem.host for t in late)
             fitted[f"{name}_memory"] = median(s / buffer for s in staged)
-        elif name.endswith("sp"):   # per byte of forward traffic
-            fitted[f"{name}_memory"] = median(e / sum(forward_traffic(spec, cand, setup, 0))
-                                              for e in extra)
+        elif "sp" in name:   # (fixed, per byte of forward traffic): the line through the
+            # reference's and the deeper GPT's (each the median over rounds)
+            points = sp_points.setdefault(name.split("_")[0], [])
+            points.append((sum(forward_traffic(spec, cand, setup, 0)), statistics.median(extra)))
+            if len(points) == 2:
+                (t0, e0), (t1, e1) = points
+                rate = max(0.0, (e1 - e0) / (t1 - t0))
+                fitted[f"{name.split('_')[0]}_memory"] = [max(0.0, e0 - rate * t0), rate]
         elif name.startswith("tp"):
             fitted[name] = median(t / (batch * spec.seq * (spec.layers + 1)) for t in late)
             fitted[f"{name}_memory"] = median(extra)
         else:   # pipelines: per stage kind, the first stage's and the last's
-            roles = predict_roles(profile, plan, batch, REFERENCE_GPT)
+            roles = predict_roles(profile, plan, batch, model)
             fitted[f"{name}_memory_stages"] = [
                 median(r[name]["peak_rss_by_role"][stage] - roles[stage].total for r in rounds)
                 for stage in ("stage 0", f"stage {plan['pp'] - 1}")]
@@ -498,8 +511,9 @@ def describe(profile: dict) -> str:
                 f"tp={k[2:]} {v * 1e9:.0f} ns per token and block + "
                 f"{fitted[k + '_memory'] / 1e6:.1f} MB" for k, v in fitted.items()
                 if k.startswith("tp") and k[2:].isdigit())
-                + (f"; with sequence parallel + {fitted['tp2sp_memory']:.2f} x the forward "
-                   f"traffic" if "tp2sp_memory" in fitted else "")
+                + (f"; with sequence parallel + {fitted['tp2sp_memory'][0] / 1e6:.1f} MB + "
+                   f"{fitted['tp2sp_memory'][1]:.2f} x the forward traffic"
+                   if "tp2sp_memory" in fitted else "")
                 + (f"; pipeline runtime {fitted['pp2'] * 1e3:.2f} ms per micro-batch and "
                    f"chunk + {_mb(fitted['pp2_memory_stages'])}" if "pp2" in fitted else "")
                 + (f"; tensor parallel in a pipeline: its collectives x {fitted['pp2tp2']:.2f}"

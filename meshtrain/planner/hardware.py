@@ -136,8 +136,9 @@ class Cluster:
     staging: dict = field(default_factory=dict, compare=False)  # ZeRO stage (or "disk") ->
                                     # runtime bytes per byte of its largest collective buffer
     tp_memory: dict = field(default_factory=dict, compare=False)  # tp width -> runtime bytes
-    sp_memory: dict = field(default_factory=dict, compare=False)  # tp width -> runtime bytes
-                                    # per byte of forward traffic, with sequence parallel
+    sp_memory: dict = field(default_factory=dict, compare=False)  # tp width -> (runtime
+                                    # bytes, and per byte of forward traffic) sequence
+                                    # parallel adds
     pp_overhead: float = 0.0        # seconds per micro-batch per stage chunk (pipeline runtime)
     pp_memory: float | tuple = 0.0  # runtime bytes a pipeline stage's buffers add: one for
                                     # all, or (a stage before the last, the last stage)
@@ -219,9 +220,11 @@ class Cluster:
         # the heap one frees serves the other: the larger of the two, unless a pipeline
         # with tensor parallel was calibrated as such; a pipeline's, per stage kind
         tp = nearest(self.tp_memory, plan.tp) if plan.tp > 1 else 0.0
+        # sequence parallel, calibrated as such: fixed, and per byte of forward traffic
+        # (its gathers' staging grows with the layers), in place of tp's term
         sp_heap = 0.0
-        if plan.tp > 1 and plan.sequence_parallel and self.sp_memory:   # calibrated with
-            tp, sp_heap = 0.0, nearest(self.sp_memory, plan.tp)        # sequence parallel
+        if plan.tp > 1 and plan.sequence_parallel and self.sp_memory:
+            tp, sp_heap = nearest(self.sp_memory, plan.tp)
         extra = tp
         if plan.pp > 1:
             per_stage = (self.pp_tp_memory if plan.tp > 1 and self.pp_tp_memory else

@@ -100,7 +100,7 @@ def cluster_from_profile(profile: dict, world: int | None = None, nodes: int = 1
         widths = [k for k in fitted if k[:2] == "tp" and k[2:].isdigit()]
         settings.update(tp_overhead={int(k[2:]): fitted[k] for k in widths},
                         tp_memory={int(k[2:]): fitted.get(f"{k}_memory", 0.0) for k in widths},
-                        sp_memory={int(k[2:-len("sp_memory")]): v for k, v in fitted.items()
+                        sp_memory={int(k[2:-len("sp_memory")]): tuple(v) for k, v in fitted.items()
                                    if k.startswith("tp") and k.endswith("sp_memory")},
                         pp_overhead=fitted.get("pp2", 0.0),
                         pp_memory=tuple(fitted.get("pp2_memory_stages", ())) or fitted.get("pp2_memory", 0.0),

@@ -188,7 +188,7 @@ def test_a_profile_hands_every_fitted_term_to_the_cluster():
                "accumulation": 8e6, "line": {"fixed": 4e6, "per_activation_byte": 0.45}}
     fitted = {"zero1": 5.0, "zero2": 5.5, "zero3": 12.0, "zero3r": 4.0, "disk": 1e-8,
               "disk_memory": 4.0, "tp2": 8e-6, "tp2_memory": 9e6, "tp4": 2e-5,
-              "tp4_memory": 6e6, "tp2sp_memory": 0.3, "pp2": 1e-3,
+              "tp4_memory": 6e6, "tp2sp_memory": [1e6, 0.3], "pp2": 1e-3,
               "pp2_memory_stages": [9e6, 7e6], "pp2tp2": 0.8,
               "pp2tp2_memory_stages": [7e6, 4e6], "rounds": []}
     entry = {"matmul_flops": 1e11, "model_flops": 8e10, "model_flops_small": 7e10,
@@ -202,7 +202,7 @@ def test_a_profile_hands_every_fitted_term_to_the_cluster():
     assert cl.runtime == (5e6, 0.15, 0.9, 8e6) and cl.runtime_line == (4e6, 0.45)
     assert cl.process_trainer == (0.99, 1e-3)
     assert cl.tp_overhead == {2: 8e-6, 4: 2e-5} and cl.tp_memory == {2: 9e6, 4: 6e6}
-    assert cl.sp_memory == {2: 0.3}
+    assert cl.sp_memory == {2: (1e6, 0.3)}
     assert cl.pp_memory == (9e6, 7e6) and cl.pp_tp_memory == (7e6, 4e6)
     assert cl.pp_overhead == 1e-3 and cl.pp_tp_scale == 0.8 and cl.disk_overhead == 1e-8
     assert cl.staging == {1: 5.0, 2: 5.5, 3: 12.0, "3+recompute": 4.0, "disk": 4.0}

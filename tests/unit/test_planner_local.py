@@ -311,14 +311,15 @@ def test_accumulating_over_micro_batches_keeps_its_calibrated_heap():
 
 def test_sequence_parallel_adds_its_calibrated_heap_per_byte_of_forward_traffic():
     """Its gathers and scatters along the sequence, a few per layer, are staged by a CPU
-    backend: a calibrated rate per byte of forward traffic replaces tp's fixed term."""
-    cl = LOCAL.with_(tp_memory={2: 3e6}, sp_memory={2: 0.5})
+    backend: calibrated (fixed, per byte of forward traffic) in place of tp's own term."""
+    cl = LOCAL.with_(tp_memory={2: 2e6}, sp_memory={2: (1e6, 0.5)})
     plan = Plan(tp=2, sequence_parallel=True)
     terms = cl.memory_terms(plan)
-    assert terms["sp_heap"] == 0.5 and terms["extra"] == 0.0
-    assert cl.memory_terms(Plan(tp=2))["extra"] == 3e6     # without sequence parallel
+    assert terms["sp_heap"] == 0.5 and terms["extra"] == 1e6   # in place of tp's term
+    assert cl.memory_terms(Plan(tp=2))["sp_heap"] == 0.0     # without sequence parallel
+    assert cl.memory_terms(Plan(tp=2))["extra"] == 2e6
     cand = Candidate(plan, 8, "none", True)
     first, rest = mm.forward_traffic(SPEC, cand, FP32, 0)
     bare = mm.memory(SPEC, cand, FP32, **LOCAL.memory_terms(plan))
     assert mm.memory(SPEC, cand, FP32, **terms).runtime - bare.runtime == \
-        pytest.approx(0.5 * (first + rest))
+        pytest.approx(1e6 + 0.5 * (first + rest))
