@@ -333,7 +333,9 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     transient = transient_bytes(spec, cand, setup) if last else absorb + block
     if cand.recompute == "full":  # backward re-runs one layer's forward: its full set is
         # live, and its backward's ffn-wide gradients beside it
-        transient += first + block
+        transient += block + layer_activation_bytes(
+            spec, spec.seq, cand.micro_batch, p.tp, cand.sp, "none", setup.act_bytes,
+            not setup.sp_saves_slices)
     fixed, per_act, *more = runtime
     per_first = more[0] if more else per_act
     # several micro-batches a step outside a pipeline: the next one's forward runs beside
@@ -377,15 +379,17 @@ def forward_traffic(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int
     layer's, the rest: its other layers' and the output layer's on the last stage). The heap
     the runtime keeps grows with it (the next micro-batch reuses what this one freed,
     whatever is in flight); measured, glibc keeps most of one layer's temporaries and a
-    smaller part of each further layer's (calibrate.fit_runtime_memory)."""
+    smaller part of each further layer's (calibrate.fit_runtime_memory). An interleaved
+    stage runs its chunks' forwards apart, each from its own first layer: "first" is theirs."""
     p = cand.plan
     layer = layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
                                    "none", setup.act_bytes, not setup.sp_saves_slices)
     layers_here = math.ceil(spec.layers / p.pp)
-    rest = layer * (layers_here - 1)
+    chunks = min(p.virtual_stages, layers_here)
+    rest = layer * (layers_here - chunks)
     if stage == p.pp - 1:
         rest += output_bytes(spec, cand, setup)
-    return layer, rest
+    return layer * chunks, rest
 
 
 def collective_buffer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:

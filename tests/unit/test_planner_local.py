@@ -323,3 +323,15 @@ def test_sequence_parallel_adds_its_calibrated_heap_per_byte_of_forward_traffic(
     bare = mm.memory(SPEC, cand, FP32, **LOCAL.memory_terms(plan))
     assert mm.memory(SPEC, cand, FP32, **terms).runtime - bare.runtime == \
         pytest.approx(1e6 + 0.5 * (first + rest))
+
+
+def test_an_interleaved_stage_heaps_each_chunks_first_layer():
+    """Its chunks' forwards run apart, each from its own first layer: with 2 chunks of one
+    block each, both blocks count at the first layer's rate."""
+    plain = Candidate(Plan(pp=2, microbatches=4), 2, "none")
+    chunked = Candidate(Plan(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2),
+                        2, "none")
+    first, rest = mm.forward_traffic(SPEC, plain, FP32, 0)
+    blocks = SPEC.layers // 2
+    assert mm.forward_traffic(SPEC, chunked, FP32, 0) == pytest.approx((2 * first, (blocks - 2) * first))
+    assert rest == pytest.approx((blocks - 1) * first)

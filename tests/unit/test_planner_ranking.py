@@ -39,11 +39,34 @@ PROFILE = {"created": "test", "cpu_count": 4, "host_mem": 8e9, "worlds": {"4": _
 def test_the_chosen_plans_are_runnable_verify_plans():
     from meshtrain.core.plan import Plan
 
-    plans = choose_plans(PROFILE, world=4, global_batch=16, top=6, others=6, seed=0)
-    assert 6 < len(plans) <= 12
+    plans = choose_plans(PROFILE, world=4, global_batch=16, top=3, others=9, seed=0)
+    assert len(plans) == 12
     assert len({json.dumps(p, sort_keys=True) for p in plans}) == len(plans)  # no repeats
     for fields, per_rank in plans:
         plan = Plan(**fields)
         assert plan.world_size == 4 and plan.dp * per_rank == 16
         assert per_rank % plan.microbatches == 0
         assert not plan.sequence_parallel and plan.offload == "none"
+
+
+def test_the_sample_spans_the_rest_of_the_predicted_order():
+    """One plan from each equal slice of the rest's predicted order: the sample reaches the
+    slowest slice, and never two from one slice."""
+    from meshtrain.planner.advisor import advise
+    from meshtrain.planner.model_spec import from_gpt_config
+    from meshtrain.planner.profile import cluster_from_profile
+    from meshtrain.planner.ranking import runnable
+    from meshtrain.planner.setup import Setup
+    from meshtrain.models.gpt import GPTConfig
+    from meshtrain.planner.verify import MODEL
+
+    setup = Setup(global_batch=16, micro_batch=0, precision="fp32", optimizer="adam",
+                  recompute="", sequence_parallel=False)
+    ranked = [ev.cand for ev in advise(from_gpt_config(GPTConfig(**MODEL), "gpt"), setup,
+                                       cluster_from_profile(PROFILE, 4)).ranked if runnable(ev.cand)]
+    verify_form = [json.dumps(as_verify_plan(c, 16), sort_keys=True) for c in ranked]
+    plans = [json.dumps(p, sort_keys=True) for p in choose_plans(PROFILE, 4, 16, 3, 9, seed=1)]
+    assert plans[:3] == verify_form[:3]
+    rest = len(ranked) - 3
+    slices = [(verify_form.index(p) - 3) * 9 // rest for p in plans[3:]]
+    assert slices == list(range(9))
