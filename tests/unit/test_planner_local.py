@@ -335,3 +335,12 @@ def test_an_interleaved_stage_heaps_each_chunks_first_layer():
     blocks = SPEC.layers // 2
     assert mm.forward_traffic(SPEC, chunked, FP32, 0) == pytest.approx((2 * first, (blocks - 2) * first))
     assert rest == pytest.approx((blocks - 1) * first)
+
+
+def test_sequence_parallels_backward_holds_three_whole_activations_more():
+    plan = Plan(tp=2, sequence_parallel=True)
+    act = 4 * SPEC.seq * 8 * SPEC.hidden
+    ours = mm.memory(SPEC, Candidate(plan, 8, "none", True), FP32)
+    from dataclasses import replace
+    megatron = mm.memory(SPEC, Candidate(plan, 8, "none", True), replace(FP32, sp_saves_slices=True))
+    assert ours.transient - megatron.transient == pytest.approx(3 * act)
