@@ -50,6 +50,11 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 REFERENCE_GPT = dict(vocab_size=256, seq_len=128, n_layer=2, n_head=4, d_model=256)
 REFERENCE_BATCH, SMALL_BATCH = 8, 2   # the reference step at two sizes: its rate and its
                                       # fixed cost per micro-batch (profile.step_costs)
+# the runtime-memory runs in calibration order, (layers, batch, micro-batches): the reference
+# GPT at MEMORY_BATCHES, the deeper one, the accumulating one (fit_runtime_memory and
+# fit_trainer read them in this order)
+MEMORY_RUNS = ([(REFERENCE_GPT["n_layer"], b, 1) for b in MEMORY_BATCHES] + [(*DEEP_POINT, 1)]
+               + [(REFERENCE_GPT["n_layer"], *ACCUMULATION_POINT)])
 
 
 def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
@@ -177,18 +182,15 @@ def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S
     rates: dict[int, list[dict]] = {w: [] for w in worlds}
     memory: dict[int, list[list[tuple[float, float]]]] = {w: [] for w in worlds}
     strategies: dict[int, list[dict]] = {w: [] for w in worlds}
-    runs = sum(3 + len(MEMORY_BATCHES) + len(strategy_runs(w)) for w in worlds)
+    runs = sum(1 + len(MEMORY_RUNS) + len(strategy_runs(w)) for w in worlds)
     bar = tqdm(total=rounds * runs, unit="run", desc="calibrating", disable=not progress,
                file=sys.stderr)
     for _ in range(rounds):
         for w in worlds:
             rates[w].append(_combine(launch(measure_rank, nproc=w, kwargs={"budget_s": budget_s})))
             bar.update()
-            memory[w].append([runtime_memory_point(w, b) for b in MEMORY_BATCHES]
-                             + [runtime_memory_point(w, DEEP_POINT[1], DEEP_POINT[0]),
-                                runtime_memory_point(w, ACCUMULATION_POINT[0],
-                                                     microbatches=ACCUMULATION_POINT[1])])
-            bar.update(len(MEMORY_BATCHES) + 2)
+            memory[w].append([runtime_memory_point(w, b, layers, m) for layers, b, m in MEMORY_RUNS])
+            bar.update(len(MEMORY_RUNS))
             if w > 1:
                 strategies[w].append(strategy_points(w, bar.update))
     bar.close()
@@ -363,9 +365,9 @@ def fit_trainer(profile: dict, world: int, rounds: list[list[float]]) -> dict:
     the fixed cost never below 0."""
     from meshtrain.planner.verify import predict
 
-    shapes = [(b, REFERENCE_GPT["n_layer"]) for b in MEMORY_BATCHES] + [DEEP_POINT[::-1]]
+    single = [(layers, batch) for layers, batch, m in MEMORY_RUNS if m == 1]
     points = []
-    for (batch, layers), steps in zip(shapes, zip(*rounds)):
+    for (layers, batch), steps in zip(single, zip(*rounds)):
         model = {**REFERENCE_GPT, "n_layer": layers}
         ev = predict(profile, {"dp": world}, batch, model)   # with nothing fitted yet
         points.append((statistics.median(steps), ev.time.total, ev.time.compute))
@@ -455,18 +457,6 @@ def _least_squares(rows: list[list[float]], rhs: list[float]) -> list[float] | N
                 f = m[i][c] / m[c][c]
                 m[i] = [v - f * w for v, w in zip(m[i], m[c])]
     return [m[i][k] / m[i][i] / scale[i] for i in range(k)]
-
-
-def _transient(micro_batch: int) -> float:
-    """The planner's derived backward transients for the reference GPT (memory.transient_bytes)."""
-    from meshtrain.core.plan import Plan
-    from meshtrain.models.gpt import GPTConfig
-    from meshtrain.planner.memory import transient_bytes
-    from meshtrain.planner.model_spec import from_gpt_config
-    from meshtrain.planner.setup import Candidate, Setup
-
-    spec = from_gpt_config(GPTConfig(**REFERENCE_GPT))
-    return transient_bytes(spec, Candidate(Plan(), micro_batch), Setup(precision="fp32"))
 
 
 def _host_mem() -> float:

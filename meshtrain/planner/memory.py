@@ -338,9 +338,7 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
         transient += 3 * setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden
     if cand.recompute == "full":  # backward re-runs one layer's forward: its full set is
         # live, and its backward's ffn-wide gradients beside it
-        transient += block + layer_activation_bytes(
-            spec, spec.seq, cand.micro_batch, p.tp, cand.sp, "none", setup.act_bytes,
-            not setup.sp_saves_slices)
+        transient += block + full_layer_bytes(spec, cand, setup)
     fixed, per_act, *more = runtime
     per_first = more[0] if more else per_act
     # several micro-batches a step outside a pipeline: the next one's forward runs beside
@@ -378,6 +376,13 @@ def output_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     return sbh / split + projection + logits_bytes(spec, spec.seq, cand.micro_batch, p.tp)
 
 
+def full_layer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
+    """Everything one layer's forward makes for one micro-batch, saved or not (nothing
+    recomputed): what a recomputed layer holds again, and the heap's unit."""
+    return layer_activation_bytes(spec, spec.seq, cand.micro_batch, cand.plan.tp, cand.sp,
+                                  "none", setup.act_bytes, not setup.sp_saves_slices)
+
+
 def forward_traffic(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int
                     ) -> tuple[float, float]:
     """What one micro-batch's forward allocates on `stage`, saved or not, as (its first
@@ -387,8 +392,7 @@ def forward_traffic(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int
     smaller part of each further layer's (calibrate.fit_runtime_memory). An interleaved
     stage runs its chunks' forwards apart, each from its own first layer: "first" is theirs."""
     p = cand.plan
-    layer = layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
-                                   "none", setup.act_bytes, not setup.sp_saves_slices)
+    layer = full_layer_bytes(spec, cand, setup)
     layers_here = math.ceil(spec.layers / p.pp)
     chunks = min(p.virtual_stages, layers_here)
     rest = layer * (layers_here - chunks)
