@@ -173,9 +173,10 @@ class ZeRO:
         self._gather_updated()
 
     def _gather_updated(self) -> None:
-        """Every bucket's whole parameters from the updated shards."""
+        """Every bucket's whole parameters from the updated shards (each shard is its own
+        place in the gathered output: NCCL gathers in place, gloo copies it out first)."""
         shards = self.layout.my_shards(self.data)
-        handles = [self.comm.all_gather(flat, shard.clone(), self.axis, tag="param",
+        handles = [self.comm.all_gather(flat, shard, self.axis, tag="param",
                                         async_op=True)
                    for flat, shard in zip(self.data, shards)]
         for h in handles:
