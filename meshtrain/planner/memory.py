@@ -345,7 +345,8 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     # the gradients the first made in its heap (calibrated; a pipeline's is in `extra`)
     accumulation = more[1] if len(more) > 1 and p.microbatches > 1 and p.pp == 1 else 0.0
     # the runtime's own memory: fixed, the heap the activations leave behind, the staging
-    # copies a CPU backend (gloo) makes of ZeRO's gathered and scattered buffers, and what
+    # buffers ZeRO's gathers and scatters need on a CPU backend (gloo: Comm runs both as
+    # all-to-alls, each with a whole buffer beside its output), and what
     # tensor and pipeline parallel's own buffers add. ZeRO-1/2 gather and scatter their
     # flat buckets once backward is over, in the heap the activations left: the larger of
     # the two counts; ZeRO-3 gathers while the activations are alive: both count.

@@ -36,13 +36,17 @@ class GradientBuckets:
 
     `hold_last`: the last bucket is never launched from a hook (DDP puts the step's
     statistics in it at the end). `launch_in_no_sync`: ZeRO-2 launches during `no_sync` too
-    (its rounds are micro-batches)."""
+    (its rounds are micro-batches). `in_flight`: at most this many buckets launched and not
+    yet waited for; launching one more first waits for the oldest (ZeRO: a reduce-scatter
+    holds its bucket and a receive buffer until waited, and ZeRO-2/3 free the bucket then;
+    unbounded, every bucket of the round stayed alive to the end of backward)."""
 
     def __init__(self, params: list[nn.Parameter], buckets: list[Bucket],
                  launch: Callable[[Bucket], object], scale: float, hold_last: bool = False,
-                 launch_in_no_sync: bool = False) -> None:
+                 launch_in_no_sync: bool = False, in_flight: int | None = None) -> None:
         self.params, self.buckets, self._launch = params, buckets, launch
         self.scale, self.hold_last, self.launch_in_no_sync = scale, hold_last, launch_in_no_sync
+        self.in_flight = in_flight
         self._slot = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
         self.used_in_step: set[int] = set()     # parameters that got a gradient this step
         self._in_round: set[int] = set()        # ... this round (see [Note: rounds])
@@ -101,6 +105,8 @@ class GradientBuckets:
             self._launch_next()
 
     def _launch_next(self) -> None:
+        if self.in_flight is not None and self._next_launch >= self.in_flight:
+            self.buckets[self._next_launch - self.in_flight].wait()
         bucket = self.buckets[self._next_launch]
         bucket.handle = self._launch(bucket)
         self.events.append(("launch", bucket.index, time.perf_counter()))

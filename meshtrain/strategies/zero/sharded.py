@@ -77,7 +77,8 @@ class ZeRO:
                             [torch.zeros(self.layout.shard_size(b.index), dtype=compute,
                                          device=b.device) for b in self.buckets])
         self.grads = GradientBuckets(self.params, self.buckets, self._launch,
-                                     scale=1.0 / self.n, launch_in_no_sync=self.stage >= 2)
+                                     scale=1.0 / self.n, launch_in_no_sync=self.stage >= 2,
+                                     in_flight=2)
         self._rounds = 0
         self._skipped: list[str] = []
         self._stepped: set[str] = set()   # parameters the optimizer has stepped, ever

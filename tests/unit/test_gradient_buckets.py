@@ -1,0 +1,51 @@
+"""The bucket machinery DDP and ZeRO share: launch order and how many collectives stay in
+flight."""
+import torch
+from torch import nn
+
+from meshtrain.strategies.data_parallel.buckets import build_buckets
+from meshtrain.strategies.data_parallel.gradient_buckets import GradientBuckets
+
+
+class _Handle:
+    def __init__(self, log: list, index: int) -> None:
+        self.log, self.index = log, index
+
+    def wait(self) -> None:
+        self.log.append(("wait", self.index))
+
+
+def _run_backward(in_flight):
+    """Five layers, one bucket each (backward order); returns the launch/wait sequence."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(5)])
+    params = list(model.parameters())
+    buckets = build_buckets([], float("inf"), groups=[[p] for p in reversed(params)])
+    log: list = []
+
+    def launch(bucket):
+        log.append(("launch", bucket.index))
+        return _Handle(log, bucket.index)
+
+    grads = GradientBuckets(params, buckets, launch, scale=1.0, in_flight=in_flight)
+    grads.start_step()
+    model(torch.randn(2, 4)).sum().backward()
+    grads.flush()
+    grads.wait()
+    return log
+
+
+def test_in_flight_waits_for_the_oldest_bucket_before_launching_another():
+    log = _run_backward(in_flight=2)
+    assert log == [("launch", 0), ("launch", 1), ("wait", 0), ("launch", 2), ("wait", 1),
+                   ("launch", 3), ("wait", 2), ("launch", 4), ("wait", 3), ("wait", 4)]
+    # at no point more than two launched and not waited for
+    outstanding = 0
+    for what, _ in log:
+        outstanding += 1 if what == "launch" else -1
+        assert outstanding <= 2
+
+
+def test_unbounded_launches_everything_before_waiting():
+    log = _run_backward(in_flight=None)
+    assert log == [("launch", i) for i in range(5)] + [("wait", i) for i in range(5)]
