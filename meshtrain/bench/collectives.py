@@ -4,7 +4,8 @@
   server (reduce to a root, broadcast back), from reference_collectives.py;
 - reduce-scatter: c10d's `reduce_scatter_single`, meshtrain's `Comm.reduce_scatter` (on gloo an
   all-to-all plus a local sum, see comm.py) and the ring's first half;
-- all-gather: c10d's `all_gather_single` and the ring's second half.
+- all-gather: c10d's `all_gather_single`, meshtrain's `Comm.all_gather` (on gloo an all-to-all
+  of the input repeated N times, see comm.py) and the ring's second half.
 The variants of one operation alternate at each size; the median of the repetitions is quoted.
 Bus bandwidth follows the usual convention (nccl-tests): all-reduce moves 2(N-1)/N x S per
 rank, reduce-scatter and all-gather (N-1)/N x S, so equal bus bandwidths mean equally good use
@@ -32,6 +33,7 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda 
 def _variants(comm: Comm, n: int, r: int, numel: int) -> dict[str, dict]:
     full = torch.randn(numel)
     shard = torch.empty(numel // n)
+    mine = full[r * (numel // n):(r + 1) * (numel // n)].clone()   # this rank's all-gather input
     ring_order = lambda chunks: [chunks[(i - 1) % n] for i in range(n)]   # rank r keeps chunk r
     return {
         "all_reduce": {
@@ -43,7 +45,8 @@ def _variants(comm: Comm, n: int, r: int, numel: int) -> dict[str, dict]:
             "meshtrain": lambda: comm.reduce_scatter(shard, full, "dp"),
             "ring": lambda: ring_reduce_scatter(comm, ring_order(list(full.tensor_split(n))), "dp")},
         "all_gather": {
-            "c10d": lambda: dist.all_gather_single(full, full[r * (numel // n):(r + 1) * (numel // n)].clone()),
+            "c10d": lambda: dist.all_gather_single(full, mine),
+            "meshtrain": lambda: comm.all_gather(full, mine, "dp"),
             "ring": lambda: ring_all_gather(comm, ring_order(list(full.tensor_split(n))), "dp")},
     }
 

@@ -32,9 +32,11 @@ first ran on the other thread (measured, ZeRO-1 on the 4-block verification GPT 
 resident peak 172-204 MB from run to run, 26.6 MB of it two gathers' staging, above DDP's
 154 MB). On gloo, `all_gather` is therefore an all-to-all of this rank's input repeated N
 times, built on the calling thread: the same bytes on the wire ((N-1)/N*S per rank), no
-copy out, and faster (`meshtrain bench collectives`-style medians: world 2, 1 / 64 MiB: 0.6
-/ 48 ms as an all-gather, 0.3 / 45 ms as an all-to-all; world 4: 4.6 / 94 against 2.8 /
-84 ms); that ZeRO-1 run's peak: 145-153 MB, its step 7% faster. NCCL gathers in place.
+copy out; that ZeRO-1 run's peak: 145-153 MB, its step 7% faster. Alone, it is not faster at
+every size (`meshtrain bench collectives`, one run, 1 / 4 / 16 / 64 MiB: world 2, 0.56 /
+1.97 / 8.1 / 57 ms as gloo's all-gather, 0.51 / 2.96 / 11.0 / 49 ms as the all-to-all;
+world 4, 3.7 / 4.7 / 15.1 / 96 against 1.7 / 5.1 / 17.4 / 86 ms): what it buys is memory
+that does not depend on which thread ran. NCCL gathers in place.
 """
 from __future__ import annotations
 
