@@ -270,10 +270,12 @@ def verify(profile: dict, plans=PLANS, steps: int = 5, out=sys.stdout, model: di
                                             for ranks in results], predicted[role],
                                      ev.time.total, predict_sent(plan, batch, model, role))
                             for role in roles]
-            # the plan's row: the most any role needs of each quantity, on both sides
+            # the plan's row: the most any role needs of each quantity. Measured, the row
+            # already holds it over every rank (the resident peak per round, then the median
+            # over rounds, as its `rounds` show; a max of the roles' medians could mix rounds)
             for key in ("model_states", "activations", "peak_alloc", "peak_rss"):
-                for side in ("predicted", "measured"):
-                    row[side][key] = _max_measured(sub[side][key] for sub in row["roles"])
+                row["predicted"][key] = _max_measured(sub["predicted"][key]
+                                                      for sub in row["roles"])
                 row["error"][key] = _err(row["predicted"][key], row["measured"][key])
         rows.append(row)
         print(_row(row), file=out, flush=True)
