@@ -19,7 +19,8 @@ from meshtrain.core.plan import Plan, PlanError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train the reference GPT (default: tiny GPT, 2 ranks of DDP)",
+    p = sub.add_parser("train", help="train the reference GPT (default: tiny GPT, DDP over 2 "
+                                     "CPU ranks, or a rank per GPU)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, help="local ranks to start (default: one per GPU on "
                                            "CUDA, 2 on CPU; with --resume, the run's own, or "
