@@ -3,7 +3,8 @@
 `launch(fn, nproc, args)` starts an elastic agent in this process that rendezvouses on
 loopback (c10d store on 127.0.0.1, never all interfaces), starts `nproc` workers, and
 returns their return values in rank order. Each worker joins the default process group
-(gloo on CPU, NCCL on CUDA) before `fn` runs and leaves it afterwards.
+(gloo on CPU; on CUDA "cpu:gloo,cuda:nccl", one GPU per rank) before `fn` runs and leaves
+it afterwards.
 
 [Note: results survive teardown]
 Each worker writes its result to a file *before* tearing its process group down, so a rank
@@ -60,18 +61,22 @@ class LaunchError(RuntimeError):
         return next(iter(self.raised.values()), None)
 
 
-def init_distributed(timeout_s: float = 600.0):
+def init_distributed(timeout_s: float = 600.0, device: str | None = None):
     """Join the default process group from torchrun/elastic's environment; set threads.
 
-    Returns the backend. Safe to call when already initialised."""
+    `device` (auto | cpu | cuda; default MESHTRAIN_DEVICE, else auto) is resolved here and
+    left in this rank's MESHTRAIN_DEVICE, where the mesh reads it; on CUDA this rank's GPU is
+    LOCAL_RANK's. Returns the backend. Safe to call when already initialised."""
     import torch
     import torch.distributed as dist
 
+    from meshtrain.core.device import DEVICE_ENV, resolve_device
     from meshtrain.core.mesh import device_for_backend
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    _device, backend = device_for_backend()
+    os.environ[DEVICE_ENV] = resolve_device(device)
+    where, backend = device_for_backend()
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     torch.set_num_threads(threads_per_rank(local_world))
     if not dist.is_initialized():
@@ -120,13 +125,14 @@ def shutdown_distributed(exit_code: int | None = None) -> None:
         os._exit(exit_code)
 
 
-def _worker(ref, payload: bytes, result_dir: str, collective_timeout_s: float = 600.0):
+def _worker(ref, payload: bytes, result_dir: str, collective_timeout_s: float = 600.0,
+            device: str | None = None):
     """Entry point of one elastic worker: init, run, save the result, then tear down."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     @record  # writes this rank's traceback where the agent reads it
     def run():
-        init_distributed(collective_timeout_s)
+        init_distributed(collective_timeout_s, device)
         fn = resolve_function(ref)
         args, kwargs = pickle.loads(payload)
         rank = int(os.environ["RANK"])
@@ -164,8 +170,13 @@ def _note_when_stopped(marker: Path) -> None:
 
 def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
            start_method: str = "forkserver", timeout_s: float = 900.0,
-           max_restarts: int = 0, collective_timeout_s: float = 600.0) -> list:
+           max_restarts: int = 0, collective_timeout_s: float = 600.0,
+           device: str | None = None) -> list:
     """Run `fn(*args, **kwargs)` on `nproc` local ranks; return the results in rank order.
+
+    `device`: auto (CUDA when a GPU is visible), cpu or cuda; None reads MESHTRAIN_DEVICE,
+    else auto. On CUDA each rank takes the GPU
+    of its local rank, so `nproc` above the visible GPUs is refused before any rank starts.
 
     With `max_restarts` K, a failure of any rank (an exception, kill -9, the OOM killer)
     makes the elastic agent stop the group and start it again, up to K times; each new
@@ -179,6 +190,9 @@ def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
         raise ValueError(f"nproc={nproc!r}: launch needs a whole number of ranks >= 1")
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r}: give a whole number >= 0")
+    from meshtrain.core.device import check_ranks_fit, resolve_device
+    device = resolve_device(device)
+    check_ranks_fit(device, nproc)
     ref = function_ref(fn)
     payload = pickle.dumps((tuple(args), dict(kwargs or {})))
     _quiet_elastic_logs()
@@ -192,7 +206,8 @@ def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
     with tempfile.TemporaryDirectory(prefix="meshtrain-launch-") as result_dir:
         failure = None
         try:
-            elastic_launch(config, _worker)(ref, payload, result_dir, collective_timeout_s)
+            elastic_launch(config, _worker)(ref, payload, result_dir, collective_timeout_s,
+                                           device)
         except ChildFailedError as err:
             failure = err
         results = _read_results(Path(result_dir), nproc)

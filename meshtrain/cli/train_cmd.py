@@ -19,10 +19,16 @@ from meshtrain.core.plan import Plan, PlanError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train the reference GPT (default: tiny GPT, 2 ranks of DDP)",
+    p = sub.add_parser("train", help="train the reference GPT (default: tiny GPT, DDP over 2 "
+                                     "CPU ranks, or a rank per GPU)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, help="local ranks to start (default 2; with --resume, "
-                                           "the run's own, or a new count: DDP over them)")
+    p.add_argument("--nproc", type=int, help="local ranks to start (default: one per GPU on "
+                                           "CUDA, 2 on CPU; with --resume, the run's own, or "
+                                           "a new count: DDP over them)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                   help="where the ranks run (default: $MESHTRAIN_DEVICE, else auto: CUDA "
+                        "when a GPU is visible, one rank per GPU, else the CPU; with "
+                        "--resume, the run's own)")
     p.add_argument("--model", default="tiny",
                    help="a GPT preset (tiny, small, gpt2-124m, ...), your own model as "
                         "package.module:function (returns an nn.Module reading token ids), or "
@@ -117,12 +123,14 @@ def _under_torchrun() -> bool:
 
 
 def build_config(args):
+    from meshtrain.core.device import check_ranks_fit, default_ranks, resolve_device
     from meshtrain.train.config import RunConfig
 
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc}: give the number of local ranks, 1 or more")
     if args.resume:
         config = RunConfig.load(args.resume)
+        config.device = resolve_device(args.device or config.device)
         config.resume, config.progress = True, not args.no_progress
         config.tensorboard = config.tensorboard or args.tensorboard
         config.check_collectives = args.check_collectives
@@ -137,9 +145,12 @@ def build_config(args):
                 raise PlanError(f"the run's plan has pp*tp = {old.pp * old.tp}, which does not "
                                 f"divide --nproc {world}; resume on a multiple of it")
             config.plan = dataclasses.replace(old, dp=world // (old.pp * old.tp)).to_dict()
+        if not _under_torchrun():   # under torchrun, each rank checks its LOCAL_RANK
+            check_ranks_fit(config.device, Plan.from_dict(config.plan).world_size)
         return config
+    device = resolve_device(args.device)
     one_process = args.dp_mode == "dp"   # DP's replicas are threads of one process
-    default_world = args.pp * args.tp if one_process else 2
+    default_world = args.pp * args.tp if one_process else default_ranks(device)
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or default_world)
     dp = args.dp or (2 if one_process else max(1, world // (args.pp * args.tp)))
     plan = Plan(dp=dp, pp=args.pp, tp=args.tp, staleness=args.staleness,
@@ -149,6 +160,8 @@ def build_config(args):
                 bucket_mb=args.bucket_mb, precision=args.precision,
                 offload=args.offload, recompute=args.recompute,
                 sequence_parallel=args.sequence_parallel)
+    if not _under_torchrun():   # one GPU per rank: refused here, before any rank starts
+        check_ranks_fit(device, plan.world_size)
     plan.check_world_size(world)
     straggler = parse_straggler(args.straggler, world) if args.straggler else None
     if args.trace and plan.pp == 1:
@@ -159,7 +172,7 @@ def build_config(args):
              "seq_len": args.seq if is_gpt else None}
     overrides = {k: v for k, v in shape.items() if v is not None}
     run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    return RunConfig(run_dir=run_dir, plan=plan.to_dict(), model=args.model,
+    return RunConfig(run_dir=run_dir, plan=plan.to_dict(), model=args.model, device=device,
                      model_overrides=overrides, seq_len=None if is_gpt else args.seq,
                      loss=args.loss, data=args.data,
                      steps=250 if args.steps is None else args.steps,
@@ -248,12 +261,12 @@ def run(args) -> int:
             print_summary(summary)
             print_report(config.run_dir)
         shutdown_distributed(exit_code=0)   # see PEERS.md on gloo's abort at exit
-    print(f"meshtrain train: {plan.describe()} on {plan.world_size} local rank(s), run folder "
-          f"{config.run_dir}", file=sys.stderr)
+    print(f"meshtrain train: {plan.describe()} on {plan.world_size} local rank(s) "
+          f"({config.device}), run folder {config.run_dir}", file=sys.stderr)
     try:
         # by name: this process need not import the training stack the ranks run
         summary = launch(TRAIN_RANK, nproc=plan.world_size, args=(config,),
-                         max_restarts=args.max_restarts,
+                         max_restarts=args.max_restarts, device=config.device,
                          collective_timeout_s=config.collective_timeout)[0]
     except LaunchError as exc:
         first = exc.first_raised()
@@ -335,6 +348,10 @@ def print_summary(s: dict) -> None:
         lines.append(f"memory rank {rank}  params {_mib(m['parameters'])}, grads "
                      f"{_mib(m['gradients'])}, optimizer {_mib(m['optimizer_states'])}"
                      f"{extra}, activations {act}, process peak {_mib(m['peak_process'])}")
+        if m.get("device_peak") is not None:
+            lines.append(f"  GPU rank {rank}   allocated {_mib(m['device_allocated'])}, peak "
+                         f"allocated {_mib(m['device_peak'])}; host pinned "
+                         f"{_mib(m.get('host_pinned') or 0)}")
     lines += [f"run folder    {s['run_dir']}",
               f"checkpoint    {s['checkpoint']}", ""]
     print("\n".join(lines))

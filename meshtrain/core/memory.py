@@ -3,7 +3,8 @@
 Parameters, gradients and optimizer states are summed over *unique* storages (a gradient
 that is a view into a flat bucket counts the bucket once). Activations are the bytes autograd
 saved for backward during one forward, measured with saved-tensor hooks, parameters excluded.
-Beside them, the process's peak resident memory as the OS reports it.
+Beside them, the process's peak resident memory as the OS reports it, and on CUDA the
+device's own allocated and peak bytes (core/device.py).
 """
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ class MemoryReport:
     peak_process: int
     offloaded: int = 0               # optimizer tensors held on disk, not in memory
     gathered_peak: int | None = None  # ZeRO-3: most bytes of gathered units at once
+    device_allocated: int | None = None  # CUDA: the allocator's bytes now (None on CPU)
+    device_peak: int | None = None       # CUDA: its peak allocated bytes (None on CPU)
+    host_pinned: int = 0             # CUDA: pinned host bytes of parameters and optimizer states
 
     @property
     def model_states(self) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from meshtrain.core.device import backend_for, rank_device
 from meshtrain.core.plan import Plan
 
 AXES = ("pp", "dp", "tp")
@@ -40,12 +41,11 @@ def coordinates(grid: torch.Tensor, rank: int) -> dict[str, int]:
     return dict(zip(AXES, where[0].tolist()))
 
 
-def device_for_backend() -> tuple[torch.device, str]:
-    """The device this rank computes on and the c10d backend that goes with it."""
-    if torch.cuda.is_available():
-        local = torch.cuda.current_device()
-        return torch.device("cuda", local), "nccl"
-    return torch.device("cpu"), "gloo"
+def device_for_backend(device: str | None = None) -> tuple[torch.device, str]:
+    """The device this rank computes on (from LOCAL_RANK, see core/device.py) and the c10d
+    backend of the default group that goes with it."""
+    where = rank_device(device)
+    return where, backend_for(where)
 
 
 @dataclass
@@ -65,6 +65,8 @@ class Mesh:
     def build(cls, plan: Plan) -> "Mesh":
         shape = {"pp": plan.pp, "dp": plan.mesh_dp, "tp": plan.tp}
         device, _backend = device_for_backend()
+        if device.type == "cuda":   # what the mesh's collectives and streams run on
+            torch.cuda.set_device(device)
         if not dist.is_available() or not dist.is_initialized():
             plan.check_world_size(1)
             return cls(shape=shape, coords={a: 0 for a in AXES}, rank=0, device=device)

@@ -97,6 +97,8 @@ def text_summary(run: RunData) -> str:
         lines.append(f"  sent/step   {axis}: {statistics.mean(sent) / 2**20:,.2f} MiB")
     for rank, m in enumerate(run.memory_per_rank):
         states = sum(m.get(k) or 0 for k in ("parameters", "gradients", "optimizer_states"))
+        gpu = (f", GPU peak {m['device_peak'] / 2**20:,.1f} MiB"
+               if m.get("device_peak") is not None else "")
         lines.append(f"  rank {rank}      model states {states / 2**20:,.1f} MiB, "
-                     f"activations {(m.get('activations') or 0) / 2**20:,.1f} MiB")
+                     f"activations {(m.get('activations') or 0) / 2**20:,.1f} MiB{gpu}")
     return "\n".join(lines)

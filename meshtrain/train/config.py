@@ -20,6 +20,7 @@ class RunConfig:
     run_dir: str
     plan: dict = field(default_factory=dict)
     model: str = "tiny"
+    device: str = "auto"           # where the ranks run: cpu | cuda (auto: resolved per rank)
     model_overrides: dict = field(default_factory=dict)
     seq_len: int | None = None     # the data's window for a model other than the GPT presets
     loss: str = "auto"             # "auto" (the model's .loss, else cross-entropy) | "cross-entropy"

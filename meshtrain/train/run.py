@@ -4,8 +4,8 @@
 folder holds everything needed to understand and continue it:
 
     config.json       the RunConfig (resume reads it back)
-    metrics.jsonl     one JSON object per step (loss, lr, tokens/s, bytes per mesh axis) and
-                      per evaluation
+    metrics.jsonl     one JSON object per step (loss, lr, tokens/s, bytes per mesh axis; on
+                      CUDA rank 0's device_allocated and device_peak bytes) and per evaluation
     summary.json      the run's summary (what `meshtrain train` prints), written at its end
     checkpoints/      step_XXXXXXXX/ folders (atomic, see checkpoint.py) and `latest`
     trace.json        with --trace (pipeline): the last step's measured timeline per rank,
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshtrain.core.device import DeviceClock, device_memory
 from meshtrain.core.plan import Plan
 from meshtrain.core.processes import process_start_time
 from meshtrain.train.config import RunConfig, latest_checkpoint, learning_rate, write_latest
@@ -43,7 +44,7 @@ def train_rank(config: RunConfig) -> dict:
     from meshtrain.launch import init_distributed
 
     if "RANK" in os.environ and not dist.is_initialized():
-        init_distributed(config.collective_timeout)
+        init_distributed(config.collective_timeout, config.device)
     plan = Plan.from_dict(config.plan)
     corpus = load_corpus(config.data)
     torch.manual_seed(config.seed)
@@ -78,6 +79,7 @@ def train_rank(config: RunConfig) -> dict:
         metrics.write({"step": 0, "val_loss": first["val_loss"]})
 
     tokens_per_step = config.batch_size * seq_len
+    clock = DeviceClock(trainer.mesh.device)   # times the device's work, not its launches
     bar = _progress(start, config.steps, enabled=is_main and config.progress)
     loss, t_start, first_step_s = float("nan"), time.perf_counter(), float("nan")
     step_times, step_bytes = [], []
@@ -87,12 +89,12 @@ def train_rank(config: RunConfig) -> dict:
         for group in trainer.optimizer.param_groups:
             group["lr"] = lr
         before = _sent_by_axis(trainer)
-        t0 = time.perf_counter()
+        t0 = clock.now()
         if config.straggler and trainer.mesh.rank == config.straggler[0]:
             trainer.pause(config.straggler[1])   # inside the step's time: a slow device
         trainer.comm.log.record_all = config.check_collectives and step == start
         loss = trainer.step(*sampler.batch(step))
-        dt = time.perf_counter() - t0
+        dt = clock.now() - t0
         if trainer.comm.log.record_all:   # outside the step's time: a check, not training
             check_same_collectives(trainer)
         step_times.append(dt)
@@ -102,7 +104,7 @@ def train_rank(config: RunConfig) -> dict:
         first.setdefault("train_loss", loss)
         record = {"step": step + 1, "loss": loss, "lr": lr, "step_s": dt,
                   "tokens_per_s": tokens_per_step / dt, "bytes_sent": sent,
-                  "bytes_by_axis": by_axis}
+                  "bytes_by_axis": by_axis, **(device_memory(trainer.mesh.device) or {})}
         if step == start:   # how long the user waited for training to start
             first_step_s = time.time() - (config.started_at or process_start_time())
             record["since_start_s"] = first_step_s

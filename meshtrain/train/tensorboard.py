@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SCALARS = ("loss", "lr", "tokens_per_s", "step_s", "val_loss")
+SCALARS = ("loss", "lr", "tokens_per_s", "step_s", "val_loss", "device_allocated", "device_peak")
 
 
 def require_tensorboard() -> None:

@@ -20,7 +20,9 @@ from torch import nn
 
 from meshtrain.core.comm import Comm
 from meshtrain.core.watchdog import CollectiveFailure, is_communication_error, watch
-from meshtrain.core.memory import ActivationMeter, MemoryReport, peak_process_bytes
+from meshtrain.core.device import device_memory, pinned_bytes
+from meshtrain.core.memory import (ActivationMeter, MemoryReport, optimizer_state_tensors,
+                                   peak_process_bytes)
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import Plan, PlanError
 from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchLoop, NoSharding,
@@ -327,10 +329,19 @@ class Trainer:
             close()
 
     def memory_report(self) -> MemoryReport:
+        device = self.mesh.device
+        on_device = device_memory(device) or {}
+        pinned = 0
+        if device.type == "cuda":   # pinning needs an accelerator: nothing to count on CPU
+            opt = self.optimizer   # offload's masters are its parameters, its states beside
+            pinned = pinned_bytes([p for group in getattr(opt, "param_groups", [])
+                                   for p in group["params"]]
+                                  + (optimizer_state_tensors(opt) if hasattr(opt, "state")
+                                     else []))
         return MemoryReport(
             **self.data_parallel.memory(),
             activations=self.activations.last_bytes if self.activations else None,
-            peak_process=peak_process_bytes())
+            peak_process=peak_process_bytes(), host_pinned=pinned, **on_device)
 
 
 def _loss_in_fp32(loss_fn: Callable) -> Callable:

@@ -146,12 +146,24 @@ def batches(model: str, steps: int, dp_rank: int = 0, dp_size: int = 1):
     return [sampler.batch(s) for s in range(steps)]
 
 
+def on_host(value):
+    """`value` with every tensor in it copied to the host (results cross processes and are
+    compared there, whatever device trained them)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: on_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_host(v) for v in value)
+    return value
+
+
 def reference(model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
-              max_grad_norm: float | None = None, dtype=None) -> dict:
-    """Plain PyTorch, one process: the numbers every plan must reproduce."""
+              max_grad_norm: float | None = None, dtype=None, device: str = "cpu") -> dict:
+    """Plain PyTorch, one process on `device`: the numbers every plan must reproduce."""
     build, loss_fn, _, _ = MODELS[model]
     torch.manual_seed(0)
-    net = build()
+    net = build().to(device)
     if dtype is not None:
         net = net.to(dtype)
     loss_fn = loss_fn or net.loss
@@ -159,6 +171,7 @@ def reference(model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
     names = {id(p): n for n, p in net.named_parameters()}
     losses, norms = [], []
     for x, y in batches(model, steps):
+        x, y = x.to(device), y.to(device)
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(net(x), y)
         loss.backward()
@@ -168,16 +181,17 @@ def reference(model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
         losses.append(loss.item())
     state = {names[id(p)]: {k: v.clone() if isinstance(v, torch.Tensor) else v
                             for k, v in s.items()} for p, s in opt.state.items()}
-    return {"losses": losses, "state": {k: v.clone() for k, v in net.state_dict().items()},
-            "optimizer": state, "norms": norms}
+    return on_host({"losses": losses, "state": {k: v.clone() for k, v in net.state_dict().items()},
+                    "optimizer": state, "norms": norms})
 
 
-def reference_bf16(model: str = "gpt", optimizer: str = "sgd", steps: int = 10) -> dict:
+def reference_bf16(model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
+                   device: str = "cpu") -> dict:
     """Mixed precision in one process, plain PyTorch: bf16 parameters and gradients, fp32
     master weights the optimizer steps, the loss taken in fp32."""
     build, loss_fn, _, _ = MODELS[model]
     torch.manual_seed(0)
-    net = build()
+    net = build().to(device)
     loss_fn = loss_fn or net.loss
     names = [n for n, _ in net.named_parameters()]
     masters = [nn.Parameter(p.detach().clone()) for p in net.parameters()]
@@ -185,6 +199,7 @@ def reference_bf16(model: str = "gpt", optimizer: str = "sgd", steps: int = 10) 
     opt = OPTIMIZERS[optimizer](masters)
     losses = []
     for x, y in batches(model, steps):
+        x, y = x.to(device), y.to(device)
         loss = loss_fn(net(x).float(), y)
         loss.backward()
         for m, p in zip(masters, net.parameters()):
@@ -194,12 +209,14 @@ def reference_bf16(model: str = "gpt", optimizer: str = "sgd", steps: int = 10) 
             for m, p in zip(masters, net.parameters()):
                 p.copy_(m)
         losses.append(loss.item())
-    return {"losses": losses, "state": {n: m.detach().clone() for n, m in zip(names, masters)}}
+    return on_host({"losses": losses,
+                    "state": {n: m.detach().clone() for n, m in zip(names, masters)}})
 
 
 def train(plan: mt.Plan, model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
           max_grad_norm: float | None = None, dtype=None, **trainer_kw) -> dict:
-    """The same training under `plan`, on this rank; returns what `reference` returns."""
+    """The same training under `plan`, on this rank and its mesh's device (MESHTRAIN_DEVICE,
+    which `run_ranks(device=...)` sets); returns what `reference` returns, on the host."""
     build, loss_fn, _, _ = MODELS[model]
     torch.manual_seed(0)
     net = build()
@@ -215,7 +232,7 @@ def train(plan: mt.Plan, model: str = "gpt", optimizer: str = "sgd", steps: int 
     out = {"losses": losses, "state": trainer.full_state_dict(),
            "optimizer": trainer.full_optimizer_state()["state"], "norms": norms}
     trainer.close()
-    return out
+    return on_host(out)
 
 
 def train_many(cases: list[tuple[dict, str, float | None]]) -> list[dict]:

@@ -92,6 +92,26 @@ def test_launch_returns_per_rank_values():
     assert elapsed < 15, elapsed
 
 
+def device_seen():
+    """What a rank was told (MESHTRAIN_DEVICE), its group's backend, and its mesh's device."""
+    from meshtrain.core.device import DEVICE_ENV
+    from meshtrain.core.mesh import Mesh
+
+    mesh = Mesh.build(mt.Plan(dp=dist.get_world_size()))
+    return os.environ[DEVICE_ENV], dist.get_backend(), str(mesh.device)
+
+
+def test_the_device_chosen_reaches_every_rank(monkeypatch):
+    monkeypatch.setenv("MESHTRAIN_DEVICE", "cuda")   # an argument wins over the environment
+    assert mt.launch(device_seen, nproc=2, device="cpu") == [("cpu", "gloo", "cpu")] * 2
+    assert run_ranks(2, device_seen, device="cpu") == [("cpu", "gloo", "cpu")] * 2
+    with pytest.raises(ValueError, match="run_ranks.device='tpu'.: choose cpu or cuda"):
+        run_ranks(2, device_seen, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device cuda: no CUDA GPU"):
+            run_ranks(1, device_seen, device="cuda")
+
+
 def test_launch_reports_a_failing_rank():
     """Rank 0 returns and waits in teardown's barrier; rank 1 raises. Rank 0's "connection
     closed" echo can end first: the report must still carry rank 1's own exception."""

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# meshtrain on a GPU machine, in one call: install, the README's command, GPT-2 124M in bf16,
+# the GPU memory of offload and recompute, and the CUDA test tier. Every step's log and the
+# runs' summaries go to $OUT (default ./gpu-checks); $OUT/results.txt lists each step's exit
+# status and $OUT/figures.json each run's GPU memory (allocated, peak) and step time.
+#
+#     bash benchmarks/gpu_checks.sh                 # every step, from the repository root
+#     bash benchmarks/gpu_checks.sh env tier        # only these steps
+#
+# Steps: install env default gpt2 offload recompute tier. A step that fails is recorded and
+# the next one runs. Runs train in a scratch folder (checkpoints stay out of $OUT).
+set -u
+cd "$(dirname "$0")/.."
+ALL="install env default gpt2 offload recompute tier"
+STEPS=${*:-$ALL}
+for s in $STEPS; do
+    case " $ALL " in *" $s "*) ;; *) echo "unknown step $s (steps: $ALL)" >&2; exit 2 ;; esac
+done
+OUT=${OUT:-$PWD/gpu-checks}
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/meshtrain-gpu-checks.XXXXXX")
+PY=${PYTHON:-python}
+mkdir -p "$OUT/runs"
+: > "$OUT/results.txt"
+
+step() {   # step NAME COMMAND...: run it, log to $OUT/NAME.log, record its exit status
+    local name=$1; shift
+    echo "== $name: $*" | tee -a "$OUT/results.txt"
+    local start=$SECONDS
+    "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "   $name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/results.txt"
+}
+
+train() {   # train NAME ARGS...: meshtrain train in the scratch folder; keep what it reports
+    local name=$1; shift
+    step "train-$name" "$PY" -m meshtrain train --no-progress --run-dir "$SCRATCH/$name" "$@"
+    keep "$name" "$SCRATCH/$name"
+}
+
+keep() {    # keep NAME RUN_DIR: the run's summary, metrics, config and report into $OUT/runs
+    mkdir -p "$OUT/runs/$1"
+    cp "$2"/{summary.json,metrics.jsonl,config.json,failure.log,report*.png} "$OUT/runs/$1/" \
+        2>/dev/null || true
+}
+
+default_run() {   # the README's command, exactly: no flags, its own runs/<date-time> folder
+    (cd "$SCRATCH" && "$PY" -m meshtrain train) || return $?
+    keep default "$(ls -d "$SCRATCH"/runs/* | tail -n 1)"
+}
+
+for s in $STEPS; do
+    case $s in
+    install) step install "$PY" -m pip install --no-deps --no-build-isolation -e . ;;
+    env) step env bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, \
+torch.version.cuda, torch.cuda.is_available(), torch.cuda.device_count(), \
+torch.cuda.nccl.version() if torch.cuda.is_available() else None)'" ;;
+    default) step train-default default_run ;;
+    gpt2) train gpt2-bf16 --model gpt2-124m --precision bf16 --steps 50 ;;
+    offload)   # GPU peak without and with the optimizer states on the host (one rank)
+        for o in none cpu; do
+            train "offload-$o" --model gpt2-124m --precision bf16 --steps 5 --batch 8 \
+                --nproc 1 --zero 1 --offload "$o" --eval-every 1000
+        done ;;
+    recompute)   # GPU peak without and with full recomputation (one rank)
+        for r in none full; do
+            train "recompute-$r" --model gpt2-124m --precision bf16 --steps 5 --batch 8 \
+                --nproc 1 --recompute "$r" --eval-every 1000
+        done ;;
+    tier) step tier "$PY" -m pytest -m cuda tests/gpu -v -rs -p no:cacheprovider \
+            --junitxml "$OUT/tier.xml" ;;
+    esac
+done
+
+"$PY" - "$OUT" <<'EOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+figures = {}
+for summary in sorted(out.glob("runs/*/summary.json")):
+    s = json.loads(summary.read_text())
+    figures[summary.parent.name] = {
+        "plan": s["plan"], "median_step_s": s["median_step_s"],
+        "tokens_per_s": s["tokens_per_s"],
+        "memory_per_rank": [{k: m.get(k) for k in ("device_allocated", "device_peak",
+                                                   "host_pinned", "activations", "offloaded")}
+                            for m in s["memory_per_rank"]]}
+(out / "figures.json").write_text(json.dumps(figures, indent=1))
+print(json.dumps(figures, indent=1))
+EOF
+rm -rf "$SCRATCH"
+echo "logs and figures in $OUT"

@@ -1,0 +1,131 @@
+"""Where ranks run, and what the device itself measures.
+
+One place resolves the device choice (`auto | cpu | cuda`; when none is given,
+MESHTRAIN_DEVICE, else auto) and checks it against the machine before any rank starts
+(`resolve_device`, `check_ranks_fit`). The choice reaches the ranks as MESHTRAIN_DEVICE in
+each rank's environment (set by `launch.init_distributed` or
+`testing.run_ranks`), and each rank's own device comes from LOCAL_RANK (`rank_device`), never
+from whatever device happened to be current.
+
+On CUDA the default process group is "cpu:gloo,cuda:nccl": NCCL for device tensors, gloo for
+the host tensors (offloaded state, host scalars) that NCCL never accepts.
+
+The device's own figures: on CUDA, memory from the caching allocator (allocated now, peak
+allocated) and pinned host bytes, and a clock read only after the device has finished its
+queued work (`DeviceClock`). On CPU these are the host's own: no device memory, the plain clock.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterable
+
+import torch
+
+DEVICE_ENV = "MESHTRAIN_DEVICE"
+CHOICES = ("auto", "cpu", "cuda")
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+CPU_RANKS = 2   # the default rank count on CPU (DDP over two ranks)
+
+
+class DeviceError(ValueError):
+    """The device choice does not fit this machine; the message names the way out."""
+
+
+def resolve_device(choice: str | None = None) -> str:
+    """"cpu" or "cuda" for a choice of auto (CUDA when a GPU is visible), cpu or cuda; no
+    choice reads MESHTRAIN_DEVICE, else auto."""
+    choice = choice or os.environ.get(DEVICE_ENV) or "auto"
+    if choice not in CHOICES:
+        raise DeviceError(f"--device {choice!r}: choose one of {', '.join(CHOICES)}")
+    visible = torch.cuda.is_available()
+    if choice == "auto":
+        return "cuda" if visible else "cpu"
+    if choice == "cuda" and not visible:
+        raise DeviceError("--device cuda: no CUDA GPU is visible to this process "
+                          "(torch.cuda.is_available() is False: a CPU build of torch, no "
+                          "driver, or CUDA_VISIBLE_DEVICES empty); use --device cpu (or auto)")
+    return choice
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_ranks(device: str) -> int:
+    """Ranks to start when none is asked for: one per visible GPU, or two on CPU."""
+    return gpu_count() if device == "cuda" else CPU_RANKS
+
+
+def check_ranks_fit(device: str, nproc: int) -> None:
+    """Refuse more local ranks than GPUs on CUDA (one rank per GPU), before any starts."""
+    if device != "cuda":
+        return
+    gpus = gpu_count()
+    if nproc > gpus:
+        raise DeviceError(f"{nproc} ranks on CUDA, but this machine has {gpus} visible GPU(s) "
+                          f"and each rank needs its own: use --nproc {gpus} (with a plan of at "
+                          f"most {gpus} ranks), or --device cpu to run {nproc} ranks on the CPU")
+
+
+def rank_device(device: str | None = None) -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK on CUDA, else the CPU.
+
+    `device` defaults to MESHTRAIN_DEVICE from the environment, then to auto."""
+    kind = resolve_device(device)
+    if kind == "cpu":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if local >= gpu_count():
+        raise DeviceError(f"LOCAL_RANK {local} on CUDA, but this machine has {gpu_count()} "
+                          f"visible GPU(s): start at most {gpu_count()} ranks per node "
+                          "(--nproc / --nproc-per-node), or use --device cpu")
+    return torch.device("cuda", local)
+
+
+def backend_for(device: torch.device) -> str:
+    """The default group's backend: gloo on CPU; on CUDA, NCCL beside gloo for host tensors."""
+    return CUDA_BACKEND if device.type == "cuda" else "gloo"
+
+
+# ---- what the device measures ------------------------------------------------------------------
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class DeviceClock:
+    """Seconds of device work: the clock is read only once the device has finished what was
+    queued (CUDA runs asynchronously; the host clock alone would time the launches)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def now(self) -> float:
+        synchronize(self.device)
+        return time.perf_counter()
+
+
+def device_memory(device: torch.device) -> dict | None:
+    """On CUDA, the caching allocator's bytes: allocated now and the peak allocated (since
+    the start or the last `reset_peak`); None on CPU, where the host figures are the memory."""
+    if device.type != "cuda":
+        return None
+    return {"device_allocated": int(torch.cuda.memory_allocated(device)),
+            "device_peak": int(torch.cuda.max_memory_allocated(device))}
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def pinned_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct pinned (page-locked) host storages among `tensors`."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_pinned():
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

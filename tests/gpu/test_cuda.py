@@ -1,0 +1,62 @@
+"""The CUDA tier: every strategy on the GPU equals one process on the same GPU.
+
+Run it on a machine with a GPU: `pytest -m cuda tests/gpu` (benchmarks/gpu_checks.sh does,
+beside `meshtrain train`). Where no GPU is visible every test here is skipped.
+
+The equivalences are the CPU suite's own (tests/multirank/device_cases.py, whose checks the
+CPU suite runs too), on `run_ranks(..., device="cuda")`: one rank per GPU over NCCL where
+there are GPUs enough ("cpu:gloo,cuda:nccl"; on one GPU, the world-1 plans), else 2-8 ranks
+sharing the GPU(s) over gloo. Both sides run with TF32 off and deterministic algorithms on
+(`device_cases.deterministic`), so they meet the CPU's 1e-5.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from meshtrain.testing import run_ranks
+from tests.multirank import device_cases as dc
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")]
+
+
+def where_am_i() -> tuple:
+    import torch.distributed as dist
+
+    from meshtrain.core.mesh import Mesh
+    import meshtrain as mt
+
+    mesh = Mesh.build(mt.Plan(dp=dist.get_world_size()))
+    return dist.get_backend(), str(mesh.device), torch.cuda.current_device()
+
+
+def test_each_rank_runs_on_the_gpu_of_its_local_rank():
+    gpus = torch.cuda.device_count()
+    world = min(gpus, 2)
+    expected = [("cpu:gloo,cuda:nccl", f"cuda:{r}", r) for r in range(world)]
+    assert [tuple(r) for r in run_ranks(world, where_am_i, device="cuda")] == expected
+    shared = run_ranks(gpus + 1, where_am_i, device="cuda")   # more ranks than GPUs: gloo
+    assert [r[0] for r in shared] == ["gloo"] * (gpus + 1)
+    assert [r[1] for r in shared] == [f"cuda:{r % gpus}" for r in range(gpus + 1)]
+
+
+@pytest.mark.parametrize("name", sorted(dc.CASES))
+def test_every_strategy_matches_one_process_on_the_gpu(name, tmp_path):
+    dc.check_case(name, "cuda", tmp_path)
+
+
+def test_meshtrain_train_runs_on_the_gpu_and_reports_its_memory(tmp_path):
+    env = dict(os.environ, MESHTRAIN_DEVICE="cuda")
+    run = subprocess.run([sys.executable, "-m", "meshtrain", "train", "--steps", "5",
+                          "--no-progress", "--run-dir", str(tmp_path / "run")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert len(summary["memory_per_rank"]) == torch.cuda.device_count()
+    for memory in summary["memory_per_rank"]:
+        assert 0 < memory["device_allocated"] <= memory["device_peak"]
+    assert "GPU rank 0" in run.stdout

@@ -1,0 +1,152 @@
+"""Where ranks run (core/device.py), checked on CPU with a mocked GPU count: the choice, the
+refusals before any rank starts, each rank's device from LOCAL_RANK, the backend, and the
+device's figures in the summary. No GPU figure here is measured: the mocks test the plumbing."""
+import argparse
+import importlib
+import os
+
+import pytest
+import torch
+
+from meshtrain.cli import train_cmd
+from meshtrain.core import device as dev
+from meshtrain.core.mesh import device_for_backend
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this machine has `n` visible GPUs (0: none, as on this CPU build)."""
+    monkeypatch.delenv(dev.DEVICE_ENV, raising=False)
+
+    def set_count(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    return set_count
+
+
+def test_auto_picks_cuda_only_where_a_gpu_is_visible(gpus, monkeypatch):
+    gpus(0)
+    assert dev.resolve_device("auto") == "cpu" and dev.resolve_device(None) == "cpu"
+    assert dev.default_ranks("cpu") == 2
+    gpus(3)
+    assert dev.resolve_device("auto") == "cuda" and dev.resolve_device("cpu") == "cpu"
+    assert dev.default_ranks("cuda") == 3
+    monkeypatch.setenv(dev.DEVICE_ENV, "cpu")   # no choice given: the environment's
+    assert dev.resolve_device(None) == "cpu"
+
+
+def test_cuda_without_a_gpu_and_an_unknown_device_are_refused(gpus):
+    gpus(0)
+    with pytest.raises(dev.DeviceError, match=r"--device cuda: no CUDA GPU .*--device cpu"):
+        dev.resolve_device("cuda")
+    with pytest.raises(dev.DeviceError, match=r"--device 'tpu': choose one of auto, cpu, cuda"):
+        dev.resolve_device("tpu")
+
+
+def test_more_ranks_than_gpus_is_refused_naming_both_counts_and_the_ways_out(gpus):
+    gpus(1)
+    dev.check_ranks_fit("cuda", 1)
+    dev.check_ranks_fit("cpu", 8)   # CPU ranks are not counted against GPUs
+    with pytest.raises(dev.DeviceError) as err:
+        dev.check_ranks_fit("cuda", 2)
+    text = str(err.value)
+    assert "2 ranks" in text and "1 visible GPU" in text
+    assert "--nproc 1" in text and "--device cpu" in text
+
+
+def test_each_rank_takes_the_gpu_of_its_local_rank(gpus, monkeypatch):
+    gpus(2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert device_for_backend("cuda") == (torch.device("cuda", 1), "cpu:gloo,cuda:nccl")
+    monkeypatch.setenv(dev.DEVICE_ENV, "cuda")   # what init_distributed / run_ranks leave
+    assert dev.rank_device() == torch.device("cuda", 1)
+    assert device_for_backend("cpu") == (torch.device("cpu"), "gloo")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(dev.DeviceError, match=r"LOCAL_RANK 2 on CUDA, .* 2 visible GPU"):
+        dev.rank_device()
+
+
+def _train_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    train_cmd.add_parser(parser.add_subparsers())
+    return parser.parse_args(["train", *argv])
+
+
+def test_the_command_defaults_to_one_rank_per_gpu(gpus, tmp_path):
+    gpus(0)
+    config = train_cmd.build_config(_train_args("--run-dir", str(tmp_path)))
+    assert (config.device, config.plan["dp"]) == ("cpu", 2)   # today's default: DDP on 2
+    gpus(4)
+    config = train_cmd.build_config(_train_args("--run-dir", str(tmp_path)))
+    assert (config.device, config.plan["dp"]) == ("cuda", 4)
+    config = train_cmd.build_config(_train_args("--device", "cpu", "--run-dir", str(tmp_path)))
+    assert (config.device, config.plan["dp"]) == ("cpu", 2)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (("--nproc", "2"), ["2 ranks on CUDA", "1 visible GPU", "--nproc 1", "--device cpu"]),
+    (("--device", "cuda", "--pp", "2"), ["2 ranks on CUDA", "--nproc 1"]),
+])
+def test_the_command_refuses_more_ranks_than_gpus_before_any_rank_starts(
+        gpus, monkeypatch, capsys, tmp_path, argv, expected):
+    gpus(1)
+    from meshtrain.core import processes
+
+    launch_module = importlib.import_module("meshtrain.launch")   # the name is the function
+    monkeypatch.setattr(processes, "start_forkserver", lambda: None)
+    monkeypatch.setattr(launch_module, "launch", lambda *a, **k: pytest.fail("a rank started"))
+    run_dir = tmp_path / "run"
+    assert train_cmd.run(_train_args(*argv, "--run-dir", str(run_dir))) == 2
+    err = capsys.readouterr().err
+    assert all(part in err for part in expected), err
+    assert not run_dir.exists()
+
+
+def test_the_command_refuses_cuda_on_a_machine_without_one(gpus, monkeypatch, capsys, tmp_path):
+    gpus(0)
+    from meshtrain.core import processes
+    monkeypatch.setattr(processes, "start_forkserver", lambda: None)
+    assert train_cmd.run(_train_args("--device", "cuda", "--run-dir", str(tmp_path / "r"))) == 2
+    assert "--device cuda: no CUDA GPU" in capsys.readouterr().err
+
+
+def test_launch_refuses_before_starting_a_rank(gpus):
+    from meshtrain.launch import launch
+    gpus(1)
+    with pytest.raises(dev.DeviceError, match="3 ranks on CUDA.*--nproc 1"):
+        launch(os.getpid, nproc=3, device="cuda")
+
+
+# ---- the device's figures ------------------------------------------------------------------
+def test_on_cpu_the_device_adds_nothing_and_the_clock_is_the_host_clock():
+    cpu = torch.device("cpu")
+    assert dev.device_memory(cpu) is None
+    clock = dev.DeviceClock(cpu)
+    a, b = clock.now(), clock.now()
+    assert 0 <= b - a < 1
+    assert dev.pinned_bytes([torch.zeros(4)]) == 0   # pageable host memory is not pinned
+
+
+def test_on_cuda_the_clock_waits_and_memory_comes_from_the_allocator(monkeypatch):
+    gpu, calls = torch.device("cuda", 1), []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d: calls.append(("sync", d)))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 3 * 2**20)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 5 * 2**20)
+    dev.DeviceClock(gpu).now()
+    assert calls == [("sync", gpu)]
+    assert dev.device_memory(gpu) == {"device_allocated": 3 * 2**20, "device_peak": 5 * 2**20}
+
+
+def test_the_summary_shows_gpu_memory_when_there_is_some(capsys):
+    memory = dict(parameters=2**20, gradients=2**20, optimizer_states=2**21, activations=None,
+                  peak_process=2**30, device_allocated=3 * 2**20, device_peak=5 * 2**20,
+                  host_pinned=2**21)
+    summary = dict(plan="DDP dp=1", steps=1, resumed_from=0, train_loss_start=2.0,
+                   train_loss_end=1.0, val_loss_start=2.0, val_loss_end=1.0,
+                   tokens_per_s=1.0, median_step_s=1.0, first_step_after_s=1.0,
+                   bytes_sent_per_step=0, memory_per_rank=[memory, dict(memory, device_peak=None)],
+                   run_dir="r", checkpoint="c")
+    train_cmd.print_summary(summary)
+    out = capsys.readouterr().out
+    assert "GPU rank 0   allocated 3.0 MiB, peak allocated 5.0 MiB; host pinned 2.0 MiB" in out
+    assert "GPU rank 1" not in out   # a CPU rank's summary is today's
