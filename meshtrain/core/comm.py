@@ -170,14 +170,19 @@ class _Then:
     def __init__(self, work, then) -> None:
         self.work, self.then, self.done = work, then, False
 
-    def wait(self) -> bool:
+    def wait(self, timeout=None) -> bool:
         if not self.done:
-            self.work.wait()
+            if timeout is None:
+                self.work.wait()
+            else:
+                self.work.wait(timeout=timeout)
             self.then()
             self.done = True
         return True
 
     def is_completed(self) -> bool:
+        if not self.done and self.work.is_completed():
+            self.wait()
         return self.done
 
 
@@ -203,13 +208,27 @@ class Comm:
         self.stats = stats if stats is not None else CommStats()
         self.log = CollectiveLog()   # the call sequence the watchdog compares between ranks
 
+    def group(self, axis: str):
+        """The process group this Comm uses along `axis`."""
+        return self.mesh.group(axis)
+
+    def on_host(self) -> "Comm":
+        """This Comm over gloo groups of the same ranks, sharing its counters and log: for
+        traffic that is a host concept (a parameter server's pushes and pulls, whose
+        receives stay posted per peer, which NCCL cannot match by tag). CUDA tensors are
+        staged through host memory (see [Note: devices and backends]). Where the mesh's
+        groups are gloo already, they are used as they are; else collective: every rank
+        calls it at the same point."""
+        from meshtrain.core.host_comm import HostComm
+        return HostComm(self)
+
     def _active(self, axis: str) -> bool:
         return self.mesh.size(axis) > 1
 
     def _account(self, axis: str, op: str, tag: str, sent: int, received: int,
                  tensor: torch.Tensor) -> None:
         if axis in AXES and self.mesh.device_mesh is not None:   # not "world"
-            check_device(tensor, self.mesh.group(axis))
+            check_device(tensor, self.group(axis))
         self.stats.record(axis, op, tag, sent, received)
         self.log.enter(op, axis, tag, tensor)
 
@@ -224,7 +243,7 @@ class Comm:
         sent = ring_all_reduce_elements(tensor.numel(), n, r) * tensor.element_size()
         received = ring_all_reduce_received_elements(tensor.numel(), n, r) * tensor.element_size()
         self._account(axis, "all_reduce", tag, sent, received, tensor)
-        return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.mesh.group(axis),
+        return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group(axis),
                                async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: str,
@@ -242,7 +261,7 @@ class Comm:
         n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
         nbytes = ring_half_elements(input.numel(), n, r) * input.element_size()
         self._account(axis, "reduce_scatter", tag, nbytes, nbytes, input)
-        group = self.mesh.group(axis)
+        group = self.group(axis)
         if dist.get_backend(group) != "gloo" and output.dtype == input.dtype:
             return dist.reduce_scatter_single(output, input, op=_REDUCE_OPS[op], group=group,
                                               async_op=async_op)
@@ -268,7 +287,7 @@ class Comm:
         n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
         nbytes = ring_half_elements(output.numel(), n, r) * output.element_size()
         self._account(axis, "all_gather", tag, nbytes, nbytes, input)
-        group = self.mesh.group(axis)
+        group = self.group(axis)
         if dist.get_backend(group) != "gloo" or not output.is_contiguous():
             return dist.all_gather_single(output, input, group=group, async_op=async_op)
         # see [Note: all-gather as an all-to-all]
@@ -286,14 +305,14 @@ class Comm:
         self._account(axis, "broadcast", tag, (n - 1) * nbytes if is_src else 0,
                       0 if is_src else nbytes, tensor)
         return dist.broadcast(tensor, src=self.mesh.global_rank(axis, src),
-                              group=self.mesh.group(axis), async_op=async_op)
+                              group=self.group(axis), async_op=async_op)
 
     def barrier(self, axis: str | None = None) -> None:
         if axis is None:
             if dist.is_initialized():
                 dist.barrier()
         elif self._active(axis):
-            dist.barrier(group=self.mesh.group(axis))
+            dist.barrier(group=self.group(axis))
 
     def gather_objects(self, obj, tag: str = "") -> list:
         """Every rank's JSON-serialisable `obj`, in rank order, on every rank (for reports,
@@ -327,7 +346,7 @@ class Comm:
     def isend(self, tensor: torch.Tensor, dst: int, axis: str, tag: str = "", channel: int = 0):
         """Start sending `tensor` to the member with axis rank `dst`; returns a handle."""
         self._account(axis, "send", tag, tensor.numel() * tensor.element_size(), 0, tensor)
-        group = self.mesh.group(axis)
+        group = self.group(axis)
         wire = tensor.cpu() if _stages_p2p(tensor, group) else tensor.contiguous()
         work = dist.isend(wire, dst=self.mesh.global_rank(axis, dst), group=group, tag=channel)
         return _Then(work, lambda: wire) if wire is not tensor else work
@@ -335,7 +354,7 @@ class Comm:
     def irecv(self, tensor: torch.Tensor, src: int, axis: str, tag: str = "", channel: int = 0):
         """Start receiving into `tensor` from the member with axis rank `src`."""
         self._account(axis, "recv", tag, 0, tensor.numel() * tensor.element_size(), tensor)
-        group = self.mesh.group(axis)
+        group = self.group(axis)
         if not _stages_p2p(tensor, group):
             return dist.irecv(tensor, src=self.mesh.global_rank(axis, src), group=group,
                               tag=channel)
@@ -348,7 +367,7 @@ class Comm:
         another, so a send and a receive between two ranks cannot block each other); each
         charged its exact bytes. Returns one handle per op."""
         p2p, copy_back = [], []
-        group = self.mesh.group(axis)
+        group = self.group(axis)
         for op in ops:
             nbytes = op.tensor.numel() * op.tensor.element_size()
             self._account(axis, "send" if op.send else "recv", tag if op.tag is None else op.tag,
@@ -372,3 +391,4 @@ class Comm:
     def recv(self, tensor: torch.Tensor, src: int, axis: str, tag: str = "",
              channel: int = 0) -> None:
         self.irecv(tensor, src, axis, tag, channel).wait()
+

@@ -72,7 +72,7 @@ class ParameterServer:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, plan: Plan) -> None:
-        self.comm = comm
+        self.comm = comm.on_host()   # a parameter server's traffic is a host concept
         self.n, self.rank = comm.mesh.size(AXIS), comm.mesh.axis_rank(AXIS)
         self.shards = plan.ps_shards
         broadcast_tensors([p for _, p in named_params] + list(buffers), comm, AXIS)
