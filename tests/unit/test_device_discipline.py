@@ -123,3 +123,20 @@ def test_a_host_tensor_is_refused_by_an_nccl_group(monkeypatch):
     assert not comm._stages_p2p(torch.zeros(3), None)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
     comm.check_device(torch.zeros(3), None)   # the default group takes host tensors too
+
+
+def test_offload_keeps_every_optimizer_tensor_on_one_side():
+    """Beside a GPU, offload='disk' keeps masters and states on the host (files), never the
+    masters on the GPU with the states on the host; offload='cpu' pins its host tensors.
+    On a CPU-only machine both are the host, as before (what CPU can check)."""
+    import torch
+    import pytest
+    from meshtrain.strategies.zero.offload import OffloadNotice, Offloader, host_device
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert host_device("disk", cuda) == cpu and host_device("cpu", cuda) == cpu
+    assert host_device("none", cuda) == cuda and host_device("disk", cpu) == cpu
+    assert Offloader("cpu", cuda, None, 0, 0).pinned
+    with pytest.warns(OffloadNotice, match="nothing moves"):
+        assert not Offloader("cpu", cpu, None, 0, 0).pinned
+    assert not Offloader("none", cuda, None, 0, 0).pinned
