@@ -69,10 +69,10 @@ def test_an_unknown_recompute_mode_is_refused():
         mt.Plan(recompute="some")
 
 
-# meshtrain's GPT with gpt2-124m's ratios at a CPU-sized scale: vocab / d_model ~ 64 (the
+# meshtrain's GPT with gpt2-124m's ratios at a CPU-sized scale: vocab / d_model 64 (the
 # fp32 logits the last layer keeps are then as large a share of the activations as on
-# GPT-2), seq_len / d_model 1, head_dim 64
-RATIO_CONFIG = GPTConfig(vocab_size=8192, seq_len=128, n_layer=4, n_head=2, d_model=128)
+# GPT-2), seq_len / d_model 1, head_dim 64 (fewer layers)
+RATIO_CONFIG = GPTConfig(vocab_size=4096, seq_len=64, n_layer=3, n_head=1, d_model=64)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
