@@ -37,6 +37,14 @@ every size (`meshtrain bench collectives`, one run, 1 / 4 / 16 / 64 MiB: world 2
 1.97 / 8.1 / 57 ms as gloo's all-gather, 0.51 / 2.96 / 11.0 / 49 ms as the all-to-all;
 world 4, 3.7 / 4.7 / 15.1 / 96 against 1.7 / 5.1 / 17.4 / 86 ms): what it buys is memory
 that does not depend on which thread ran. NCCL gathers in place.
+
+[Note: devices and backends]
+NCCL takes only CUDA tensors; `Comm` refuses a host tensor on an NCCL group by name
+(`check_device`) rather than let NCCL fail deep inside c10d. gloo's collectives stage CUDA
+tensors through host memory themselves, but its send/recv hand the tensor's raw pointer to
+TCP: `Comm`'s point-to-point therefore stages a CUDA tensor on a gloo group through a host
+copy (sends copy out first, receives copy back once they complete). A group whose backend
+serves both ("cpu:gloo,cuda:nccl") takes either.
 """
 from __future__ import annotations
 
@@ -44,11 +52,12 @@ import json
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from meshtrain.core.mesh import Mesh
+from meshtrain.core.mesh import AXES, Mesh
 from meshtrain.core.watchdog import CollectiveLog
 
 
@@ -129,11 +138,13 @@ def ring_half_elements(numel: int, n: int, rank: int) -> int:
 class P2P:
     """One transfer of a point-to-point batch: send `tensor` to the axis rank `peer`, or
     receive into it from `peer`. `match` is the c10d tag that pairs a send with its
-    receive, so that several messages between two ranks never mix."""
+    receive, so that several messages between two ranks never mix. `tag`: the counters'
+    tag for this transfer, where one batch carries several kinds (default: the batch's)."""
     tensor: torch.Tensor
     peer: int
     send: bool
     match: int = 0
+    tag: str | None = None
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
@@ -149,21 +160,44 @@ class _Done:
         return True
 
 
+def _copy(into: torch.Tensor, src: torch.Tensor) -> None:
+    into.copy_(src)
+
+
 class _Then:
     """Handle of a collective whose result needs one more local step once it arrives."""
 
     def __init__(self, work, then) -> None:
         self.work, self.then, self.done = work, then, False
 
-    def wait(self) -> bool:
+    def wait(self, timeout=None) -> bool:
         if not self.done:
-            self.work.wait()
+            if timeout is None:
+                self.work.wait()
+            else:
+                self.work.wait(timeout=timeout)
             self.then()
             self.done = True
         return True
 
     def is_completed(self) -> bool:
+        if not self.done and self.work.is_completed():
+            self.wait()
         return self.done
+
+
+def check_device(tensor: torch.Tensor, group) -> None:
+    """Refuse a tensor the group's backend cannot carry: a host tensor on an NCCL group."""
+    backend = dist.get_backend(group)
+    if backend == "nccl" and tensor.device.type != "cuda":
+        raise ValueError(f"a {tensor.device.type} tensor of shape {tuple(tensor.shape)} was "
+                         "passed to an NCCL group, which carries CUDA tensors only: create it "
+                         "on the mesh's device (comm.mesh.device) or use a gloo group")
+
+
+def _stages_p2p(tensor: torch.Tensor, group) -> bool:
+    """gloo's send/recv cannot read or write CUDA memory: such a tensor goes through host."""
+    return tensor.device.type != "cpu" and dist.get_backend(group) == "gloo"
 
 
 class Comm:
@@ -174,11 +208,27 @@ class Comm:
         self.stats = stats if stats is not None else CommStats()
         self.log = CollectiveLog()   # the call sequence the watchdog compares between ranks
 
+    def group(self, axis: str):
+        """The process group this Comm uses along `axis`."""
+        return self.mesh.group(axis)
+
+    def on_host(self) -> "Comm":
+        """This Comm over gloo groups of the same ranks, sharing its counters and log: for
+        traffic that is a host concept (a parameter server's pushes and pulls, whose
+        receives stay posted per peer, which NCCL cannot match by tag). CUDA tensors are
+        staged through host memory (see [Note: devices and backends]). Where the mesh's
+        groups are gloo already, they are used as they are; else collective: every rank
+        calls it at the same point."""
+        from meshtrain.core.host_comm import HostComm
+        return HostComm(self)
+
     def _active(self, axis: str) -> bool:
         return self.mesh.size(axis) > 1
 
     def _account(self, axis: str, op: str, tag: str, sent: int, received: int,
                  tensor: torch.Tensor) -> None:
+        if axis in AXES and self.mesh.device_mesh is not None:   # not "world"
+            check_device(tensor, self.group(axis))
         self.stats.record(axis, op, tag, sent, received)
         self.log.enter(op, axis, tag, tensor)
 
@@ -193,7 +243,7 @@ class Comm:
         sent = ring_all_reduce_elements(tensor.numel(), n, r) * tensor.element_size()
         received = ring_all_reduce_received_elements(tensor.numel(), n, r) * tensor.element_size()
         self._account(axis, "all_reduce", tag, sent, received, tensor)
-        return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.mesh.group(axis),
+        return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group(axis),
                                async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: str,
@@ -211,7 +261,7 @@ class Comm:
         n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
         nbytes = ring_half_elements(input.numel(), n, r) * input.element_size()
         self._account(axis, "reduce_scatter", tag, nbytes, nbytes, input)
-        group = self.mesh.group(axis)
+        group = self.group(axis)
         if dist.get_backend(group) != "gloo" and output.dtype == input.dtype:
             return dist.reduce_scatter_single(output, input, op=_REDUCE_OPS[op], group=group,
                                               async_op=async_op)
@@ -237,7 +287,7 @@ class Comm:
         n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
         nbytes = ring_half_elements(output.numel(), n, r) * output.element_size()
         self._account(axis, "all_gather", tag, nbytes, nbytes, input)
-        group = self.mesh.group(axis)
+        group = self.group(axis)
         if dist.get_backend(group) != "gloo" or not output.is_contiguous():
             return dist.all_gather_single(output, input, group=group, async_op=async_op)
         # see [Note: all-gather as an all-to-all]
@@ -255,14 +305,14 @@ class Comm:
         self._account(axis, "broadcast", tag, (n - 1) * nbytes if is_src else 0,
                       0 if is_src else nbytes, tensor)
         return dist.broadcast(tensor, src=self.mesh.global_rank(axis, src),
-                              group=self.mesh.group(axis), async_op=async_op)
+                              group=self.group(axis), async_op=async_op)
 
     def barrier(self, axis: str | None = None) -> None:
         if axis is None:
             if dist.is_initialized():
                 dist.barrier()
         elif self._active(axis):
-            dist.barrier(group=self.mesh.group(axis))
+            dist.barrier(group=self.group(axis))
 
     def gather_objects(self, obj, tag: str = "") -> list:
         """Every rank's JSON-serialisable `obj`, in rank order, on every rank (for reports,
@@ -296,28 +346,43 @@ class Comm:
     def isend(self, tensor: torch.Tensor, dst: int, axis: str, tag: str = "", channel: int = 0):
         """Start sending `tensor` to the member with axis rank `dst`; returns a handle."""
         self._account(axis, "send", tag, tensor.numel() * tensor.element_size(), 0, tensor)
-        return dist.isend(tensor.contiguous(), dst=self.mesh.global_rank(axis, dst),
-                          group=self.mesh.group(axis), tag=channel)
+        group = self.group(axis)
+        wire = tensor.cpu() if _stages_p2p(tensor, group) else tensor.contiguous()
+        work = dist.isend(wire, dst=self.mesh.global_rank(axis, dst), group=group, tag=channel)
+        return _Then(work, lambda: wire) if wire is not tensor else work
 
     def irecv(self, tensor: torch.Tensor, src: int, axis: str, tag: str = "", channel: int = 0):
         """Start receiving into `tensor` from the member with axis rank `src`."""
         self._account(axis, "recv", tag, 0, tensor.numel() * tensor.element_size(), tensor)
-        return dist.irecv(tensor, src=self.mesh.global_rank(axis, src),
-                          group=self.mesh.group(axis), tag=channel)
+        group = self.group(axis)
+        if not _stages_p2p(tensor, group):
+            return dist.irecv(tensor, src=self.mesh.global_rank(axis, src), group=group,
+                              tag=channel)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+        work = dist.irecv(host, src=self.mesh.global_rank(axis, src), group=group, tag=channel)
+        return _Then(work, lambda: tensor.copy_(host))
 
     def batch_isend_irecv(self, ops: list["P2P"], axis: str, tag: str = "") -> list:
         """Post every send and receive of `ops` at once (one c10d batch: none waits for
         another, so a send and a receive between two ranks cannot block each other); each
         charged its exact bytes. Returns one handle per op."""
-        p2p = []
+        p2p, copy_back = [], []
+        group = self.group(axis)
         for op in ops:
             nbytes = op.tensor.numel() * op.tensor.element_size()
-            self._account(axis, "send" if op.send else "recv", tag,
+            self._account(axis, "send" if op.send else "recv", tag if op.tag is None else op.tag,
                           nbytes if op.send else 0, 0 if op.send else nbytes, op.tensor)
-            p2p.append(dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor,
-                                  self.mesh.global_rank(axis, op.peer),
-                                  group=self.mesh.group(axis), tag=op.match))
-        return dist.batch_isend_irecv(p2p) if p2p else []
+            wire = op.tensor
+            if _stages_p2p(wire, group):   # see [Note: devices and backends]
+                wire = wire.cpu() if op.send else torch.empty(
+                    wire.shape, dtype=wire.dtype, device="cpu")
+            copy_back.append(None if op.send or wire is op.tensor else (op.tensor, wire))
+            p2p.append(dist.P2POp(dist.isend if op.send else dist.irecv, wire,
+                                  self.mesh.global_rank(axis, op.peer), group=group,
+                                  tag=op.match))
+        works = dist.batch_isend_irecv(p2p) if p2p else []
+        return [work if back is None else _Then(work, partial(_copy, *back))
+                for work, back in zip(works, copy_back)]
 
     def send(self, tensor: torch.Tensor, dst: int, axis: str, tag: str = "",
              channel: int = 0) -> None:
@@ -326,3 +391,4 @@ class Comm:
     def recv(self, tensor: torch.Tensor, src: int, axis: str, tag: str = "",
              channel: int = 0) -> None:
         self.irecv(tensor, src, axis, tag, channel).wait()
+

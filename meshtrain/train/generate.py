@@ -43,10 +43,11 @@ def generate(model: nn.Module, prompt: str, tokens: int, seq_len: int,
     check_sampling(tokens, temperature, top_k)
     context = list(prompt.encode("utf-8")) or [ord("\n")]   # an empty prompt starts a line
     generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     out = []
     for _ in range(tokens):
-        window = torch.tensor([context[-seq_len:]], dtype=torch.long)
-        logits = logits_of(model(window))[0, -1, :BYTE_VOCAB].float()
+        window = torch.tensor([context[-seq_len:]], dtype=torch.long, device=device)
+        logits = logits_of(model(window))[0, -1, :BYTE_VOCAB].float().cpu()  # host generator
         if temperature == 0:
             byte = int(logits.argmax())
         else:

@@ -67,3 +67,38 @@ def test_selective_recomputation_needs_attention_cores():
 def test_an_unknown_recompute_mode_is_refused():
     with pytest.raises(mt.PlanError, match="Plan.recompute='some'"):
         mt.Plan(recompute="some")
+
+
+# meshtrain's GPT with gpt2-124m's ratios at a CPU-sized scale: vocab / d_model 64 (the
+# fp32 logits the last layer keeps are then as large a share of the activations as on
+# GPT-2), seq_len / d_model 1, head_dim 64 (fewer layers)
+RATIO_CONFIG = GPTConfig(vocab_size=4096, seq_len=64, n_layer=3, n_head=1, d_model=64)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_whole_step_keeps_what_the_planner_predicts(precision):
+    """The bytes a whole training step keeps for backward (every layer, the head's fp32
+    logits, recomputation's kept inputs), measured by the Trainer's meter, against the
+    planner's activation term for the same plan: with and without full recomputation, and
+    so the fraction full recomputation saves."""
+    from meshtrain.planner.memory import memory
+    from meshtrain.planner.verify import plan_inputs
+
+    kept, predicted = {}, {}
+    for mode in ("none", "full"):
+        torch.manual_seed(0)
+        plan = {"precision": precision, "recompute": mode}
+        trainer = mt.Trainer(GPT(RATIO_CONFIG), mt.Plan(**plan), optimizer=eq.sgd,
+                             measure_activations=True)
+        batch = torch.randint(0, RATIO_CONFIG.vocab_size, (2, 2, RATIO_CONFIG.seq_len))
+        trainer.step(batch[0], batch[1])
+        kept[mode] = trainer.activations.last_bytes
+        spec, cand, setup = plan_inputs(plan, 2, vars(RATIO_CONFIG))
+        predicted[mode] = memory(spec, cand, setup).activations
+        assert kept[mode] == pytest.approx(predicted[mode], rel=0.02), mode
+    # what full recomputation saves; what it leaves: the layers' inputs and the head's fp32
+    # logits (a large share with GPT-2's vocabulary: 4 s b V bytes, most of what is left)
+    saved = 1 - kept["full"] / kept["none"]
+    assert saved == pytest.approx(1 - predicted["full"] / predicted["none"], abs=0.02)
+    head = 4 * 2 * RATIO_CONFIG.seq_len * RATIO_CONFIG.vocab_size
+    assert kept["full"] - head < 0.1 * kept["full"]

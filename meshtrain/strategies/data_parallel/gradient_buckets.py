@@ -132,7 +132,9 @@ class GradientBuckets:
 
     def used_flags(self) -> torch.Tensor:
         """1.0 for each parameter that got a gradient this step, in `params` order."""
-        return torch.tensor([float(id(p) in self.used_in_step) for p in self.params])
+        # on the parameters' device: the flags travel with the loss in one collective
+        return torch.tensor([float(id(p) in self.used_in_step) for p in self.params],
+                            device=self.params[0].device if self.params else None)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

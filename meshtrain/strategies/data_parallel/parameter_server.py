@@ -72,7 +72,7 @@ class ParameterServer:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, plan: Plan) -> None:
-        self.comm = comm
+        self.comm = comm.on_host()   # a parameter server's traffic is a host concept
         self.n, self.rank = comm.mesh.size(AXIS), comm.mesh.axis_rank(AXIS)
         self.shards = plan.ps_shards
         broadcast_tensors([p for _, p in named_params] + list(buffers), comm, AXIS)
@@ -257,7 +257,8 @@ class ParameterServer:
         for key in sorted({k for s in state.values() for k in s}):
             first = next(s[key] for s in state.values() if key in s)
             if isinstance(first, torch.Tensor) and first.dim() > 0:
-                full = {n: state.get(n, {}).get(key, torch.zeros(self.layout.by_name[n].shape))
+                full = {n: state.get(n, {}).get(key, torch.zeros(self.layout.by_name[n].shape,
+                                                              device=self.data.device))
                         for n in self.named}
                 flat = self.layout.join(full, first.dtype, self.data.device)[0]
                 out[key] = self.shard(flat, self.rank).clone()

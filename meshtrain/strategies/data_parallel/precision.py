@@ -26,6 +26,7 @@ class MasterWeights:
         already made bf16 (default: the compute tensors' own values). `device`: where the
         masters live (the host, under offload; default: with the compute tensors)."""
         self.compute = compute
+        self._copies = None   # CUDA: the event after write_back's asynchronous copies
         self.mixed = precision != "fp32"
         device = device or (compute[0].device if compute else torch.device("cpu"))
         # masters of their own in bf16, or when they live elsewhere (offload to the host)
@@ -41,20 +42,36 @@ class MasterWeights:
     def set_grads(self, grads: list[torch.Tensor | None]) -> None:
         """The gradients the optimizer sees (fp32, where the masters are; a None skips that
         master)."""
+        self._copied_out()
         for master, grad in zip(self.masters, grads):
+            # a master that is its compute tensor may still live elsewhere than the
+            # gradient: ZeRO-3's shards offloaded to disk, beside a GPU
             master.grad = (None if grad is None else
-                           grad.to(master.device, master.dtype) if self.separate else grad)
+                           grad.to(master.device, master.dtype)
+                           if self.separate or grad.device != master.device else grad)
 
     @torch.no_grad()
     def write_back(self) -> None:
         """After the optimizer step: the compute tensors take the updated masters."""
         if self.separate:
             for master, tensor in zip(self.masters, self.compute):
-                tensor.copy_(master)
+                # from pinned host memory (offload beside a GPU): queued on the stream, the
+                # master left untouched until `_copied_out` sees the copy done
+                tensor.copy_(master, non_blocking=master.is_pinned())
                 master.grad = None   # the fp32 copies of the gradients were transient
+            if self.compute and self.compute[0].is_cuda:
+                self._copies = torch.cuda.Event()
+                self._copies.record()
+
+    def _copied_out(self) -> None:
+        """Wait for write_back's asynchronous copies before a master is written again."""
+        if self._copies is not None:
+            self._copies.synchronize()
+            self._copies = None
 
     @torch.no_grad()
     def load(self, values: list[torch.Tensor]) -> None:
+        self._copied_out()
         for master, tensor, value in zip(self.masters, self.compute, values):
             master.copy_(value)
             if self.separate:

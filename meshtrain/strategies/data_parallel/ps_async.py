@@ -225,7 +225,7 @@ class AsyncParameterServer(ParameterServer):
         if not self.mailboxes:
             return
         done = self._message()
-        done[-HEADER:] = torch.tensor([DONE, DONE, 0.0])
+        done[-HEADER:] = torch.tensor([DONE, DONE, 0.0], device=done.device)
         for k in self.servers():
             self.sends.add(self.comm.isend(done, k, AXIS, tag="push", channel=PUSH), done)
         if self.server is not None:
@@ -234,7 +234,7 @@ class AsyncParameterServer(ParameterServer):
             self._wait(lambda: workers <= self.closed and not self.server.pending.pushes,
                        lambda: "every worker's last push")
             closing = self._message()
-            closing[-HEADER:] = torch.tensor([DONE, 0.0, 0.0])
+            closing[-HEADER:] = torch.tensor([DONE, 0.0, 0.0], device=closing.device)
             for worker in range(self.n):
                 if worker != self.rank:
                     self.sends.add(self.comm.isend(closing, worker, AXIS, tag="pull",

@@ -6,10 +6,12 @@ this rank's stages. No schedule has a loop of its own here: the list is the prog
     backward  from the loss, or from the gradient received for the stage's output; the
               input's gradient is what the previous stage receives; the micro-batch's
               activations are dropped at once
-    send/recv consecutive communication actions are posted as batches of isend/irecv
-              (their sends, then their receives) through the accounted Comm (axis "pp",
-              tags "act" and "grad"); receives are waited for at once, sends only when
-              their buffer is needed no more
+    send/recv consecutive communication actions are posted together, their sends and
+              their receives as ONE batch of isend/irecv (as torch's pipelining does: two
+              neighbours posting sends before receives deadlock on NCCL once a message
+              exceeds its buffering), through the accounted Comm (axis "pp", tags "act"
+              and "grad"); receives are waited for at once, sends only when their buffer
+              is needed no more
     trace     each forward, backward and weight gradient is timed, and each run of
               communication apart: `trace` is this rank's measured timeline
 
@@ -211,11 +213,12 @@ class _Step:
 
     # ---- communication -------------------------------------------------------------------------
     def communicate(self, actions: list[Action]) -> None:
-        """Post a run of sends, then its receives, each as a batch of isend/irecv; wait for
-        the receives. Sends go first: a receive may block on a shape header (see [Note:
-        activation shapes]), and the peer may be waiting for one of these sends first."""
+        """Post a run's sends and receives as one batch of isend/irecv; wait for the
+        receives. A run that must first learn a shape (see [Note: activation shapes]; the
+        first step only) posts its sends before it waits for that header, as the peer may
+        wait for one of these sends before it sends the header."""
         self._reap_sends()
-        sends, recvs = [], []   # (tag, op, action, key)
+        sends, recvs = [], []   # (action, key, match[, tensor])
         for a in actions:
             grad = a.kind in (Kind.SEND_GRAD, Kind.RECV_GRAD)
             key = (grad, a.microbatch, a.chunk)
@@ -223,27 +226,24 @@ class _Step:
             if a.kind in RECVS:
                 recvs.append((a, key, match))
             else:
-                op = P2P(self.outbox.pop(key).contiguous(), a.peer, send=True, match=match)
+                tensor = self.outbox.pop(key).contiguous()
                 if not grad:
-                    self._send_shape(a, op.tensor, match)
-                sends.append(("grad" if grad else "act", op, a, key))
-        for (_, op, _, _), work in self._post(sends):
+                    self._send_shape(a, tensor, match)
+                sends.append((a, key, match, tensor))
+        ops = [P2P(t, a.peer, send=True, match=m, tag="grad" if key[0] else "act")
+               for a, key, m, t in sends]
+        learns_shape = any(not key[0] and self._shape_key(a, self.stage(a)) not in self.d.shapes
+                           for a, key, _ in recvs)
+        works = self.d.comm.batch_isend_irecv(ops, "pp") if learns_shape else []
+        received = [P2P(self._receive_buffer(a, key, m), a.peer, send=False, match=m,
+                        tag="grad" if key[0] else "act") for a, key, m in recvs]
+        works += self.d.comm.batch_isend_irecv(received if learns_shape else ops + received,
+                                               "pp")
+        for op, work in zip(ops, works):
             self.sending.append((work, op.tensor))
-        received = [("grad" if key[0] else "act",
-                     P2P(self._receive_buffer(a, key, match), a.peer, send=False, match=match),
-                     a, key) for a, key, match in recvs]
-        for (_, op, a, key), work in self._post(received):
+        for op, work, (a, key, _) in zip(received, works[len(ops):], recvs):
             self._wait(work, a)
             self.inbox[key] = op.tensor
-
-    def _post(self, entries: list[tuple]) -> list[tuple]:
-        """One batch per tag, so that the counters tell activations from gradients apart."""
-        posted = []
-        for tag in ("act", "grad"):
-            batch = [e for e in entries if e[0] == tag]
-            posted += zip(batch, self.d.comm.batch_isend_irecv([e[1] for e in batch], "pp",
-                                                               tag=tag))
-        return posted
 
     def _shape_key(self, a: Action, stage: int) -> tuple:
         return (stage, tuple(self.xs[a.microbatch].shape))
@@ -258,7 +258,7 @@ class _Step:
                                 f"{_HEADER - 2} dims of {', '.join(map(str, _DTYPES))}")
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, device=self.device)
         work, = self.d.comm.batch_isend_irecv([P2P(header, a.peer, True, match + (1 << 24))],
                                               "pp", tag="shape")
         self.sending.append((work, header))

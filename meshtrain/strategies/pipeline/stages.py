@@ -96,7 +96,7 @@ class PipelineStages:
                 if name in out:
                     continue
                 value = local[name] if src == self.rank else _empty(desc, self.comm.mesh.device)
-                out[name] = _broadcast(value, src, self.comm)
+                out[name] = _broadcast(value, desc, src, self.comm)
         return out
 
 
@@ -133,7 +133,8 @@ def _release_others(model: nn.Module, keep: set[int]) -> None:
 
 def _describe(value):
     if isinstance(value, torch.Tensor):
-        return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+        return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
+                "host": value.device.type == "cpu"}
     if isinstance(value, dict):
         return {"dict": {k: _describe(v) for k, v in value.items()}}
     return {"value": value}
@@ -147,11 +148,14 @@ def _empty(desc, device):
     return desc["value"]
 
 
-def _broadcast(value, src: int, comm: Comm):
+def _broadcast(value, desc, src: int, comm: Comm):
+    """The entry from `src`, on every rank where `src` kept it: a host tensor (AdamW's step
+    count, an offloaded state) crosses the group on the mesh's device (NCCL takes no host
+    tensor) and lands on the host again."""
     if isinstance(value, torch.Tensor):
-        value = value.detach().contiguous()
-        comm.broadcast(value, src, "pp", tag="merge")
-        return value
+        wire = value.detach().to(comm.mesh.device).contiguous()
+        comm.broadcast(wire, src, "pp", tag="merge")
+        return wire.cpu() if desc.get("host") else wire
     if isinstance(value, dict):
-        return {k: _broadcast(v, src, comm) for k, v in value.items()}
+        return {k: _broadcast(v, desc["dict"][k], src, comm) for k, v in value.items()}
     return value

@@ -83,12 +83,14 @@ class FlatLayout:
 
     def gather(self, shards: list[torch.Tensor], comm: Comm, axis: str,
                tag: str = "state") -> list[torch.Tensor]:
-        """Whole bucket tensors from every rank's shard (an all-gather over `axis` each)."""
-        flats = []
+        """Whole bucket tensors from every rank's shard (an all-gather over `axis` each).
+        Offloaded shards cross the group on the mesh's device (NCCL takes no host tensor)
+        and land where they were kept."""
+        flats, device = [], comm.mesh.device
         for shard in shards:
-            flat = torch.empty(shard.numel() * self.n, dtype=shard.dtype, device=shard.device)
-            comm.all_gather(flat, shard.contiguous(), axis, tag=tag)
-            flats.append(flat)
+            flat = torch.empty(shard.numel() * self.n, dtype=shard.dtype, device=device)
+            comm.all_gather(flat, shard.to(device).contiguous(), axis, tag=tag)
+            flats.append(flat.to(shard.device))
         return flats
 
 

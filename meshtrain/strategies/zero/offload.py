@@ -35,12 +35,14 @@ class OffloadNotice(UserWarning):
 
 def host_device(offload: str, compute: torch.device) -> torch.device:
     """Where the optimizer's tensors live: the host for "cpu" (pinned when it is not the
-    compute device), else the compute device itself."""
+    compute device) and for "disk" (a file is host memory: masters, states and the
+    gradients the step reads all on the host, never split between host and a GPU), else
+    the compute device itself."""
     if offload == "cpu" and compute.type == "cpu":
         warnings.warn("offload='cpu' keeps optimizer states in host memory, which on this "
                       "CPU-only machine is where they already are: nothing moves (use "
                       "offload='disk' to take them out of memory)", OffloadNotice, stacklevel=3)
-    return torch.device("cpu") if offload == "cpu" else compute
+    return torch.device("cpu") if offload in ("cpu", "disk") else compute
 
 
 class DiskStore:
@@ -114,27 +116,32 @@ class Offloader:
         self.kind = offload
         self.host = host_device(offload, compute)
         self.store = DiskStore(directory, needed_bytes, rank) if offload == "disk" else None
+        # pinned host memory where the compute device is a GPU: its copies can be async
+        self.pinned = offload == "cpu" and compute.type == "cuda"
         self._placed: set[int] = set()   # tensors already file-backed (by storage address)
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` where it lives between steps (a file-backed copy for "disk")."""
+        """`tensor` where it lives between steps (a file-backed copy for "disk", pinned
+        host memory for "cpu" beside a GPU)."""
         if self.store is None:
-            return tensor
+            return tensor.pin_memory() if self.pinned and not tensor.is_pinned() else tensor
         out = self.store.tensor(tensor)
         self._placed.add(out.untyped_storage().data_ptr())
         return out
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Move optimizer states created by this step to disk, then drop every file-backed
-        page from memory until the next step."""
-        if self.store is None:
+        page from memory until the next step (for "cpu" beside a GPU: pin them)."""
+        if self.store is None and not self.pinned:
             return
         for state in optimizer.state.values():
             for key, value in state.items():
                 if (isinstance(value, torch.Tensor) and value.dim() > 0
-                        and value.untyped_storage().data_ptr() not in self._placed):
+                        and value.untyped_storage().data_ptr() not in self._placed
+                        and not (self.pinned and value.is_pinned())):
                     state[key] = self.place(value)
-        self.store.evict()
+        if self.store is not None:
+            self.store.evict()
 
     def offloaded_bytes(self, tensors) -> int:
         """Bytes of `tensors` that live on disk."""

@@ -246,7 +246,8 @@ class ZeRO:
         for key in sorted(keys):
             first = next(s[key] for s in state.values() if key in s)
             if isinstance(first, torch.Tensor) and first.dim() > 0:
-                full = {n: state.get(n, {}).get(key, torch.zeros(self.layout.by_name[n].shape))
+                full = {n: state.get(n, {}).get(key, torch.zeros(self.layout.by_name[n].shape,
+                                                              device=self.comm.mesh.device))
                         for n in self.named}
                 shards = self.layout.my_shards(self.layout.join(
                     full, self.masters.masters[0].dtype, self.comm.mesh.device))

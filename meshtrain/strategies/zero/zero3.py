@@ -78,12 +78,13 @@ class Unit:
         """Launch the all-gather of the whole unit (nothing if it is gathered or on its way)."""
         if self.held is not Held.SHARDED:
             return
+        device = self.comm.mesh.device   # the compute device, wherever offload keeps shards
         if self.whole is None:
-            self.whole = torch.empty(self.bucket.numel, dtype=self.shard.dtype,
-                                     device=self.shard.device)
+            self.whole = torch.empty(self.bucket.numel, dtype=self.shard.dtype, device=device)
         else:   # see [Note: one storage per unit]
             self.whole.untyped_storage().resize_(self.nbytes)
-        self.handle = self.comm.all_gather(self.whole, self.shard, self.axis, tag="param",
+        shard = self.shard.to(device, non_blocking=self.shard.is_pinned())
+        self.handle = self.comm.all_gather(self.whole, shard, self.axis, tag="param",
                                            async_op=True)
         self.held = Held.GATHERING
         self.owner.gathered_changed(+self.nbytes)
@@ -112,7 +113,7 @@ class Unit:
     def _point_at(self, whole: torch.Tensor | None) -> None:
         for offset, shape, p in zip(self.bucket.offsets, self.bucket.shapes, self.bucket.params):
             p.data = (whole[offset:offset + shape.numel()].view(shape) if whole is not None
-                      else torch.empty(0, dtype=self.shard.dtype, device=self.shard.device))
+                      else torch.empty(0, dtype=self.shard.dtype, device=self.comm.mesh.device))
 
 
 def wrapping_units(model: nn.Module, names: list[str] | None) -> list[tuple[str, nn.Module]]:

@@ -1,0 +1,45 @@
+"""`Comm.on_host()`: meshtrain's accounted communication over gloo groups of the mesh's ranks,
+for traffic that is a host concept (a parameter server). On CUDA the mesh's groups are NCCL,
+which takes no host tensor, ignores tags and shares one stream per peer for sends and
+receives: a parameter server's receives, posted per peer and waiting for whichever message
+comes next, need gloo's tagged, thread-safe point-to-point instead. CUDA tensors cross these
+groups staged through host memory (see [Note: devices and backends] in comm.py).
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from meshtrain.core.comm import Comm
+from meshtrain.core.mesh import AXES, Mesh
+
+
+class HostComm(Comm):
+    """`Comm.on_host()`: the same accounting over gloo groups."""
+
+    def __init__(self, comm: Comm) -> None:
+        super().__init__(comm.mesh, comm.stats)
+        self.log = comm.log
+        self._groups = {axis: gloo_group(comm.mesh, axis) for axis in AXES}
+
+    def group(self, axis: str):
+        return self._groups[axis]
+
+    def on_host(self) -> "Comm":
+        return self
+
+
+def gloo_group(mesh: Mesh, axis: str):
+    """A gloo group over the ranks of this rank's `axis` group (its own, if gloo already).
+    new_group is collective over the world: every rank creates every group of the axis, in
+    the same order, and keeps its own."""
+    group = mesh.group(axis)
+    if group is None or dist.get_backend(group) == "gloo":
+        return group
+    ranks = mesh.device_mesh.mesh   # (pp, dp, tp) global ranks
+    dim = AXES.index(axis)
+    mine = None
+    for row in ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist():
+        made = dist.new_group(row, backend="gloo")
+        if mesh.rank in row:
+            mine = made
+    return mine

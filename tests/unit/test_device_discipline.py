@@ -1,0 +1,142 @@
+"""Device discipline, checked without a GPU: every tensor meshtrain creates with a torch factory
+names its device (taken from the mesh or from a source tensor), except the tensors listed in
+ALLOWED, which stay on the host on purpose. A CPU-only CI cannot see a CUDA device mismatch
+("Expected all tensors to be on the same device"); it can see the factory call that causes it.
+
+The factories checked are the ones that make a tensor from nothing or from host data:
+`tensor`, `as_tensor`, `zeros`, `ones`, `empty`, `full`, `arange`, `linspace`, `logspace`,
+`eye`, `empty_strided` and the random ones. `*_like` factories and `Tensor.new_*` are not
+checked: they inherit the device of the tensor they are made from. `torch.frombuffer` is host
+memory by definition (it wraps a Python buffer): every use must be in ALLOWED.
+"""
+import ast
+import pathlib
+
+import meshtrain
+
+FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace",
+             "logspace", "eye", "empty_strided", "rand", "randn", "randint", "randperm",
+             "frombuffer"}
+
+# (path under meshtrain/, enclosing function or "*") -> why the tensor stays on the host
+ALLOWED = {
+    ("_preload.py", "*"): "warms torch up in the forkserver before any rank has a device",
+    ("core/mesh.py", "rank_grid"): "the rank layout: integers that name ranks, never data",
+    ("data/corpus.py", "*"): "the corpus's tokens on the host; batches move to the device in "
+                             "the step driver",
+    ("data/sampler.py", "*"): "batch indices and windows on the host, as data loaders make them",
+    ("models/spin.py", "__init__"): "a parameter created with its module, moved with the model",
+    ("strategies/zero/offload.py", "tensor"): "offload='disk': a memory-mapped file is host "
+                                            "memory by definition",
+    ("strategies/data_parallel/parameter_server.py", "local_optimizer_state"):
+        "AdamW's step count: a 0-dim host scalar in torch.optim (capturable=False)",
+    # the benches and calibration build references on the host: point 6 of issue 26 moves
+    # them onto the mesh's device
+    ("bench/*", "*"): "benchmarks (issue 26 point 6)",
+    ("planner/calibrate.py", "*"): "calibration (issue 26 point 6)",
+    ("planner/verify.py", "*"): "plan verification's batches, moved by the step driver",
+}
+
+
+def violations(source: str, path: str) -> list[str]:
+    """`path:line function: call` for each torch factory in `source` without device=, and
+    not allowed by ALLOWED."""
+    tree = ast.parse(source)
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name)
+                continue
+            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
+                    and isinstance(child.func.value, ast.Name) and child.func.value.id == "torch"
+                    and child.func.attr in FACTORIES
+                    and not any(k.arg == "device" for k in child.keywords)
+                    and not _allowed(path, function)):
+                found.append(f"{path}:{child.lineno} {function}: {ast.unparse(child)}")
+            visit(child, function)
+
+    visit(tree, "*")
+    return found
+
+
+def _allowed(path: str, function: str) -> bool:
+    for (where, fn), _ in ALLOWED.items():
+        matches = (path == where or where.endswith("/*") and path.startswith(where[:-1]))
+        if matches and fn in ("*", function):
+            return True
+    return False
+
+
+def test_every_factory_names_its_device():
+    root = pathlib.Path(meshtrain.__file__).parent
+    found = [v for f in sorted(root.rglob("*.py"))
+             for v in violations(f.read_text(), f.relative_to(root).as_posix())]
+    assert not found, ("tensor factories without device= (take it from the mesh or a source "
+                       "tensor, or add the call to ALLOWED with its reason):\n" + "\n".join(found))
+
+
+def test_every_allowed_entry_is_still_needed():
+    """An entry whose file or function is gone hides nothing: it must go."""
+    root = pathlib.Path(meshtrain.__file__).parent
+    for (where, fn) in ALLOWED:
+        files = (list(root.glob(where)) if "*" in where else [root / where])
+        assert files and all(f.exists() for f in files), where
+        if fn != "*":
+            names = {n.name for f in files for n in ast.walk(ast.parse(f.read_text()))
+                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            assert fn in names, f"ALLOWED names {where}:{fn}, which no longer exists"
+
+
+def test_the_checker_finds_a_planted_violation():
+    planted = ("import torch\n"
+               "class Buckets:\n"
+               "    def used_flags(self, params):\n"
+               "        ok = torch.zeros(3, device=params[0].device)\n"
+               "        ok2 = torch.empty_like(ok)\n"
+               "        return torch.tensor([1.0 for p in params])\n"
+               "def outer():\n"
+               "    return torch.arange(4, dtype=torch.int64)\n")
+    assert violations(planted, "strategies/x.py") == [
+        "strategies/x.py:6 used_flags: torch.tensor([1.0 for p in params])",
+        "strategies/x.py:8 outer: torch.arange(4, dtype=torch.int64)"]
+    # the same calls, where ALLOWED lets them stay on the host
+    assert violations(planted, "bench/x.py") == []
+    assert violations(planted, "models/spin.py") == [
+        "models/spin.py:6 used_flags: torch.tensor([1.0 for p in params])",
+        "models/spin.py:8 outer: torch.arange(4, dtype=torch.int64)"]
+
+
+def test_a_host_tensor_is_refused_by_an_nccl_group(monkeypatch):
+    """What CPU can check of "no host tensor reaches NCCL": Comm's check names the problem
+    (the backend mocked: no NCCL group can be made without a GPU)."""
+    import pytest
+    import torch
+    import torch.distributed as dist
+    from meshtrain.core import comm
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match=r"a cpu tensor of shape \(3,\) was passed to an NCCL "
+                                         "group, which carries CUDA tensors only"):
+        comm.check_device(torch.zeros(3), None)
+    assert not comm._stages_p2p(torch.zeros(3), None)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    comm.check_device(torch.zeros(3), None)   # the default group takes host tensors too
+
+
+def test_offload_keeps_every_optimizer_tensor_on_one_side():
+    """Beside a GPU, offload='disk' keeps masters and states on the host (files), never the
+    masters on the GPU with the states on the host; offload='cpu' pins its host tensors.
+    On a CPU-only machine both are the host, as before (what CPU can check)."""
+    import torch
+    import pytest
+    from meshtrain.strategies.zero.offload import OffloadNotice, Offloader, host_device
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert host_device("disk", cuda) == cpu and host_device("cpu", cuda) == cpu
+    assert host_device("none", cuda) == cuda and host_device("disk", cpu) == cpu
+    assert Offloader("cpu", cuda, None, 0, 0).pinned
+    with pytest.warns(OffloadNotice, match="nothing moves"):
+        assert not Offloader("cpu", cpu, None, 0, 0).pinned
+    assert not Offloader("none", cuda, None, 0, 0).pinned
