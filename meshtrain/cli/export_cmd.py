@@ -29,8 +29,11 @@ def export(run_dir, out, force: bool = False) -> tuple[Path, int, int]:
     """Write the latest checkpoint's model state to `out` (atomically); returns (path,
     tensors, steps trained)."""
     out = Path(out)
-    if out.suffix != ".safetensors":
+    if out.suffix == "":
         return export_folder(run_dir, out, force)
+    if out.suffix != ".safetensors":
+        raise ValueError(f"{out}: give a file name ending in .safetensors (or, for a "
+                         "transformers model's run, a folder name without a suffix)")
     if out.exists() and not force:
         raise ValueError(f"{out} exists; pass --force to replace it, or choose another name")
     if not out.parent.is_dir():

@@ -97,14 +97,7 @@ def tp_plan_of(model: nn.Module, tp: int) -> dict:
         raise PlanError(f"{type(model).__name__} ({family(model)!r}) carries no "
                         "base_model_tp_plan in its config: pass tp_plan={'module-name "
                         "pattern': 'column' | 'row' | 'qkv' | 'vocab'} to the Trainer, or use tp=1")
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for what, count in (("attention heads (num_attention_heads)", heads),
-                        ("key/value heads (num_key_value_heads)", kv_heads)):
-        if isinstance(count, int) and count % tp:
-            raise PlanError(f"tp={tp} does not divide the {count} {what} of "
-                            f"{type(model).__name__}: each tp rank computes whole heads "
-                            f"(key/value heads are not replicated); choose tp dividing {count}")
+    check_heads(model, tp)
     prefix = model.base_model_prefix
     plan = {}
     for pattern, style in base_plan.items():
@@ -117,6 +110,20 @@ def tp_plan_of(model: nn.Module, tp: int) -> dict:
     plan[embed] = "vocab"
     plan["lm_head"] = "vocab"   # logits stay split for the vocab-parallel loss
     return plan
+
+
+def check_heads(model: nn.Module, tp: int) -> None:
+    """Each tp rank computes whole heads: tp must divide the query heads and the key/value
+    heads (grouped-query attention's key/value heads are not replicated)."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for what, count in (("attention heads (num_attention_heads)", heads),
+                        ("key/value heads (num_key_value_heads)", kv_heads)):
+        if isinstance(count, int) and count % tp:
+            raise PlanError(f"tp={tp} does not divide the {count} {what} of "
+                            f"{type(model).__name__}: each tp rank computes whole heads "
+                            f"(key/value heads are not replicated); choose tp dividing {count}")
 
 
 # ---- pipeline stages ---------------------------------------------------------------------------

@@ -138,3 +138,23 @@ def test_a_checkpoint_under_tp_resumes_under_pp_to_one_process_numbers(tmp_path)
     ref = hf_cases.reference("llama-tiny-tied", steps=4)
     for result in run_ranks(2, resume_under_another_plan, str(tmp_path / "ckpt"), timeout=90):
         eq.assert_equivalent(result, ref, what="tp=2 then pp=2")
+
+
+def readme_gpt2(tp: int) -> dict:
+    """The README's transformers GPT-2 example (its loss_fn and tp_plan), in bf16."""
+    from meshtrain.strategies.tensor_parallel import token_cross_entropy
+
+    torch.manual_seed(0)
+    trainer = mt.Trainer(eq.hf_gpt2(), mt.Plan(tp=tp, precision="bf16"), eq.sgd,
+                         loss_fn=token_cross_entropy,
+                         tp_plan=eq.HF_GPT2_TP_PLAN if tp > 1 else None)
+    losses = [trainer.step(x, y) for x, y in eq.batches("hf_gpt2", 3)]
+    return {"losses": losses, "state": trainer.full_state_dict()}
+
+
+def test_readme_gpt2_example_runs_in_bf16_under_tp():
+    from tests.multirank.test_hf_models import check_bf16
+
+    one = readme_gpt2(1)   # bit for bit plain torch's bf16 (test_hf_models, hf-gpt2-tiny)
+    for result in run_ranks(2, readme_gpt2, 2, timeout=60):
+        check_bf16(result, one, exact=False, what="README GPT-2, tp=2, bf16")
