@@ -38,8 +38,15 @@ def test_recompute_per_decoder_layer_lowers_activation_bytes():
 
 
 def zero3_units() -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from meshtrain.models.hf_presets import config_of
+
+    config = config_of("llama-tiny")
+    config.num_hidden_layers = 4   # enough layers to see them come and go
     torch.manual_seed(0)
-    trainer = mt.Trainer(build("llama-tiny"), mt.Plan(dp=2, zero=3), eq.sgd)
+    trainer = mt.Trainer(AutoModelForCausalLM.from_config(config), mt.Plan(dp=2, zero=3),
+                         eq.sgd)
     x, y = eq.batches("llama-tiny", 1, trainer.dp_rank, trainer.dp_size)[0]
     trainer.step(x, y)
     units = {u.name: u.nbytes for u in trainer.data_parallel.units}
@@ -49,12 +56,12 @@ def zero3_units() -> dict:
 def test_zero3_gathers_one_decoder_layer_at_a_time():
     for out in run_ranks(2, zero3_units, timeout=60):
         units = out["units"]
-        assert list(units) == ["model.layers.1", "model.layers.0", "root"]
+        assert list(units) == [f"model.layers.{i}" for i in (3, 2, 1, 0)] + ["root"]
         layer = units["model.layers.0"]
         # the root (embedding, norm, output layer) stays gathered through forward; of the
-        # decoder layers at most two at once (one in use, the next prefetched) and never all
-        assert out["peak"] <= units["root"] + 2 * layer
-        assert out["peak"] >= units["root"] + layer
+        # four decoder layers two at once (one in use, the next prefetched), never all
+        assert out["peak"] == units["root"] + 2 * layer
+        assert out["peak"] < sum(units.values()) - layer
 
 
 def test_heads_that_tp_does_not_divide_are_refused_before_any_process_group():
@@ -158,3 +165,14 @@ def test_readme_gpt2_example_runs_in_bf16_under_tp():
     one = readme_gpt2(1)   # bit for bit plain torch's bf16 (test_hf_models, hf-gpt2-tiny)
     for result in run_ranks(2, readme_gpt2, 2, timeout=60):
         check_bf16(result, one, exact=False, what="README GPT-2, tp=2, bf16")
+
+
+def test_the_tp_plan_is_the_configs_own_mapped_onto_meshtrain_styles():
+    from meshtrain.models import hf
+
+    attn, mlp = "model.layers.*.self_attn.", "model.layers.*.mlp."
+    assert hf.tp_plan_of(build("qwen2-tiny"), 2) == {
+        attn + "q_proj": "column", attn + "k_proj": "column", attn + "v_proj": "column",
+        attn + "o_proj": "row", mlp + "gate_proj": "column", mlp + "up_proj": "column",
+        mlp + "down_proj": "row", "model.embed_tokens": "vocab", "lm_head": "vocab"}
+    assert hf.tp_plan_of(build("hf-gpt2-tiny"), 2) == hf.GPT2_TP_PLAN == eq.HF_GPT2_TP_PLAN

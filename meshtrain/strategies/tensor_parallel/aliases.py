@@ -15,8 +15,10 @@ from meshtrain.core.plan import PlanError
 _INTERNAL = ("_parameters", "_buffers", "_modules")
 
 
-def refuse_aliases(model: nn.Module, replaced: dict[int, str]) -> None:
-    """`replaced`: id(old module) -> its name. Raises PlanError naming the first alias."""
+def refuse_aliases(model: nn.Module, originals: list[tuple[str, nn.Module]]) -> None:
+    """`originals`: (name, the module as it was before the swap), held by the caller so
+    that no id is reused while this runs. Raises PlanError naming the first alias."""
+    replaced = {id(m): name for name, m in originals}
     seen: set[int] = set()
     pending = [(model, type(model).__name__)]
     while pending:

@@ -111,7 +111,7 @@ def shard_with_plan(model: nn.Module, comm: Comm, tp_plan: dict) -> TensorParall
     tp = comm.mesh.size("tp")
     sharder = Sharder(model, comm)
     resolved = resolve(model, tp_plan, tp)
-    replaced = {id(model.get_submodule(name)): name for name, _ in resolved}
+    originals = [(name, model.get_submodule(name)) for name, _ in resolved]   # kept alive
     for name, style in resolved:
         module = model.get_submodule(name)
         if style == "vocab" and isinstance(module, nn.Embedding):
@@ -123,7 +123,7 @@ def shard_with_plan(model: nn.Module, comm: Comm, tp_plan: dict) -> TensorParall
             sharder.column(name, Enter(comm, name), blocks=blocks, vocab=style == "vocab")
             if style == "qkv":
                 _divide_heads(model.get_submodule(name.rpartition(".")[0]), tp)
-    refuse_aliases(model, replaced)   # never silently train an unsharded copy
+    refuse_aliases(model, originals)   # never silently train an unsharded copy
     return sharder.finish()
 
 
