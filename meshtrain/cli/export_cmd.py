@@ -1,8 +1,11 @@
 """`meshtrain export RUN_DIR OUT.safetensors`: the run's latest checkpoint as one safetensors
 file of consolidated weights (the model's own state-dict keys, whatever plan trained it),
 loadable with `safetensors.torch.load_file` into the model.
+`meshtrain export RUN_DIR OUT_FOLDER` (a transformers model's run): a transformers model
+folder (config.json + model.safetensors) that `AutoModelForCausalLM.from_pretrained` loads.
 
     meshtrain export runs/2026-11-23_10-00-00 gpt.safetensors
+    meshtrain export runs/2026-11-23_11-00-00 my-llama/
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("export", help="write a run's latest weights as one safetensors file",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by meshtrain train")
-    p.add_argument("out", metavar="OUT", help="the .safetensors file to write")
+    p.add_argument("out", metavar="OUT", help="the .safetensors file to write, or (a "
+                   "transformers model's run) the model folder to write")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.set_defaults(run=run)
 
@@ -25,8 +29,11 @@ def export(run_dir, out, force: bool = False) -> tuple[Path, int, int]:
     """Write the latest checkpoint's model state to `out` (atomically); returns (path,
     tensors, steps trained)."""
     out = Path(out)
+    if out.suffix == "":
+        return export_folder(run_dir, out, force)
     if out.suffix != ".safetensors":
-        raise ValueError(f"{out}: give a file name ending in .safetensors")
+        raise ValueError(f"{out}: give a file name ending in .safetensors (or, for a "
+                         "transformers model's run, a folder name without a suffix)")
     if out.exists() and not force:
         raise ValueError(f"{out} exists; pass --force to replace it, or choose another name")
     if not out.parent.is_dir():
@@ -44,6 +51,31 @@ def export(run_dir, out, force: bool = False) -> tuple[Path, int, int]:
     save_file(state, str(tmp), metadata={"meshtrain_run": str(run_dir), "step": str(steps)})
     os.replace(tmp, out)
     return out, len(state), steps
+
+
+def export_folder(run_dir, out: Path, force: bool = False) -> tuple[Path, int, int]:
+    """A transformers model's latest checkpoint as a transformers model folder, written
+    beside `out` and moved into place once whole."""
+    import shutil
+
+    from meshtrain.models import hf
+    from meshtrain.train.generate import load_trained
+
+    if out.exists() and not force:
+        raise ValueError(f"{out} exists; pass --force to replace it, or choose another name")
+    if not out.parent.is_dir():
+        raise ValueError(f"{out.parent} is not a folder; create it first")
+    model, _, steps = load_trained(run_dir)
+    if not hf.is_causal_lm(model):
+        raise ValueError(f"{run_dir} trained a {type(model).__name__}, not a transformers "
+                         f"model: export it as a file, e.g. {out.name}.safetensors")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out, len(model.state_dict()), steps
 
 
 def run(args) -> int:

@@ -32,7 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="tiny",
                    help="a GPT preset (tiny, small, gpt2-124m, ...), your own model as "
                         "package.module:function (returns an nn.Module reading token ids), or "
-                        "a transformers causal-LM config.json (random weights; needs .[hf])")
+                        "a transformers causal-LM config.json (random weights; needs .[hf]), "
+                        "or a tiny transformers preset (llama-tiny, llama-tiny-tied, qwen2-tiny, "
+                        "mistral-tiny, hf-gpt2-tiny)")
     p.add_argument("--loss", default="auto", choices=["auto", "cross-entropy"],
                    help="auto: the model's own .loss(logits, targets), else cross-entropy "
                         "over every token")
@@ -300,10 +302,29 @@ def check_model_plan(config, plan: Plan) -> None:
                             f"{stages} stages, but {config.model!r} has {gpt.n_layer + 2} layers "
                             f"(embedding, {gpt.n_layer} blocks, head); use fewer stages or "
                             "--layers")
+    elif kind_of(config.model) in ("transformers", "hf-preset"):
+        check_transformers_plan(config.model, plan)
     elif plan.tp > 1:
         raise PlanError(f"--tp {plan.tp}: tensor parallel from the command line shards "
-                        f"meshtrain's GPT presets; {config.model!r} needs a tp_plan, which the "
-                        "Python API takes (Trainer(..., tp_plan={...}))")
+                        f"meshtrain's GPT presets and transformers causal LMs; {config.model!r} "
+                        "needs a tp_plan, which the Python API takes (Trainer(..., tp_plan={...}))")
+
+
+def check_transformers_plan(spec: str, plan: Plan) -> None:
+    """The Trainer's own refusals for a transformers causal LM (heads tp does not divide,
+    more stages than layers...), on the model built without memory (meta tensors)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from meshtrain.models import hf
+    from meshtrain.models.registry import transformers_config
+    from meshtrain.strategies import pipeline
+    from meshtrain.train.trainer import check_layer_sharding
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(transformers_config(spec))
+    check_layer_sharding(model, plan, hf.tp_plan_of(model, plan.tp) if plan.tp > 1 else None)
+    pipeline.check(model, plan)
 
 
 def print_report(run_dir) -> None:

@@ -4,11 +4,13 @@
     my_pkg.my_module:build               a callable returning an nn.Module
     path/to/config.json                  a transformers causal-LM configuration, random weights
                                           (needs the optional extra: pip install -e ".[hf]")
+    llama-tiny | qwen2-tiny | ...        a tiny transformers causal LM built offline from
+                                          transformers' config classes (models/hf_presets.py)
 
-Every model reads token ids (B, T) and returns logits (B, T, V) over the byte vocabulary:
-transformers models through `CausalLMLogits`, which keeps the wrapped model's parameter names
-under `model.`. The loss is the model's own `.loss(logits, targets)` when it has one, else the
-mean cross-entropy over every token.
+Every model reads token ids (B, T) and returns logits (B, T, V) over the byte vocabulary, or
+(transformers) an output whose `.logits` are those; transformers models are trained as
+built, under their own parameter names. The loss is the model's own `.loss(logits, targets)`
+when it has one, else the mean cross-entropy over every token.
 """
 from __future__ import annotations
 
@@ -54,15 +56,20 @@ class ModelSpecError(ValueError):
 
 
 def kind_of(spec: str) -> str:
+    from meshtrain.models.hf_presets import PRESETS as HF_PRESETS
+
     if spec in PRESETS:
         return "gpt"
+    if spec in HF_PRESETS:
+        return "hf-preset"
     if spec.endswith(".json"):
         return "transformers"
     if ":" in spec:
         return "callable"
+    from meshtrain.models.hf_presets import PRESETS as HF_PRESETS
     raise ModelSpecError(f"--model {spec!r} is unknown: neither a GPT preset ({', '.join(PRESETS)}), "
-                         "a callable (package.module:function) nor a transformers config "
-                         "(a .json file)")
+                         f"a transformers preset ({', '.join(HF_PRESETS)}), a callable "
+                         "(package.module:function) nor a transformers config (a .json file)")
 
 
 def check_model_spec(spec: str, overrides: dict) -> None:
@@ -76,8 +83,37 @@ def check_model_spec(spec: str, overrides: dict) -> None:
                              f"{spec!r} builds its own model: drop them")
     elif kind == "callable":
         _resolve(spec)
-    elif not Path(spec).is_file():
+    else:
+        transformers_config(spec)
+
+
+def transformers_config(spec: str):
+    """The transformers config `spec` names (a preset or a config.json), checked: an
+    architecture transformers knows, with a causal LM, and a vocabulary holding the bytes."""
+    from meshtrain.models import hf_presets
+
+    try:
+        import transformers
+    except ImportError:
+        raise ModelSpecError("--model given as a transformers config needs transformers: "
+                             'pip install -e ".[hf]"') from None
+    if spec in hf_presets.PRESETS:
+        return hf_presets.config_of(spec)
+    if not Path(spec).is_file():
         raise ModelSpecError(f"--model {spec!r}: no such configuration file")
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(Path(spec)))
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelSpecError(f"--model {spec}: transformers cannot read this configuration "
+                             f"({str(exc).splitlines()[0]}); give a config.json of an "
+                             "architecture transformers knows (its model_type)") from None
+    if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ModelSpecError(f"--model {spec}: model_type {config.model_type!r} has no causal "
+                             "LM in transformers; give a decoder's config (llama, qwen2, gpt2...)")
+    if getattr(config, "vocab_size", 0) < BYTE_VOCAB:
+        raise ModelSpecError(f"{spec}: vocab_size={getattr(config, 'vocab_size', None)} is "
+                             f"smaller than the byte vocabulary ({BYTE_VOCAB})")
+    return config
 
 
 def build_model(spec: str, overrides: dict, seq_len: int | None = None) -> BuiltModel:
@@ -90,6 +126,9 @@ def build_model(spec: str, overrides: dict, seq_len: int | None = None) -> Built
         return BuiltModel(model, model.loss, config.seq_len, kind)
     check_model_spec(spec, overrides)
     module = _from_callable(spec) if kind == "callable" else _from_transformers(spec)
+    if kind != "callable":
+        return BuiltModel(module, token_cross_entropy, seq_len or _context_of(module) or 128,
+                          "transformers")
     loss = getattr(module, "loss", None) or token_cross_entropy
     return BuiltModel(module, loss, seq_len or _context_of(module) or 128, kind)
 
@@ -119,30 +158,11 @@ def _from_callable(spec: str) -> nn.Module:
 
 
 def _from_transformers(spec: str) -> nn.Module:
-    path = Path(spec)
-    if not path.is_file():
-        raise ModelSpecError(f"--model {spec!r}: no such configuration file")
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError:
-        raise ModelSpecError("--model given as a transformers config needs transformers: "
-                             'pip install -e ".[hf]"') from None
-    config = AutoConfig.from_pretrained(str(path))
-    if getattr(config, "vocab_size", 0) < BYTE_VOCAB:
-        raise ModelSpecError(f"{spec}: vocab_size={getattr(config, 'vocab_size', None)} is "
-                             f"smaller than the byte vocabulary ({BYTE_VOCAB})")
-    return CausalLMLogits(AutoModelForCausalLM.from_config(config))
+    """The causal LM as transformers builds it from its config: no wrapper (the Trainer
+    reads its logits, layers and tp plan itself: models/hf.py)."""
+    from transformers import AutoModelForCausalLM
 
-
-class CausalLMLogits(nn.Module):
-    """A transformers causal LM as logits (B, T) -> (B, T, V), its parameters under `model.`."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=idx, use_cache=False).logits
+    return AutoModelForCausalLM.from_config(transformers_config(spec))
 
 
 def _context_of(module: nn.Module) -> int | None:

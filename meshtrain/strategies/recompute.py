@@ -1,7 +1,8 @@
 """Activation recomputation (`Plan(recompute="full" | "selective")`): keep less for backward,
 compute it again when backward needs it (Chen et al. 2016; Korthikanti et al. 2022).
 
-- "full": every layer but the last (each element of the model's `layers()`, or each child)
+- "full": every layer but the last (a transformers decoder layer, each element of the
+  model's `layers()`, or each child: models/structure.py)
   keeps only its input; its forward runs again inside backward. Per transformer layer that
   leaves s*b*h elements of the 34 s*b*h (16 in fp32, without dropout) a layer saves.
 - "selective": only the attention core (softmax(QK^T)V) is recomputed: what it keeps that
@@ -24,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshtrain.core.plan import PlanError
+from meshtrain.models.structure import units_of
 
 
 def apply_recompute(model: nn.Module, mode: str, keep: Callable | None = None) -> list[str]:
@@ -33,7 +35,7 @@ def apply_recompute(model: nn.Module, mode: str, keep: Callable | None = None) -
         return []
     names = {id(m): n for n, m in model.named_modules()}
     if mode == "full":
-        layers = model.layers() if hasattr(model, "layers") else list(model.children())
+        layers = units_of(model)
         modules = [m for m in layers[:-1] if any(True for _ in m.modules())]
     else:
         modules = [m for m in model.modules() if type(m).__name__ == "AttentionCore"]

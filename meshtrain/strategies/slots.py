@@ -164,7 +164,9 @@ class WholeModel:
         return [(self._canonical[n], p) for n, p in self.model.named_parameters()]
 
     def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        return [(self._canonical[n], b) for n, b in self.model.named_buffers()]
+        # non-persistent buffers (RoPE's inv_freq) are in no state dict: not ours to sync
+        return [(self._canonical[n], b) for n, b in self.model.named_buffers()
+                if n in self._canonical]
 
     def merge(self, local: dict[str, object]) -> dict[str, object]:
         return local

@@ -25,6 +25,8 @@ from meshtrain.core.memory import (ActivationMeter, MemoryReport, optimizer_stat
                                    peak_process_bytes)
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import Plan, PlanError
+from meshtrain.models import hf
+from meshtrain.models.registry import logits_of
 from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchLoop, NoSharding,
                                         Stages, StepDriver, WholeModel)
 from meshtrain.strategies import pipeline, tensor_parallel
@@ -138,6 +140,8 @@ class Trainer:
         if zero3_units is not None and plan.zero != 3:
             raise PlanError(f"zero3_units names ZeRO-3's wrapping units, but Plan.zero="
                             f"{plan.zero}; set zero=3 or drop zero3_units")
+        # a transformers causal LM brings its own loss and tp plan (models/hf.py)
+        loss_fn, tp_plan = hf.defaults(model, plan.tp, loss_fn, tp_plan)
         if loss_fn is None and not hasattr(model, "loss"):
             raise TypeError(f"{type(model).__name__} has no .loss(output, targets): pass "
                             "loss_fn=, e.g. torch.nn.functional.cross_entropy")
@@ -346,7 +350,7 @@ class Trainer:
 
 def _loss_in_fp32(loss_fn: Callable) -> Callable:
     def loss(output, targets):
-        return loss_fn(output.float(), targets)
+        return loss_fn(logits_of(output).float(), targets)   # any output type
     return loss
 
 

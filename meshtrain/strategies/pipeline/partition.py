@@ -1,7 +1,8 @@
 """Cutting a model's layers into pipeline stages: pure functions, no process group.
 
 The layers are `list(model)` for an `nn.Sequential`, or `model.layers()` for a model that
-exposes them (meshtrain's GPT: `[embed, *blocks, head]`); run one after another they must
+exposes them (meshtrain's GPT: `[embed, *blocks, head]`), or a transformers causal LM's
+stages (models/hf.py: embedding, each decoder layer, head); run one after another they must
 compute `model.forward`. They are cut into S = pp * virtual_stages consecutive stages, each
 at least one layer, balanced by parameter count unless explicit cut points are given.
 """
@@ -10,16 +11,12 @@ from __future__ import annotations
 from torch import nn
 
 from meshtrain.core.plan import Plan, PlanError
+from meshtrain.models.structure import pipeline_layers
 
 
 def model_layers(model: nn.Module) -> list[nn.Module]:
     """The model's layers in the order that computes its forward."""
-    if isinstance(model, nn.Sequential):
-        layers = list(model)
-    elif callable(getattr(model, "layers", None)):
-        layers = list(model.layers())
-    else:
-        layers = []
+    layers = pipeline_layers(model)
     if not layers:
         raise PlanError(f"pipeline parallel cuts a model's layers into stages, but "
                         f"{type(model).__name__} exposes no layers: pass an nn.Sequential, "

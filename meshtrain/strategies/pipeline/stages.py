@@ -51,7 +51,8 @@ class PipelineStages:
                          if id(b) in name_of]
         self.shared = {name_of[i]: sorted(ranks) for i, ranks in holders.items()
                        if len(ranks) > 1}
-        _release_others(model, mine | {id(b) for _, b in self._buffers})
+        # non-persistent buffers (RoPE's inv_freq) stay on every stage that runs them
+        _release_others(model, mine | {id(b) for b in _unique(self.chunks, "buffers")})
 
     # ---- what this rank holds -----------------------------------------------------------
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:

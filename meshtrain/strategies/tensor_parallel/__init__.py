@@ -25,6 +25,7 @@ def check(model: nn.Module, plan: Plan, tp_plan: dict | None) -> None:
     """Every refusal that needs no process group: heads and widths tp does not divide, a
     tp_plan pattern matching nothing or a module of the wrong kind, sequence parallel
     where it is not built."""
+    from meshtrain.models import hf
     from meshtrain.models.gpt import GPT
     from meshtrain.strategies.tensor_parallel import gpt, tp_plan as plan_module
 
@@ -35,6 +36,8 @@ def check(model: nn.Module, plan: Plan, tp_plan: dict | None) -> None:
             raise PlanError("sequence_parallel=True is built for meshtrain's GPT (Plan(tp=T, "
                             "sequence_parallel=True) with no tp_plan); with a tp_plan, drop "
                             "sequence_parallel")
+        if hf.is_causal_lm(model):   # a tp_plan of its own still splits whole heads
+            hf.check_heads(model, plan.tp)
         plan_module.resolve(model, tp_plan, plan.tp)
     elif isinstance(model, GPT):
         gpt.check_gpt(model.config, plan.tp)

@@ -25,6 +25,7 @@ from torch import nn
 
 from meshtrain.core.comm import Comm
 from meshtrain.core.plan import PlanError
+from meshtrain.strategies.tensor_parallel.aliases import refuse_aliases
 from meshtrain.strategies.tensor_parallel.layers import Enter, Exit
 from meshtrain.strategies.tensor_parallel.sharder import Sharder, is_conv1d, linear_sizes
 from meshtrain.strategies.tensor_parallel.sharding import TensorParallel
@@ -109,7 +110,9 @@ def shard_with_plan(model: nn.Module, comm: Comm, tp_plan: dict) -> TensorParall
     """Swap every module the plan names for its tensor-parallel layer, in place."""
     tp = comm.mesh.size("tp")
     sharder = Sharder(model, comm)
-    for name, style in resolve(model, tp_plan, tp):
+    resolved = resolve(model, tp_plan, tp)
+    originals = [(name, model.get_submodule(name)) for name, _ in resolved]   # kept alive
+    for name, style in resolved:
         module = model.get_submodule(name)
         if style == "vocab" and isinstance(module, nn.Embedding):
             sharder.vocab_embedding(name, Exit(comm, name))
@@ -120,6 +123,7 @@ def shard_with_plan(model: nn.Module, comm: Comm, tp_plan: dict) -> TensorParall
             sharder.column(name, Enter(comm, name), blocks=blocks, vocab=style == "vocab")
             if style == "qkv":
                 _divide_heads(model.get_submodule(name.rpartition(".")[0]), tp)
+    refuse_aliases(model, originals)   # never silently train an unsharded copy
     return sharder.finish()
 
 

@@ -46,6 +46,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from meshtrain.core.comm import Comm
 from meshtrain.core.memory import storage_bytes
 from meshtrain.core.plan import Plan, PlanError
+from meshtrain.models.structure import units_of
 from meshtrain.strategies.data_parallel.buckets import Bucket, build_buckets
 from meshtrain.strategies.data_parallel.precision import MasterWeights
 from meshtrain.strategies.zero.sharded import ZeRO
@@ -118,7 +119,8 @@ class Unit:
 
 def wrapping_units(model: nn.Module, names: list[str] | None) -> list[tuple[str, nn.Module]]:
     """The modules ZeRO-3 gathers one at a time, in forward order: `names` if given (module
-    names as `named_modules()` gives them), else the model's `layers()`, else its children."""
+    names as `named_modules()` gives them), else the model's units (a transformers causal LM's
+    decoder layers, `layers()`, or its children: models/structure.py)."""
     by_module = {id(m): n for n, m in model.named_modules()}
     if names is not None:
         modules = dict(model.named_modules())
@@ -128,7 +130,7 @@ def wrapping_units(model: nn.Module, names: list[str] | None) -> list[tuple[str,
                             f"{type(model).__name__}; name modules as named_modules() gives "
                             f"them, e.g. {[n for n, _ in model.named_children()][:4]}")
         return [(n, modules[n]) for n in names]
-    layers = model.layers() if hasattr(model, "layers") else list(model.children())
+    layers = units_of(model)
     return [(by_module.get(id(m), str(i)), m) for i, m in enumerate(layers)]
 
 

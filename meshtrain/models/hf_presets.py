@@ -1,0 +1,44 @@
+"""Tiny transformers causal LMs built offline from transformers' config classes (no
+download), for `meshtrain train --model llama-tiny` and the tests: 2 decoder layers, 4
+attention heads, 2 key/value heads (grouped-query attention) where the family has them, a
+byte vocabulary (256), no dropout.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _config(name: str):
+    import transformers as tf
+
+    if name == "llama-tiny":
+        return tf.LlamaConfig(**SIZES, tie_word_embeddings=False)
+    if name == "llama-tiny-tied":
+        return tf.LlamaConfig(**SIZES, tie_word_embeddings=True)
+    if name == "qwen2-tiny":
+        return tf.Qwen2Config(**SIZES, tie_word_embeddings=False)
+    if name == "mistral-tiny":
+        return tf.MistralConfig(**SIZES, tie_word_embeddings=False, sliding_window=None)
+    if name == "hf-gpt2-tiny":
+        return tf.GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4,
+                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                             bos_token_id=0, eos_token_id=0)
+    raise KeyError(name)
+
+
+PRESETS = ("llama-tiny", "llama-tiny-tied", "qwen2-tiny", "mistral-tiny", "hf-gpt2-tiny")
+
+
+def config_of(name: str):
+    """The transformers config of preset `name` (needs transformers: the `hf` extra)."""
+    return _config(name)
+
+
+def build(name: str) -> nn.Module:
+    """A randomly initialised causal LM of preset `name`, from torch's global RNG."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config_of(name))

@@ -1,0 +1,76 @@
+"""transformers causal LMs in the equivalence harness (tests/multirank/equivalence.py).
+
+Each preset of meshtrain/models/hf_presets.py is registered in `equivalence.MODELS` with no
+loss function: the Trainer gets nothing but `Trainer(model, Plan(...), optimizer)`. The
+references are plain PyTorch in one process: the next-token cross-entropy on the output's
+logits, and for bf16 the parameters in bf16 with fp32 masters (non-persistent buffers, RoPE's
+inv_freq, stay as the model built them).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import meshtrain as mt
+from meshtrain.models.hf_presets import build
+from tests.multirank import equivalence as eq
+
+SEQ, STEPS = 16, 4
+NAMES = ("llama-tiny", "llama-tiny-tied", "hf-gpt2-tiny", "qwen2-tiny")
+for _name in NAMES:
+    eq.MODELS[_name] = (partial(build, _name), None, 255, SEQ)   # data() is uint8
+
+
+def token_loss(output, targets: torch.Tensor) -> torch.Tensor:
+    logits = output.logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def reference(model: str, steps: int = STEPS) -> dict:
+    torch.manual_seed(0)
+    net = eq.MODELS[model][0]()
+    opt = eq.sgd(net.parameters())
+    names = {id(p): n for n, p in net.named_parameters()}
+    losses = []
+    for x, y in eq.batches(model, steps):
+        opt.zero_grad(set_to_none=True)
+        loss = token_loss(net(x, use_cache=False), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    state = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    return {"losses": losses, "state": {k: v.clone() for k, v in net.state_dict().items()},
+            "optimizer": state, "norms": []}
+
+
+def reference_bf16(model: str, steps: int = STEPS) -> dict:
+    torch.manual_seed(0)
+    net = eq.MODELS[model][0]()
+    params = list(net.parameters())
+    masters = [nn.Parameter(p.detach().clone()) for p in params]
+    for p in params:
+        p.data = p.data.to(torch.bfloat16)
+    opt = eq.sgd(masters)
+    losses = []
+    for x, y in eq.batches(model, steps):
+        loss = token_loss(net(x, use_cache=False), y)
+        loss.backward()
+        for m, p in zip(masters, params):
+            m.grad, p.grad = p.grad.float(), None
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, params):
+                p.copy_(m)
+        losses.append(loss.item())
+    master_of = {id(p): m for p, m in zip(params, masters)}
+    state = {k: master_of[id(v)].detach().clone() if id(v) in master_of else v
+             for k, v in net.state_dict(keep_vars=True).items()}
+    return {"losses": losses, "state": state}
+
+
+def train_many(cases: list[tuple[dict, str]]) -> list[dict]:
+    """Each (plan fields, model) trained on this rank, in one launched world."""
+    return [eq.train(mt.Plan(**plan), model, steps=STEPS) for plan, model in cases]
