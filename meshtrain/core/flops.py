@@ -101,3 +101,11 @@ def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float, n_devices:
     if peak_flops <= 0 or n_devices < 1:
         raise ValueError(f"mfu: peak_flops={peak_flops} and n_devices={n_devices} must be positive")
     return tokens_per_s * flops_per_tok / (peak_flops * n_devices)
+
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def run_peak(device: torch.device, precision: str) -> Peak:
+    """One device's peak for a run's plan precision ('fp32' | 'bf16')."""
+    return device_peak(device, PRECISION_DTYPES.get(precision, torch.float32))
