@@ -168,3 +168,9 @@ def test_mfu_in_summary_and_metrics_follows_the_arithmetic(one_process):
     steps = [m for m in metrics(one_process) if "loss" in m]
     assert len(steps) == 6 and all(m["mfu"] == pytest.approx(
         m["tokens_per_s"] * s["flops_per_token"] / s["peak_flops"]) for m in steps)
+    from statistics import median
+
+    from meshtrain.report.figure import text_summary
+    from meshtrain.report.run_data import read_run
+    assert f"MFU         median {median(m['mfu'] for m in steps):.2%}" in text_summary(
+        read_run(one_process))
