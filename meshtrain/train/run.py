@@ -36,6 +36,7 @@ from meshtrain.data.corpus import check_fits, load_corpus
 from meshtrain.data.sampler import BatchSampler, eval_batches
 from meshtrain.models.registry import build_model, token_cross_entropy
 from meshtrain.train import faults
+from meshtrain.train.optimizers import default_adamw
 from meshtrain.train.trainer import Trainer
 
 
@@ -52,7 +53,7 @@ def train_rank(config: RunConfig) -> dict:
     seq_len = built.seq_len
     flops_tok = model_flops_per_token(built.module, seq_len)   # before any sharding
     check_fits(corpus, seq_len)
-    trainer = Trainer(built.module, plan, optimizer=lambda ps: torch.optim.AdamW(
+    trainer = Trainer(built.module, plan, optimizer=lambda ps: default_adamw(
         ps, lr=config.lr, weight_decay=config.weight_decay),
         loss_fn=token_cross_entropy if config.loss == "cross-entropy" else built.loss,
         max_grad_norm=config.max_grad_norm, measure_activations=True,
