@@ -359,6 +359,8 @@ def print_summary(s: dict) -> None:
         f"val loss      {s['val_loss_start']:.4f} -> {s['val_loss_end']:.4f} ({ratio:.2f}x)",
         f"throughput    {s['tokens_per_s']:,.0f} tokens/s (median step {s['median_step_s'] * 1e3:.1f} ms; "
         f"first step done {s['first_step_after_s']:.1f} s after the command started)",
+        f"MFU           {s['mfu']:.2%} ({s['flops_per_token']:.3g} FLOPs/token; peak "
+        f"{s['peak_flops'] / 1e12:.3g} TFLOP/s per device, {s['peak_source']})",
         f"communicated  {_mib(s['bytes_sent_per_step'])} sent per rank per step",
     ]
     for rank, m in enumerate(s["memory_per_rank"]):

@@ -93,6 +93,10 @@ def text_summary(run: RunData) -> str:
         lines.append(f"  val loss    {run.val_loss[0]:.4f} -> {run.val_loss[-1]:.4f}")
     if run.tokens_per_s:
         lines.append(f"  tokens/s    median {statistics.median(run.tokens_per_s):,.0f}")
+    if run.mfu:
+        source = run.summary.get("peak_source")
+        lines.append(f"  MFU         median {statistics.median(run.mfu):.2%}"
+                     + (f" (peak {source})" if source else ""))
     for axis, sent in run.bytes_by_axis.items():
         lines.append(f"  sent/step   {axis}: {statistics.mean(sent) / 2**20:,.2f} MiB")
     for rank, m in enumerate(run.memory_per_rank):

@@ -21,6 +21,7 @@ class RunData:
     steps: list[int] = field(default_factory=list)          # per training step
     loss: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
+    mfu: list[float] = field(default_factory=list)          # runs before MFU was logged: empty
     bytes_by_axis: dict[str, list[int]] = field(default_factory=dict)   # axis -> per step
     eval_steps: list[int] = field(default_factory=list)     # per evaluation
     val_loss: list[float] = field(default_factory=list)
@@ -50,6 +51,8 @@ def read_run(path) -> RunData:
         run.steps.append(r["step"])
         run.loss.append(r["loss"])
         run.tokens_per_s.append(r["tokens_per_s"])
+        if "mfu" in r:
+            run.mfu.append(r["mfu"])
         for a in axes:
             run.bytes_by_axis[a].append(r.get("bytes_by_axis", {}).get(a, 0))
     for r in records:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.core.device import DeviceClock, device_memory
+from meshtrain.core.flops import mfu, model_flops_per_token, run_peak
 from meshtrain.core.plan import Plan
 from meshtrain.core.processes import process_start_time
 from meshtrain.train.config import RunConfig, latest_checkpoint, learning_rate, write_latest
@@ -36,6 +37,7 @@ from meshtrain.data.corpus import check_fits, load_corpus
 from meshtrain.data.sampler import BatchSampler, eval_batches
 from meshtrain.models.registry import build_model, token_cross_entropy
 from meshtrain.train import faults
+from meshtrain.train.optimizers import default_adamw
 from meshtrain.train.trainer import Trainer
 
 
@@ -50,8 +52,9 @@ def train_rank(config: RunConfig) -> dict:
     torch.manual_seed(config.seed)
     built = build_model(config.model, config.model_overrides, config.seq_len)
     seq_len = built.seq_len
+    flops_tok = model_flops_per_token(built.module, seq_len)   # before any sharding
     check_fits(corpus, seq_len)
-    trainer = Trainer(built.module, plan, optimizer=lambda ps: torch.optim.AdamW(
+    trainer = Trainer(built.module, plan, optimizer=lambda ps: default_adamw(
         ps, lr=config.lr, weight_decay=config.weight_decay),
         loss_fn=token_cross_entropy if config.loss == "cross-entropy" else built.loss,
         max_grad_norm=config.max_grad_norm, measure_activations=True,
@@ -80,6 +83,11 @@ def train_rank(config: RunConfig) -> dict:
 
     tokens_per_step = config.batch_size * seq_len
     clock = DeviceClock(trainer.mesh.device)   # times the device's work, not its launches
+    peak = run_peak(trainer.mesh.device, plan.precision)
+
+    def util(tok_s: float) -> float:   # MFU over every rank's device
+        return mfu(tok_s, flops_tok, peak.flops, trainer.mesh.world_size)
+
     bar = _progress(start, config.steps, enabled=is_main and config.progress)
     loss, t_start, first_step_s = float("nan"), time.perf_counter(), float("nan")
     step_times, step_bytes = [], []
@@ -103,8 +111,9 @@ def train_rank(config: RunConfig) -> dict:
         step_bytes.append(sent)
         first.setdefault("train_loss", loss)
         record = {"step": step + 1, "loss": loss, "lr": lr, "step_s": dt,
-                  "tokens_per_s": tokens_per_step / dt, "bytes_sent": sent,
-                  "bytes_by_axis": by_axis, **(device_memory(trainer.mesh.device) or {})}
+                  "tokens_per_s": tokens_per_step / dt, "mfu": util(tokens_per_step / dt),
+                  "bytes_sent": sent, "bytes_by_axis": by_axis,
+                  **(device_memory(trainer.mesh.device) or {})}
         if step == start:   # how long the user waited for training to start
             first_step_s = time.time() - (config.started_at or process_start_time())
             record["since_start_s"] = first_step_s
@@ -133,6 +142,8 @@ def train_rank(config: RunConfig) -> dict:
         "train_loss_start": first.get("train_loss"), "train_loss_end": loss,
         "val_loss_start": first["val_loss"], "val_loss_end": final_val,
         "median_step_s": median, "tokens_per_s": tokens_per_step / median,
+        "mfu": util(tokens_per_step / median), "flops_per_token": flops_tok,
+        "peak_flops": peak.flops, "peak_source": peak.source,
         "first_step_after_s": first_step_s,
         "bytes_sent_per_step": sum(step_bytes) / max(1, len(step_bytes)), "memory_per_rank": memory,
         "wall_s": time.perf_counter() - t_start,

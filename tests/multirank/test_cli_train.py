@@ -154,3 +154,23 @@ class _System:
 
     def __reduce__(self):
         return os.system, (self.command,)
+
+
+def test_mfu_in_summary_and_metrics_follows_the_arithmetic(one_process):
+    from meshtrain.models.registry import build_model
+    s = json.loads(Path(one_process, "summary.json").read_text())
+    config = json.loads(Path(one_process, "config.json").read_text())
+    built = build_model(config["model"], config["model_overrides"], config["seq_len"])
+    n = sum(p.numel() for p in built.module.parameters())
+    assert s["flops_per_token"] == 6 * n + 12 * 2 * 32 * 32
+    assert s["peak_source"].startswith("measured: ") and s["peak_flops"] > 0   # CPU: no table
+    assert s["mfu"] == pytest.approx(s["tokens_per_s"] * s["flops_per_token"] / s["peak_flops"])
+    steps = [m for m in metrics(one_process) if "loss" in m]
+    assert len(steps) == 6 and all(m["mfu"] == pytest.approx(
+        m["tokens_per_s"] * s["flops_per_token"] / s["peak_flops"]) for m in steps)
+    from statistics import median
+
+    from meshtrain.report.figure import text_summary
+    from meshtrain.report.run_data import read_run
+    assert f"MFU         median {median(m['mfu'] for m in steps):.2%}" in text_summary(
+        read_run(one_process))

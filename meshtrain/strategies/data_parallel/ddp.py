@@ -119,11 +119,11 @@ class DDP:
         self.grads.wait()
         if not self.mixed:
             stats = self.buckets[-1].extra
-        users = stats[1:].tolist()  # summed: how many ranks used each parameter
+        loss, *users = stats.tolist()  # one host sync; users: how many ranks used each param
         for p, used_by in zip(self.params, users):
             bucket, i = self.grads.slot(p)
             p.grad = bucket.grad_view(i) if used_by else None
-        return stats[0].item() / self.comm.mesh.size(self.axis)
+        return loss / self.comm.mesh.size(self.axis)
 
     # ---- the optimizer (slot 4) ------------------------------------------------------------
     def build_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]

@@ -1,0 +1,111 @@
+"""Model FLOPs utilisation (MFU): training FLOPs per token and a device's peak rate.
+
+FLOPs per token for a decoder: 6N + 12*L*d*T (PaLM, appendix B): 6N for the forward and
+backward matmuls of N parameters, 12*L*d*T for attention's scores and weighted sum over a
+context of T. Recompute is not counted: MFU measures useful model FLOPs, not hardware FLOPs.
+The peak comes from a table of known accelerators (dense, no sparsity) or, for a device not
+in it, a measured matmul; `Peak.source` says which, so every MFU figure states its basis.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+# Dense peak FLOP/s per device by compute dtype (vendor data sheets; SXM parts).
+PEAK_TABLE: dict[str, dict[str, float]] = {
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494.5e12},
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494.5e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "tf32": 156e12},
+    "A10G": {"bf16": 70e12, "fp16": 70e12, "fp32": 31.2e12, "tf32": 35e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12, "tf32": 60e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+}
+
+
+def flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs per token of a decoder: 6N + 12*L*d*T."""
+    for name, v in (("n_params", n_params), ("n_layer", n_layer), ("d_model", d_model),
+                    ("seq_len", seq_len)):
+        if v < 0:
+            raise ValueError(f"flops_per_token: {name}={v} must be >= 0")
+    return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
+
+
+def model_flops_per_token(model: torch.nn.Module, seq_len: int, n_layer: int | None = None,
+                          d_model: int | None = None) -> float:
+    """FLOPs per token of `model`: N from its parameters; L and d from a meshtrain GPT's
+    config (`model.config`) or given; a model whose L and d are unknown counts 6N only."""
+    n = sum(p.numel() for p in model.parameters())
+    cfg = getattr(model, "config", None)
+    n_layer = n_layer if n_layer is not None else getattr(cfg, "n_layer", 0)
+    d_model = d_model if d_model is not None else getattr(cfg, "d_model", 0)
+    return flops_per_token(n, n_layer, d_model, seq_len)
+
+
+@dataclass(frozen=True)
+class Peak:
+    flops: float
+    """Peak FLOP/s of one device."""
+    source: str
+    """'table: <device> <dtype>' or 'measured: <n>x<n> matmul on <device>'."""
+
+
+def _dtype_key(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "fp32")
+
+
+def table_peak(device_name: str, dtype: torch.dtype) -> Peak | None:
+    """The table's peak for a device whose name contains a known model (e.g.
+    'NVIDIA H100 80GB HBM3'), or None. fp32 on Ampere+ is tf32 when torch allows it."""
+    key = _dtype_key(dtype)
+    if key == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        key = "tf32"
+    for model in sorted(PEAK_TABLE, key=len, reverse=True):
+        if model in device_name.upper() and key in PEAK_TABLE[model]:
+            return Peak(PEAK_TABLE[model][key], f"table: {model} {key}")
+    return None
+
+
+def measured_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 5) -> Peak:
+    """Best-of-`reps` FLOP/s of an n x n matmul on `device`: the peak where no table entry is."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(reps + 1):  # the first is warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return Peak(2.0 * n ** 3 / best, f"measured: {n}x{n} {_dtype_key(dtype)} matmul on {device.type}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_peak(device: torch.device, dtype: torch.dtype) -> Peak:
+    """The table's peak for a known CUDA device, else a measured matmul."""
+    if device.type == "cuda":
+        found = table_peak(torch.cuda.get_device_name(device), dtype)
+        if found is not None:
+            return found
+    return measured_peak(device, dtype)
+
+
+def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float, n_devices: int = 1) -> float:
+    """Achieved model FLOP/s over the peak of `n_devices` devices."""
+    if peak_flops <= 0 or n_devices < 1:
+        raise ValueError(f"mfu: peak_flops={peak_flops} and n_devices={n_devices} must be positive")
+    return tokens_per_s * flops_per_tok / (peak_flops * n_devices)
+
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def run_peak(device: torch.device, precision: str) -> Peak:
+    """One device's peak for a run's plan precision ('fp32' | 'bf16')."""
+    return device_peak(device, PRECISION_DTYPES.get(precision, torch.float32))

@@ -1,0 +1,31 @@
+"""The default AdamW: fused on CUDA, foreach elsewhere, and the same numbers as the plain loop."""
+import torch
+
+from meshtrain.train.optimizers import adamw_implementation, default_adamw
+
+
+def test_cpu_params_get_foreach_and_match_the_loop_implementation():
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt = default_adamw(a, lr=1e-2, weight_decay=0.1)
+    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
+    ref = torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1, foreach=False)
+    for _ in range(3):
+        for ps, o in ((a, opt), (b, ref)):
+            for p in ps:
+                p.grad = torch.sin(p.detach() * 3)
+            o.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)   # foreach: fp32 round-off
+    assert adamw_implementation([{"params": a}]) == {"foreach": True}
+    assert adamw_implementation([]) == {"foreach": True}
+
+
+def test_cuda_params_get_fused():
+    class FakeCuda:   # is_cuda is what the choice reads; no CUDA on a CPU runner
+        is_cuda = True
+
+        def is_floating_point(self):
+            return True
+    assert adamw_implementation([FakeCuda(), {"params": [FakeCuda()]}]) == {"fused": True}
