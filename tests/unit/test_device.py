@@ -144,6 +144,7 @@ def test_the_summary_shows_gpu_memory_when_there_is_some(capsys):
     summary = dict(plan="DDP dp=1", steps=1, resumed_from=0, train_loss_start=2.0,
                    train_loss_end=1.0, val_loss_start=2.0, val_loss_end=1.0,
                    tokens_per_s=1.0, median_step_s=1.0, first_step_after_s=1.0,
+                   mfu=0.5, flops_per_token=1e9, peak_flops=1e12, peak_source="table",
                    bytes_sent_per_step=0, memory_per_rank=[memory, dict(memory, device_peak=None)],
                    run_dir="r", checkpoint="c")
     train_cmd.print_summary(summary)
