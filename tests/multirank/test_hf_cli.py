@@ -44,14 +44,19 @@ def test_llama_config_trains_under_tp_and_pp_and_exports_to_transformers(tmp_pat
     assert steps == 3
 
 
-def test_bad_transformers_input_is_refused_before_any_rank_starts(tmp_path):
+def test_bad_transformers_input_is_refused_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    import importlib
     import json
 
+    from meshtrain.cli.main import main
     from meshtrain.models.hf_presets import config_of
 
     (tmp_path / "bad.json").write_text(json.dumps({"model_type": "nonesuch", "vocab_size": 300}))
     config_of("llama-tiny").save_pretrained(tmp_path / "llama")
     llama = str(tmp_path / "llama" / "config.json")
+    started = []   # in-process: a rank would start only through launch()
+    launcher = importlib.import_module("meshtrain.launch")   # the package exports launch()
+    monkeypatch.setattr(launcher, "launch", lambda *a, **k: started.append(a))
     for args, message in [
             (["--model", str(tmp_path / "bad.json")], "transformers cannot read this configuration"),
             (["--model", llama, "--tp", "4", "--nproc", "4"],
@@ -59,7 +64,8 @@ def test_bad_transformers_input_is_refused_before_any_rank_starts(tmp_path):
             (["--model", "qwen2-tiny", "--pp", "8", "--nproc", "8"],
              "8 stages, but Qwen2ForCausalLM has only 4 layers")]:
         run = tmp_path / "run"
-        out = meshtrain("train", *args, "--run-dir", str(run), "--steps", "1", cwd=ROOT)
-        assert out.returncode == 2, out.stderr
-        assert message in out.stderr, out.stderr
-        assert "local rank(s)" not in out.stderr   # no rank was started
+        assert main(["train", *args, "--run-dir", str(run), "--steps", "1"]) == 2
+        err = capsys.readouterr().err
+        assert message in err, err
+        assert "Traceback" not in err
+        assert not started and not run.exists()   # no rank was started, nothing written
