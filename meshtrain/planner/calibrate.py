@@ -386,12 +386,11 @@ def fit_runtime_memory(rounds: list[list[tuple[tuple[float, float], float]]]) ->
     the median over the rounds, then the three terms, none negative, nearest to the points
     (three points: exact where that leaves no term negative). With only the two reference
     points, one rate for all traffic: the line through them, which the profile keeps as
-    well (tensor-parallel ranks' heap grows so: Cluster.memory_terms). Measured on this
-    machine (1, 2 and 4 blocks at batch 2 to 16): the first layer's rate is 3-8x the
-    rest's, and one rate for all traffic missed the 4-block GPT at batch 8 by +12 MB.
+    well (tensor-parallel ranks' heap grows so: Cluster.memory_terms). Two rates, because
+    the first layer's heap grows several times faster than the rest's (docs/history.md).
     A fourth point, two micro-batches a step, gives "accumulation": the bytes its heap keeps
-    beyond one micro-batch's (4-14 MB measured: the second micro-batch's forward runs
-    beside the first's gradients, made in the heap its activations left)."""
+    beyond one micro-batch's (the second micro-batch's forward runs beside the first's
+    gradients, made in the heap its activations left)."""
     points = [(col[0][0], statistics.median(o for _, o in col)) for col in zip(*rounds)]
     line = _line(points[0], points[len(MEMORY_BATCHES) - 1])
     fit = dict(line)
