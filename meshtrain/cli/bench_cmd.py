@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8],
                    help="pp: micro-batch counts (4 8)")
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (2 4)")
-    p.add_argument("--model", default="small", help="GPT preset (small: PEERS.md's shape)")
+    p.add_argument("--model", default="small", help="GPT preset (small: 4 layers, d_model 256, seq 128)")
     p.add_argument("--batch", type=int, default=16, help="global batch")
     p.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
     p.add_argument("--reps", type=int, default=10, help="repetitions, alternating")
