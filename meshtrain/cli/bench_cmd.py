@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 from meshtrain.core.plan import Plan
@@ -30,7 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8],
                    help="pp: micro-batch counts (4 8)")
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (2 4)")
-    p.add_argument("--model", default="small", help="GPT preset (small: 4 layers, d_model 256, seq 128)")
+    p.add_argument("--model", default="small",
+                   help="GPT preset (small: 4 layers, d_model 256, seq 128)")
     p.add_argument("--batch", type=int, default=16, help="global batch")
     p.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
     p.add_argument("--reps", type=int, default=10, help="repetitions, alternating")
@@ -143,6 +145,9 @@ def check_bench_args(args) -> str | None:
         return f"--bucket-mb {args.bucket_mb:g}: give a positive size in MiB"
     if args.runs < 1:
         return f"--runs {args.runs}: give a whole number >= 1"
+    if args.against and shutil.which(args.against) is None:
+        return (f"--against {args.against}: no such command; give the path of another "
+                f"installation's meshtrain (e.g. OTHER_VENV/bin/meshtrain)")
     if args.strategy not in NO_MODEL and args.model not in PRESETS:
         return f"--model {args.model!r}: the benchmarks run a GPT preset ({', '.join(PRESETS)})"
     return None
