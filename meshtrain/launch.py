@@ -111,13 +111,13 @@ def _store_of_this_attempt(timeout):
 def shutdown_distributed(exit_code: int | None = None) -> None:
     """A barrier, then the process group's teardown. With `exit_code`, the process then
     ends at once: gloo's threads can abort the interpreter's exit with SIGABRT after a
-    finished run ("terminate called without an active exception", PEERS.md), which would
+    finished run ("terminate called without an active exception", docs/history.md), which would
     turn a run torchrun launched into a failure; everything the run writes is closed by
     then, so the exit skips only those destructors."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.barrier()  # cuts the teardown abort's frequency (PEERS.md)
+        dist.barrier()  # cuts the teardown abort's frequency (docs/history.md)
         dist.destroy_process_group()
     if exit_code is not None:
         sys.stdout.flush()

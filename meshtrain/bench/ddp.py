@@ -34,9 +34,8 @@ def ddp_rank(model_name: str, global_batch: int, steps: int, reps: int, warmup: 
              bucket_mb: float, ours_first: bool) -> dict:
     """On each rank: alternate our DDP and torch's; returns seconds of every timed step.
 
-    The model built first in a process runs ~1-3% slower here (measured: torch DDP against
-    itself 1.009; ours against torch 1.034 built first, 0.993 built second), so `run` builds
-    them in both orders, in two launches, and pools the steps."""
+    The model built first in a process runs a few percent slower (docs/history.md), so
+    `run` builds them in both orders, in two launches, and pools the steps."""
     from torch.nn.parallel import DistributedDataParallel
 
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -19,17 +19,17 @@ def measure_rank(cases: list[tuple[str, int, int]], seconds: float, steps: int,
                  input_s: float | None = None, weight_s: float | None = None) -> list:
     """Per (schedule, M, V): each step's trace record of this rank (report/trace.py). A
     stage costs `seconds` forward, `input_s` + `weight_s` backward (models/spin.py)."""
-    import meshtrain as mt
+    from meshtrain.core.plan import Plan
+    from meshtrain.train.trainer import Trainer
     from meshtrain.models.spin import spin_pipe
     from meshtrain.report.trace import rank_record
 
     pp, out = dist.get_world_size(), []
     for schedule, m, v in cases:
         torch.manual_seed(0)
-        trainer = mt.Trainer(spin_pipe(pp * v, seconds, input_s, weight_s),
-                             mt.Plan(pp=pp, schedule=schedule, microbatches=m,
-                                     virtual_stages=v),
-                             optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), loss_fn=_mse)
+        trainer = Trainer(spin_pipe(pp * v, seconds, input_s, weight_s),
+                          Plan(pp=pp, schedule=schedule, microbatches=m, virtual_stages=v),
+                          optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), loss_fn=_mse)
         # the input requires grad so that stage 0 pays an input gradient as every other
         # stage does: equal stage costs, as theory assumes
         x = torch.randn(2 * m, WIDTH, requires_grad=True)
@@ -95,7 +95,8 @@ def bench_rank(model_name: str, batch: int, cases: list[tuple[str, int, int]], s
     timed step, and our measured bubble of the last step."""
     import torch.distributed.pipelining as tpp
 
-    import meshtrain as mt
+    from meshtrain.core.plan import Plan
+    from meshtrain.train.trainer import Trainer
     from meshtrain.bench.timing import alternate
     from meshtrain.models.gpt import GPT, gpt_config
     from meshtrain.strategies.pipeline.partition import model_layers, stage_bounds
@@ -105,10 +106,10 @@ def bench_rank(model_name: str, batch: int, cases: list[tuple[str, int, int]], s
     x, y = _gpt_batch(model_name, batch)
     out = {}
     for schedule, m, v in cases:
-        plan = mt.Plan(pp=pp, schedule=schedule, microbatches=m, virtual_stages=v)
+        plan = Plan(pp=pp, schedule=schedule, microbatches=m, virtual_stages=v)
         torch.manual_seed(0)
-        ours = mt.Trainer(GPT(gpt_config(model_name, n_layer=N_LAYER)), plan,
-                          loss_fn=_token_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4))
+        ours = Trainer(GPT(gpt_config(model_name, n_layer=N_LAYER)), plan,
+                       loss_fn=_token_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4))
 
         torch.manual_seed(0)
         model = GPT(gpt_config(model_name, n_layer=N_LAYER))

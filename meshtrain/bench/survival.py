@@ -2,7 +2,7 @@
 `meshtrain train --max-restarts 1`, and compare the final parameters with the same run
 uninterrupted (bit for bit).
 
-    python benchmarks/bench_survival.py --runs 10      # 10 kills at a step, 10 in a checkpoint
+    meshtrain bench survival --runs 10      # 10 kills at a step, 10 in a checkpoint
 
 Each run is a real `meshtrain train` command in its own process tree (the elastic agent does
 the restart); the fault is injected through MESHTRAIN_INJECT_FAULT (train/faults.py).
@@ -108,22 +108,21 @@ def run_cases(cases: list[tuple[str, str]], workdir: Path, progress=None) -> lis
     return outcomes
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=int, default=10, help="runs of each kind (10)")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    rng = random.Random(args.seed)
+def run(runs: int, seed: int, progress=None) -> list[Outcome]:
+    """`runs` kills at a random step and `runs` during a checkpoint write, plans in turn."""
+    rng = random.Random(seed)
     names = list(PLANS)
-    cases = [(names[i % len(names)], random_fault(rng, False)) for i in range(args.runs)]
-    cases += [(names[i % len(names)], random_fault(rng, True)) for i in range(args.runs)]
+    cases = [(names[i % len(names)], random_fault(rng, False)) for i in range(runs)]
+    cases += [(names[i % len(names)], random_fault(rng, True)) for i in range(runs)]
     with tempfile.TemporaryDirectory(prefix="meshtrain-survival-") as tmp:
-        outcomes = run_cases(cases, Path(tmp), progress=lambda m: print(m, file=sys.stderr))
+        return run_cases(cases, Path(tmp), progress=progress)
+
+
+def format_report(outcomes: list[Outcome]) -> str:
+    lines = []
     for kind, where in (("at a step", False), ("during a checkpoint", True)):
         mine = [o for o in outcomes if o.fault.endswith(":checkpoint") == where]
         good = sum(o.bit_equal for o in mine)
-        print(f"killed {kind}: {good}/{len(mine)} finished bit-equal to the uninterrupted run")
-    return 0 if all(o.bit_equal for o in outcomes) else 1
+        lines.append(f"killed {kind}: {good}/{len(mine)} finished bit-equal to the "
+                     f"uninterrupted run")
+    return "\n".join(lines)

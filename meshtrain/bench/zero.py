@@ -136,7 +136,7 @@ def zero_rank(model_name: str, global_batch: int, steps: int, reps: int, warmup:
 def run(worlds=(2, 4), model_name: str = "small", global_batch: int = 16, steps: int = 5,
         reps: int = 10, warmup: int = 3, progress=print) -> dict:
     """Two launches per world, the sides built in opposite orders (the model built first in
-    a process runs 1-3% slower here), their steps pooled."""
+    a process runs a few percent slower: docs/history.md), their steps pooled."""
     from meshtrain.launch import launch
 
     result = {"model": model_name, "global_batch": global_batch, "steps": steps, "reps": reps,

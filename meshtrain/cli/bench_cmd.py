@@ -2,15 +2,21 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 from meshtrain.core.plan import Plan
 
 
+# benchmarks that time something other than a GPT's training step
+NO_MODEL = ("collectives", "harness", "startup", "survival")
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmark a strategy against PyTorch's own implementation")
+    p = sub.add_parser("bench", help="benchmark a strategy against PyTorch's own "
+                                     "implementation, or meshtrain's own machinery")
     p.add_argument("strategy", choices=["ddp", "zero", "tp", "hybrid", "collectives", "dp",
-                                        "pp"],
+                                        "pp", "harness", "startup", "survival"],
                    help="ddp: our DDP vs torch DDP; zero: our DDP, ZeRO-1/2/3 vs torch's "
                         "ZeroRedundancyOptimizer and FSDP2; tp: vs DTensor tensor parallel; "
                         "hybrid: every 8-rank dp x pp x tp plan vs FSDP2 + DTensor TP; "
@@ -18,16 +24,27 @@ def add_parser(sub) -> None:
                         "from 4 KiB to 64 MiB; dp: the data-parallel family (DP, DDP, "
                         "parameter server sync/async, a straggler, the three all-reduces); "
                         "pp: our GPipe, 1F1B, interleaved and zb-h1 vs "
-                        "torch.distributed.pipelining's schedules (world = pp)")
+                        "torch.distributed.pipelining's schedules (world = pp); "
+                        "harness: how fast the test harness starts N ranks; "
+                        "startup: time to first step of `meshtrain train`; "
+                        "survival: kill -9 a rank under every plan, restart, end bit-equal")
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8],
                    help="pp: micro-batch counts (4 8)")
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (2 4)")
-    p.add_argument("--model", default="small", help="GPT preset (small: PEERS.md's shape)")
+    p.add_argument("--model", default="small",
+                   help="GPT preset (small: 4 layers, d_model 256, seq 128)")
     p.add_argument("--batch", type=int, default=16, help="global batch")
     p.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
     p.add_argument("--reps", type=int, default=10, help="repetitions, alternating")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=Plan().bucket_mb)
+    p.add_argument("--runs", type=int, default=5,
+                   help="startup: runs per installation; survival: runs of each kind (5)")
+    p.add_argument("--seed", type=int, default=0, help="survival: where the faults land")
+    p.add_argument("--against", metavar="MESHTRAIN",
+                   help="startup: another installation's meshtrain command, run alternately")
+    p.add_argument("--train-args", default="",
+                   help="startup: more `meshtrain train` arguments, as one string")
     p.add_argument("--json", metavar="FILE", help="also write the full result as JSON")
     p.set_defaults(run=run)
 
@@ -39,13 +56,18 @@ def run(args) -> int:
     if problem:
         print(f"meshtrain bench: {problem}", file=sys.stderr)
         return 2
-    for world in ([] if args.strategy == "hybrid" else args.world):
-        if world < 2 or args.batch % world:
-            print(f"meshtrain bench: world {world} needs to be >= 2 and divide the global "
-                  f"batch {args.batch}", file=sys.stderr)
+    for world in ([] if args.strategy in ("hybrid", "startup", "survival") else args.world):
+        if world < 2 or (args.strategy not in NO_MODEL and args.batch % world):
+            split = ("" if args.strategy in NO_MODEL
+                     else f" and divide the global batch {args.batch}")
+            print(f"meshtrain bench: world {world} needs to be >= 2{split}", file=sys.stderr)
             return 2
     progress = lambda msg: print(msg, file=sys.stderr)
-    if args.strategy == "dp":
+    ok = True   # False: a benchmark that checks its outcome found it wrong (survival)
+    if args.strategy in ("harness", "startup", "survival"):
+        result, report, ok = run_machinery(args, progress)
+        print(report)
+    elif args.strategy == "dp":
         from meshtrain.bench import dp
         result = dp.run(worlds=args.world, model_name=args.model, global_batch=args.batch,
                         steps=args.steps, reps=args.reps, warmup=args.warmup,
@@ -83,7 +105,30 @@ def run(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    return 0
+    return 0 if ok else 1
+
+
+def run_machinery(args, progress) -> tuple[object, str, bool]:
+    """The benchmarks of meshtrain's own machinery: (result, report, whether all went well)."""
+    if args.strategy == "harness":
+        from meshtrain.bench import harness
+        result = harness.run(worlds=args.world, reps=args.reps, progress=progress)
+        return result, harness.format_report(result), True
+    if args.strategy == "startup":
+        import shlex
+
+        from meshtrain.bench import startup
+        commands = {"this meshtrain": [sys.executable, "-m", "meshtrain"]}
+        if args.against:
+            commands[args.against] = [args.against]
+        result = startup.run(commands, args.runs, shlex.split(args.train_args), progress)
+        return result, startup.format_report(result), True
+    from dataclasses import asdict
+
+    from meshtrain.bench import survival
+    outcomes = survival.run(args.runs, args.seed, progress)
+    return ([asdict(o) for o in outcomes], survival.format_report(outcomes),
+            all(o.bit_equal for o in outcomes))
 
 
 def check_bench_args(args) -> str | None:
@@ -98,6 +143,11 @@ def check_bench_args(args) -> str | None:
         return f"--microbatches {' '.join(map(str, args.microbatches))}: each must be >= 1"
     if not args.bucket_mb > 0:
         return f"--bucket-mb {args.bucket_mb:g}: give a positive size in MiB"
-    if args.strategy != "collectives" and args.model not in PRESETS:
+    if args.runs < 1:
+        return f"--runs {args.runs}: give a whole number >= 1"
+    if args.against and shutil.which(args.against) is None:
+        return (f"--against {args.against}: no such command; give the path of another "
+                f"installation's meshtrain (e.g. OTHER_VENV/bin/meshtrain)")
+    if args.strategy not in NO_MODEL and args.model not in PRESETS:
         return f"--model {args.model!r}: the benchmarks run a GPT preset ({', '.join(PRESETS)})"
     return None

@@ -262,7 +262,7 @@ def run(args) -> int:
         if int(os.environ["RANK"]) == 0:
             print_summary(summary)
             print_report(config.run_dir)
-        shutdown_distributed(exit_code=0)   # see PEERS.md on gloo's abort at exit
+        shutdown_distributed(exit_code=0)   # see docs/history.md on gloo's abort at exit
     print(f"meshtrain train: {plan.describe()} on {plan.world_size} local rank(s) "
           f"({config.device}), run folder {config.run_dir}", file=sys.stderr)
     try:

@@ -13,11 +13,9 @@ full, unsharded size); broadcast charges the root (N-1)*S sent and every other r
 A group of one rank communicates nothing and is charged nothing.
 
 [Note: reduce-scatter as an all-to-all]
-gloo's reduce_scatter is slow. Measured at world 2 (`meshtrain bench collectives`, medians,
-this 2-core machine): 2.0 / 4.4 / 16.1 / 90 ms for 1 / 4 / 16 / 64 MiB of fp32, where an
-all-to-all of the same tensor followed by a local sum of the N received slices took 0.65 /
-2.3 / 9.6 / 38 ms (world 4: 5.8 / 8.4 / 28 / 194 against 3.3 / 5.8 / 14.6 / 64 ms); a
-blocking ring on isend/irecv lands between the two and cannot overlap backward. The
+gloo's reduce_scatter is slow: an all-to-all of the same tensor followed by a local sum of
+the N received slices takes about half its time from 1 to 64 MiB (figures in docs/history.md);
+a blocking ring on isend/irecv lands between the two and cannot overlap backward. The
 all-to-all moves the same bytes as a ring reduce-scatter ((N-1)/N*S per rank), runs
 asynchronously on gloo's own threads, sums in a fixed rank order, and can sum narrow inputs
 into a wider output (bf16 on the wire, fp32 sums). So on gloo, and whenever the output is
@@ -27,16 +25,12 @@ NCCL's own reduce-scatter.
 [Note: all-gather as an all-to-all]
 gloo's all-gather stages its whole output in a buffer of its own, allocated on the worker
 thread that runs it, then copies it out: each of gloo's threads keeps that output's size in
-its own malloc arena, so a rank's resident memory jumped by one output whenever a gather
-first ran on the other thread (measured, ZeRO-1 on the 4-block verification GPT at dp 2:
-resident peak 172-204 MB from run to run, 26.6 MB of it two gathers' staging, above DDP's
-154 MB). On gloo, `all_gather` is therefore an all-to-all of this rank's input repeated N
-times, built on the calling thread: the same bytes on the wire ((N-1)/N*S per rank), no
-copy out; that ZeRO-1 run's peak: 145-153 MB, its step 7% faster. Alone, it is not faster at
-every size (`meshtrain bench collectives`, one run, 1 / 4 / 16 / 64 MiB: world 2, 0.56 /
-1.97 / 8.1 / 57 ms as gloo's all-gather, 0.51 / 2.96 / 11.0 / 49 ms as the all-to-all;
-world 4, 3.7 / 4.7 / 15.1 / 96 against 1.7 / 5.1 / 17.4 / 86 ms): what it buys is memory
-that does not depend on which thread ran. NCCL gathers in place.
+its own malloc arena, so a rank's resident memory jumps by one output whenever a gather
+first runs on the other thread. On gloo, `all_gather` is therefore an all-to-all of this
+rank's input repeated N times, built on the calling thread: the same bytes on the wire
+((N-1)/N*S per rank), no copy out. It is not faster at every size; what it buys is resident
+memory that does not depend on which thread ran (figures in docs/history.md). NCCL gathers
+in place.
 
 [Note: devices and backends]
 NCCL takes only CUDA tensors; `Comm` refuses a host tensor on an NCCL group by name

@@ -8,7 +8,7 @@ the weight's path (weight gradient) are separate autograd nodes, so a backward s
 and W (zb-h1) pays each cost where it belongs, and a whole backward pays both.
 
 The wait sleeps, then busy-waits the last fraction of a millisecond: sleeping makes the cost
-a wall time that does not depend on getting a CPU (4 ranks share 2 cores in the tests), the
+a wall time that does not depend on getting a CPU (the tests run more ranks than cores), the
 short spin makes it precise (a sleep overshoots by ~0.1 ms).
 """
 from __future__ import annotations

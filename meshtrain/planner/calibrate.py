@@ -13,9 +13,9 @@ of a step's statistics, to 16 MiB, near the 25 MiB DDP bucket); and AdamW's upda
 Timing on a noisy machine: within a launch every quantity is measured once per repetition,
 in alternation, for a few seconds, and each is the median of its repetitions; each world
 size is launched in several rounds interleaved with the others (1, 2, 4, 1, 2, 4, ...) and
-the profile keeps the mean over rounds. The 2-core VM this was built on switches between
-a fast and a slow phase (matmul 156 vs 127 GFLOP/s, phases of 5-20 s): one launch can sit
-wholly in either, the rounds sample both.
+the profile keeps the mean over rounds. A shared machine's speed can switch between a fast
+and a slow phase lasting seconds: one launch can sit wholly in either, the rounds sample both
+(docs/history.md).
 
 Runtime memory: in each round, per world size, the Trainer trains the reference GPT (DDP, AdamW,
 fp32) at two micro-batch sizes, each in fresh processes, exactly as `--verify` runs a plan;
@@ -170,7 +170,7 @@ def _mean_of_rounds(entries: list[dict]) -> dict:
 def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S,
               progress: bool = True) -> dict:
     """Measure every world size in `rounds` rounds (1, 2, 4, 1, 2, 4, ...): this machine's
-    speed drifts between phases lasting seconds (a 2-core cloud VM here: +-10%), and rounds
+    speed may drift between phases lasting seconds (docs/history.md), and rounds
     spread each world's samples over the whole calibration instead of one phase. Each round
     also measures the runtime-memory points."""
     from tqdm import tqdm
@@ -386,12 +386,11 @@ def fit_runtime_memory(rounds: list[list[tuple[tuple[float, float], float]]]) ->
     the median over the rounds, then the three terms, none negative, nearest to the points
     (three points: exact where that leaves no term negative). With only the two reference
     points, one rate for all traffic: the line through them, which the profile keeps as
-    well (tensor-parallel ranks' heap grows so: Cluster.memory_terms). Measured on this
-    machine (1, 2 and 4 blocks at batch 2 to 16): the first layer's rate is 3-8x the
-    rest's, and one rate for all traffic missed the 4-block GPT at batch 8 by +12 MB.
+    well (tensor-parallel ranks' heap grows so: Cluster.memory_terms). Two rates, because
+    the first layer's heap grows several times faster than the rest's (docs/history.md).
     A fourth point, two micro-batches a step, gives "accumulation": the bytes its heap keeps
-    beyond one micro-batch's (4-14 MB measured: the second micro-batch's forward runs
-    beside the first's gradients, made in the heap its activations left)."""
+    beyond one micro-batch's (the second micro-batch's forward runs beside the first's
+    gradients, made in the heap its activations left)."""
     points = [(col[0][0], statistics.median(o for _, o in col)) for col in zip(*rounds)]
     line = _line(points[0], points[len(MEMORY_BATCHES) - 1])
     fit = dict(line)

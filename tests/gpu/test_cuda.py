@@ -1,6 +1,6 @@
 """The CUDA tier: every strategy on the GPU equals one process on the same GPU.
 
-Run it on a machine with a GPU: `pytest -m cuda tests/gpu` (benchmarks/gpu_checks.sh does,
+Run it on a machine with a GPU: `pytest -m cuda tests/gpu` (meshtrain/bench/gpu_checks.sh does,
 beside `meshtrain train`). Where no GPU is visible every test here is skipped.
 
 The equivalences are the CPU suite's own (tests/multirank/device_cases.py, whose checks the

@@ -88,7 +88,7 @@ def test_launch_returns_per_rank_values():
     elapsed = time.perf_counter() - start
     print(f"\nlaunch nproc=2: {elapsed:.2f} s")
     assert results == [(0, 2, "elastic", 1.0), (1, 2, "elastic", 1.0)]
-    # ~0.6 s measured here; the loose bound only catches a launcher that waits on a timeout
+    # a launch takes about a second; the loose bound only catches one that waits on a timeout
     assert elapsed < 15, elapsed
 
 
@@ -122,3 +122,18 @@ def test_launch_reports_a_failing_rank():
     message = str(info.value)
     assert message.startswith("rank 1 failed"), message[:300]
     assert "ValueError: boom from rank 1: 6 * 7 != 41" in message
+
+
+def test_bench_harness_times_each_world(tmp_path, capsys):
+    """`meshtrain bench harness`: every call's all_reduce of ones sums to the world (checked
+    inside the bench), one time per repetition and world, the same numbers in its JSON."""
+    import json
+
+    from meshtrain.cli.main import main
+
+    out = tmp_path / "harness.json"
+    assert main(["bench", "harness", "--world", "2", "3", "--reps", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert sorted(result["worlds"]) == ["2", "3"]
+    assert all(len(times) == 2 and min(times) > 0 for times in result["worlds"].values())
+    assert "world 3: median" in capsys.readouterr().out

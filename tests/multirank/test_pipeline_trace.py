@@ -3,9 +3,9 @@
 A model whose layers take a fixed time (models/spin.py: F = B = W = 25 ms per stage, one
 layer per stage or chunk) runs each schedule for 4 steps on P local ranks; the median step's
 measured bubble must lie within 0.05 of the formula's (equal stage costs), and zb-h1's below
-1F1B's on the same run. Theory counts communication as free: on this 2-core machine each
-message costs 0.3-2 ms, which is why a layer takes 25 ms here (at 5 ms the measured bubble
-overshoots theory by 0.04-0.06; at 15 ms zb-h1 at P=4 still reached 0.057 once in CI).
+1F1B's on the same run. Theory counts communication as free: with ranks sharing a few cores
+each message costs 0.3-2 ms, which is why a layer takes 25 ms (at 5 ms the measured bubble
+overshoots theory by 0.04-0.06; at 15 ms zb-h1 at P=4 still reached 0.057 once).
 The layers sleep rather than spin, so that a loaded machine does not stretch one rank's
 compute against another's."""
 import json

@@ -1,7 +1,7 @@
 """A rank killed with kill -9 (at a step, or while it writes a checkpoint) under
 `meshtrain train --max-restarts 1`: the group restarts, resumes from the latest complete
 checkpoint and ends bit-equal to the uninterrupted run. Without restarts, the run stops and
-names the rank that died. (benchmarks/bench_survival.py runs 10 of each kind.)"""
+names the rank that died. (`meshtrain bench survival --runs 10` runs 10 of each kind.)"""
 import json
 import os
 import subprocess

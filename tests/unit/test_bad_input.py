@@ -94,6 +94,9 @@ CASES = [
     ("bench ddp --reps 0", "--reps 0"),
     ("bench pp --microbatches 0", "--microbatches 0: each must be >= 1"),
     ("bench tp --model nosuch", "--model 'nosuch': the benchmarks run a GPT preset"),
+    ("bench survival --runs 0", "--runs 0: give a whole number >= 1"),
+    ("bench harness --world 1", "world 1 needs to be >= 2"),
+    ("bench startup --against nowhere/bin/meshtrain", "--against nowhere/bin/meshtrain: no such"),
     # schedule
     ("schedule --pp 0 --microbatches 4", "--pp 0: a pipeline needs at least 2 ranks"),
     ("schedule --pp 4 --microbatches 0", "microbatches=0: must be a whole number >= 1"),

@@ -114,7 +114,7 @@ def test_accumulation_is_what_two_micro_batches_keep_beyond_one():
 
 
 def test_runtime_memory_terms_are_never_negative():
-    """One process in a calibration here: the deeper point lay a little below what the
+    """Points from a real calibration (one process): the deeper point lay a little below what the
     reference points' first-layer rate gives, so the exact terms had the rest's rate at
     -0.03; the fit keeps it at 0 and fits the other two to the three points."""
     from meshtrain.planner.calibrate import fit_runtime_memory

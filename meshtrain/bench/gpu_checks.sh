@@ -4,13 +4,13 @@
 # runs' summaries go to $OUT (default ./gpu-checks); $OUT/results.txt lists each step's exit
 # status and $OUT/figures.json each run's GPU memory (allocated, peak) and step time.
 #
-#     bash benchmarks/gpu_checks.sh                 # every step, from the repository root
-#     bash benchmarks/gpu_checks.sh env tier        # only these steps
+#     bash meshtrain/bench/gpu_checks.sh                 # every step, from the repository root
+#     bash meshtrain/bench/gpu_checks.sh env tier        # only these steps
 #
 # Steps: install env default gpt2 offload recompute tier. A step that fails is recorded and
 # the next one runs. Runs train in a scratch folder (checkpoints stay out of $OUT).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."   # the repository root (this file is meshtrain/bench/gpu_checks.sh)
 ALL="install env default gpt2 offload recompute tier"
 STEPS=${*:-$ALL}
 for s in $STEPS; do
