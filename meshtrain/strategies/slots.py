@@ -8,7 +8,7 @@ size one. The Trainer calls them in this order, whatever the plan:
     4. own optimizer    (GradientSync)   dp   per parameter | flat shards | on the server
     5. drive the step   StepDriver       pp   micro-batch loop | pipeline schedule
 
-Every slot speaks in parameter names (the one-process model's, see train/state.py), so that
+Every slot speaks in parameter names (the one-process model's, see core/state.py), so that
 a strategy never needs to know which others surround it.
 """
 from __future__ import annotations

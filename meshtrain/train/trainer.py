@@ -38,7 +38,7 @@ from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.strategies.zero.zero3 import ZeRO3
 from meshtrain.train import checkpoint
-from meshtrain.train.state import StateLayout
+from meshtrain.core.state import StateLayout
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 

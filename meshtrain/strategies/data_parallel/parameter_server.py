@@ -32,11 +32,11 @@ from meshtrain.core.comm import Comm
 from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
 from meshtrain.core.optim_state import flat_state_by_name
 from meshtrain.core.plan import Plan, PlanError
-from meshtrain.strategies.data_parallel.buckets import Bucket, build_buckets
-from meshtrain.strategies.data_parallel.ddp import broadcast_tensors
-from meshtrain.strategies.data_parallel.gradient_buckets import GradientBuckets
 from meshtrain.strategies.data_parallel.ps_server import ServerShard
-from meshtrain.strategies.zero.flat import FlatLayout, flatten_into_buckets, keep_unstepped
+from meshtrain.strategies.shared.buckets import Bucket, build_buckets
+from meshtrain.strategies.shared.flat import FlatLayout, flatten_into_buckets, keep_unstepped
+from meshtrain.strategies.shared.gradient_buckets import GradientBuckets
+from meshtrain.strategies.shared.replicas import broadcast_tensors
 
 AXIS = "dp"
 
