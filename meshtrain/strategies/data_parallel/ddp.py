@@ -43,9 +43,10 @@ from meshtrain.strategies.shared.buckets import Bucket, build_buckets
 from meshtrain.strategies.shared.gradient_buckets import GradientBuckets
 from meshtrain.strategies.shared.precision import MasterWeights, cast_to
 from meshtrain.strategies.shared.replicas import broadcast_tensors
+from meshtrain.strategies.slots import GradientSync
 
 
-class DDP:
+class DDP(GradientSync):
     """Gradient synchronisation for parameters replicated along the mesh's dp axis, and the
     optimizer over them (slots 3 and 4: see strategies/slots.py, GradientSync)."""
 

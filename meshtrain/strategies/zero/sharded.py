@@ -44,10 +44,11 @@ from meshtrain.strategies.shared.flat import (FlatLayout, flatten_into_buckets, 
 from meshtrain.strategies.shared.gradient_buckets import GradientBuckets
 from meshtrain.strategies.shared.precision import COMPUTE_DTYPES, MasterWeights, cast_to
 from meshtrain.strategies.shared.replicas import broadcast_tensors
+from meshtrain.strategies.slots import GradientSync
 from meshtrain.strategies.zero.offload import Offloader
 
 
-class ZeRO:
+class ZeRO(GradientSync):
     """Slots 3 and 4 for Plan(zero=1 | 2): sharded gradient sync and a sharded optimizer."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
