@@ -38,7 +38,7 @@ def _plans(world: int, staleness: int) -> dict[str, Plan]:
 def _measure(trainer: Trainer, x, y, steps: int, reps: int, warmup: int, sync) -> dict:
     """Median seconds per step over `reps` blocks of `steps` steps (a block ends when every
     rank is done, in-flight pushes included), and this rank's traffic per step."""
-    settle = getattr(trainer.data_parallel, "settle", lambda: None)
+    settle = trainer.data_parallel.settle
     for _ in range(warmup):
         trainer.step(x, y)
     settle()
@@ -121,7 +121,7 @@ def straggler_rank(world: int, steps: int, delay_s: float, staleness: int,
                 trainer.pause(delay_s)
             trainer.step(*sampler.batch(done))
             done += 1
-        getattr(trainer.data_parallel, "settle", lambda: None)()   # every push applied
+        trainer.data_parallel.settle()                               # every push applied
         wall = time.perf_counter() - t0                              # ... on every rank
         loss = trainer.evaluate(val)
         pushes = trainer.comm.gather_objects(done, tag="report")

@@ -8,11 +8,13 @@ size one. The Trainer calls them in this order, whatever the plan:
     4. own optimizer    (GradientSync)   dp   per parameter | flat shards | on the server
     5. drive the step   StepDriver       pp   micro-batch loop | pipeline schedule
 
-Every slot speaks in parameter names (the one-process model's, see train/state.py), so that
+Every slot speaks in parameter names (the one-process model's, see core/state.py), so that
 a strategy never needs to know which others surround it.
 """
 from __future__ import annotations
 
+import time
+from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from typing import Callable, ContextManager, Protocol
 
@@ -71,49 +73,87 @@ class Stages(Protocol):
         it, in place in the views `reduced(name)` gives, identically on every holder."""
 
 
-class GradientSync(Protocol):
+class GradientSync(ABC):
     """Slots 3 and 4: how data-parallel replicas agree on gradients, and the optimizer that
     owns the update. The step driver calls, per step: `zero_grad`, then each micro-batch's
     backward (all but each stage's last inside `no_sync`), then `finish_gradient_sync`, then
-    `step`."""
+    `step`.
 
+    Every implementation subclasses this class. The abstract methods are required; the
+    optional steps at the end (`settle`, `idle`, `close`, `step_driver`) default to what a
+    synchronous, one-rank-per-replica sync needs (nothing), so callers call them always."""
+
+    @abstractmethod
     def build_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
                         ) -> torch.optim.Optimizer: ...
 
+    @abstractmethod
     def zero_grad(self) -> None: ...
 
+    @abstractmethod
     def no_sync(self) -> ContextManager: ...
 
+    @abstractmethod
     def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
         """Launch what is left, wait; return the mean of `local_loss` over dp."""
 
+    @abstractmethod
     def reduced_gradient(self, name: str) -> torch.Tensor | None:
         """After `finish_gradient_sync`: this rank's part of the dp-reduced gradient of
         `name` (a view, to be summed in place over another axis), laid out identically on
         every rank that holds `name` at the same dp coordinate; None if it has none."""
 
+    @abstractmethod
     def gradient_square_sum(self, counted: Callable[[str], bool]) -> torch.Tensor:
         """Sum of squares of the gradient elements this rank owns along dp, over the
         parameters `counted` admits (float64, 0-dim)."""
 
+    @abstractmethod
     def scale_gradients(self, factor: torch.Tensor) -> None: ...
 
+    @abstractmethod
     def step(self) -> None:
         """The optimizer step, and whatever makes the parameters whole again after it."""
 
+    @abstractmethod
     def local_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters by name, whole along dp (a collective where they are
         sharded)."""
 
+    @abstractmethod
     def local_optimizer_state(self) -> tuple[dict[str, dict], list[dict]]:
         """(state by parameter name, param groups by name), whole along dp."""
 
+    @abstractmethod
     def load_local(self, params: dict[str, torch.Tensor],
                    optimizer_state: tuple[dict[str, dict], list[dict]] | None) -> None: ...
 
+    @abstractmethod
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds: "parameters", "gradients", "optimizer_states" (in memory);
         where they apply, "offloaded" (on disk) and "gathered_peak" (ZeRO-3)."""
+
+    # ---- optional steps, with their defaults ----------------------------------------------
+    def settle(self) -> None:
+        """Finish every message in flight, before a collective that every rank enters at
+        the same step (evaluation, a checkpoint). Default: nothing is ever left in flight
+        (ps-async overrides it)."""
+
+    def idle(self, seconds: float) -> None:
+        """Spend `seconds` doing nothing useful for training (a straggler's delay). Default:
+        sleep; a rank that serves others meanwhile (ps-async) overrides it."""
+        time.sleep(seconds)
+
+    def close(self) -> None:
+        """Release what outlives the trainer otherwise. Default: nothing to release (ZeRO's
+        offload to disk overrides it)."""
+
+    def step_driver(self, loss_fn: Callable, microbatches: int,
+                    device: torch.device) -> StepDriver | None:
+        """Slot 5 where this sync dictates it: None (the default) leaves the choice to the
+        plan's pp; a sync whose replicas are not ranks (master DP: threads of this process)
+        returns the loop that runs them."""
+        return None
 
 
 class StepDriver(Protocol):

@@ -5,7 +5,7 @@ Layout of a checkpoint folder:
                        manifest: every other file's size and SHA-256, verified on load
     *.distcp, .metadata   torch.distributed.checkpoint's own files (model + optimizer)
 
-What is saved is the consolidated, one-process state (train/state.py): the model's own
+What is saved is the consolidated, one-process state (core/state.py): the model's own
 state-dict keys at full shapes, and the optimizer's state keyed by parameter name. So a
 checkpoint does not depend on the plan that wrote it: it loads under any other plan, each
 rank reading the whole state and keeping its part. Every rank hands DCP the same state; DCP
@@ -41,7 +41,7 @@ from meshtrain.train.checkpoint_reader import (CheckpointError, SafeFileSystemRe
                                                SafeLoadPlanner, UnsafeCheckpoint,
                                                check_checkpoint_files)
 from meshtrain.train import faults
-from meshtrain.train.state import StateLayout
+from meshtrain.core.state import StateLayout
 
 META = "meshtrain.json"
 

@@ -18,7 +18,7 @@ def load_trained(run_dir) -> tuple[nn.Module, int, int]:
     """The run's model with its latest checkpoint's weights, in eval mode: (model, context
     length, steps trained)."""
     from meshtrain.train import checkpoint
-    from meshtrain.train.state import StateLayout
+    from meshtrain.core.state import StateLayout
 
     config = RunConfig.load(run_dir)
     path = latest_checkpoint(run_dir)

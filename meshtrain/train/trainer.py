@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-import time
 from typing import Callable
 
 import torch
@@ -31,14 +30,14 @@ from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchL
                                         Stages, StepDriver, WholeModel)
 from meshtrain.strategies import pipeline, tensor_parallel
 from meshtrain.strategies.data_parallel.ddp import DDP
-from meshtrain.strategies.data_parallel.master_dp import MasterDP, ReplicaLoop
+from meshtrain.strategies.data_parallel.master_dp import MasterDP
 from meshtrain.strategies.data_parallel.parameter_server import ParameterServer
 from meshtrain.strategies.data_parallel.ps_async import AsyncParameterServer
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.strategies.zero.zero3 import ZeRO3
 from meshtrain.train import checkpoint
-from meshtrain.train.state import StateLayout
+from meshtrain.core.state import StateLayout
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -118,9 +117,11 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
 
 def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_fn: Callable,
                 activations: ActivationMeter | None, sync: GradientSync) -> StepDriver:
-    """Slot 5: the order of forwards, backwards and communication in a step."""
-    if plan.dp_mode == "dp":   # the replicas are threads of this process (master_dp.py)
-        return ReplicaLoop(sync, loss_fn, plan.microbatches, comm.mesh.device)
+    """Slot 5: the order of forwards, backwards and communication in a step: the gradient
+    sync's own where it has one (master DP's replica threads), else by pp."""
+    own = sync.step_driver(loss_fn, plan.microbatches, comm.mesh.device)
+    if own is not None:
+        return own
     if plan.pp > 1:
         return pipeline.PipelineSchedule(stages, plan, comm, loss_fn, activations)
     return MicrobatchLoop(model, loss_fn, plan.microbatches, comm.mesh.device, activations)
@@ -214,14 +215,11 @@ class Trainer:
     def _settle(self) -> None:
         """Let a gradient sync with messages in flight (ps-async) finish them before a
         collective that every rank enters at the same step."""
-        settle = getattr(self.data_parallel, "settle", None)
-        if settle is not None:
-            settle()
+        self.data_parallel.settle()
 
     def pause(self, seconds: float) -> None:
         """Delay this rank (the straggler experiment), still serving whatever it hosts."""
-        idle = getattr(self.data_parallel, "idle", None)
-        (idle or time.sleep)(seconds)
+        self.data_parallel.idle(seconds)
 
     def _sum_gradients_across_axes(self) -> None:
         """Gradients the dp sync leaves partial along another axis: a weight tied across
@@ -328,9 +326,7 @@ class Trainer:
 
     def close(self) -> None:
         """Release what outlives the trainer otherwise (offload's files on disk)."""
-        close = getattr(self.data_parallel, "close", None)
-        if close is not None:
-            close()
+        self.data_parallel.close()
 
     def memory_report(self) -> MemoryReport:
         device = self.mesh.device

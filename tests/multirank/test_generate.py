@@ -100,7 +100,7 @@ def test_export_writes_the_checkpoints_weights_as_safetensors(run_dir, tmp_path)
     from meshtrain.models.registry import build_model
     from meshtrain.train import checkpoint
     from meshtrain.train.config import latest_checkpoint
-    from meshtrain.train.state import StateLayout
+    from meshtrain.core.state import StateLayout
 
     out = tmp_path / "model.safetensors"
     assert main(["export", str(run_dir), str(out)]) == 0

@@ -55,7 +55,7 @@ def cli_run(spec: str, folder: Path, *plan: str) -> dict:
     from meshtrain.models.registry import build_model
     from meshtrain.train import checkpoint
     from meshtrain.train.config import latest_checkpoint
-    from meshtrain.train.state import StateLayout
+    from meshtrain.core.state import StateLayout
 
     layout = StateLayout.of(build_model(spec, {}, SEQ).module)
     state, _, _ = checkpoint.load(latest_checkpoint(run), layout)

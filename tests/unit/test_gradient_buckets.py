@@ -3,8 +3,8 @@ flight."""
 import torch
 from torch import nn
 
-from meshtrain.strategies.data_parallel.buckets import build_buckets
-from meshtrain.strategies.data_parallel.gradient_buckets import GradientBuckets
+from meshtrain.strategies.shared.buckets import build_buckets
+from meshtrain.strategies.shared.gradient_buckets import GradientBuckets
 
 
 class _Handle:

@@ -5,7 +5,7 @@ from torch import nn
 
 from meshtrain.core.mesh import Mesh, axis_groups, coordinates, rank_grid
 from meshtrain.core.plan import Plan
-from meshtrain.strategies.data_parallel.buckets import build_buckets
+from meshtrain.strategies.shared.buckets import build_buckets
 
 
 def test_rank_grid_is_row_major_with_tp_fastest():

@@ -39,30 +39,14 @@ from torch import nn
 from meshtrain.core.comm import Comm
 from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
 from meshtrain.core.optim_state import load_state_by_name, param_groups_by_name, state_by_name
-from meshtrain.strategies.data_parallel.buckets import Bucket, build_buckets
-from meshtrain.strategies.data_parallel.gradient_buckets import GradientBuckets
-from meshtrain.strategies.data_parallel.precision import COMPUTE_DTYPES, MasterWeights
+from meshtrain.strategies.shared.buckets import Bucket, build_buckets
+from meshtrain.strategies.shared.gradient_buckets import GradientBuckets
+from meshtrain.strategies.shared.precision import MasterWeights, cast_to
+from meshtrain.strategies.shared.replicas import broadcast_tensors
+from meshtrain.strategies.slots import GradientSync
 
 
-def broadcast_tensors(tensors, comm: Comm, axis: str = "dp") -> None:
-    """Make every replica along `axis` equal to axis rank 0's."""
-    for tensor in tensors:
-        comm.broadcast(tensor.data, src=0, axis=axis, tag="init")
-
-
-@torch.no_grad()
-def cast_to(precision: str, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
-    """Make the model compute in bf16 under mixed precision (floating parameters and
-    buffers); in "fp32" the model keeps its own dtype (a float64 model stays float64)."""
-    if precision == "fp32":
-        return
-    dtype = COMPUTE_DTYPES[precision]
-    for t in [*params, *buffers]:
-        if t.is_floating_point() and t.dtype != dtype:
-            t.data = t.data.to(dtype)
-
-
-class DDP:
+class DDP(GradientSync):
     """Gradient synchronisation for parameters replicated along the mesh's dp axis, and the
     optimizer over them (slots 3 and 4: see strategies/slots.py, GradientSync)."""
 

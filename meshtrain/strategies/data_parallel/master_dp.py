@@ -35,7 +35,7 @@ from meshtrain.core.comm import Comm
 from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
 from meshtrain.core.optim_state import load_state_by_name, param_groups_by_name, state_by_name
 from meshtrain.core.plan import PlanError
-from meshtrain.strategies.slots import split_microbatches
+from meshtrain.strategies.slots import GradientSync, split_microbatches
 
 AXIS = "dp"
 
@@ -44,7 +44,7 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class MasterDP:
+class MasterDP(GradientSync):
     """Slots 3 and 4 for dp_mode="dp": the replicas agree by reducing their gradients onto
     the master, whose optimizer owns the update."""
 
@@ -102,6 +102,11 @@ class MasterDP:
 
     def step(self) -> None:
         self.optimizer.step()
+
+    # ---- slot 5: the replicas are threads of this process, not ranks -------------------------
+    def step_driver(self, loss_fn: Callable, microbatches: int,
+                    device: torch.device) -> ReplicaLoop:
+        return ReplicaLoop(self, loss_fn, microbatches, device)
 
     # ---- after the sync: clipping -----------------------------------------------------------
     def reduced_gradient(self, name: str) -> torch.Tensor | None:

@@ -32,11 +32,12 @@ from meshtrain.core.comm import Comm
 from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
 from meshtrain.core.optim_state import flat_state_by_name
 from meshtrain.core.plan import Plan, PlanError
-from meshtrain.strategies.data_parallel.buckets import Bucket, build_buckets
-from meshtrain.strategies.data_parallel.ddp import broadcast_tensors
-from meshtrain.strategies.data_parallel.gradient_buckets import GradientBuckets
 from meshtrain.strategies.data_parallel.ps_server import ServerShard
-from meshtrain.strategies.zero.flat import FlatLayout, flatten_into_buckets, keep_unstepped
+from meshtrain.strategies.shared.buckets import Bucket, build_buckets
+from meshtrain.strategies.shared.flat import FlatLayout, flatten_into_buckets, keep_unstepped
+from meshtrain.strategies.shared.gradient_buckets import GradientBuckets
+from meshtrain.strategies.shared.replicas import broadcast_tensors
+from meshtrain.strategies.slots import GradientSync
 
 AXIS = "dp"
 
@@ -66,7 +67,7 @@ class _Sends:
         self.inflight.clear()
 
 
-class ParameterServer:
+class ParameterServer(GradientSync):
     """Slots 3 and 4 for dp_mode="ps-sync": workers push gradients to the server shards,
     which own the optimizer, and pull the updated parameters back."""
 
@@ -202,9 +203,6 @@ class ParameterServer:
             grad.mul_(factor.to(grad.dtype))
 
     # ---- state ------------------------------------------------------------------------------
-    def settle(self) -> None:
-        """Nothing in flight after a synchronous step."""
-
     def local_parameters(self) -> dict[str, torch.Tensor]:
         self.settle()
         return {n: t.detach() for n, t in self.layout.split([self.data]).items()}

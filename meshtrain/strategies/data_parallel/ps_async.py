@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from meshtrain.strategies.data_parallel.buckets import Bucket
+from meshtrain.strategies.shared.buckets import Bucket
 from meshtrain.strategies.data_parallel.parameter_server import (AXIS, ParameterServer,
                                                                  PeerLost, lost)
 

@@ -10,18 +10,16 @@ the optimizer step. It is counted (gradient norm) on its first holder only.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
 from meshtrain.core.comm import P2P, Comm
 from meshtrain.core.plan import Plan
+from meshtrain.core.state import StateLayout
 from meshtrain.strategies.pipeline.partition import model_layers, stage_bounds
 from meshtrain.strategies.pipeline.schedules import stage_of
-
-if TYPE_CHECKING:   # the layout is the Trainer's (train/state.py); strategies import no train
-    from meshtrain.train.state import StateLayout
 
 
 class PipelineStages:

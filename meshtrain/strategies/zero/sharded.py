@@ -38,16 +38,17 @@ from meshtrain.core.comm import Comm
 from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
 from meshtrain.core.optim_state import flat_state_by_name
 from meshtrain.core.plan import Plan
-from meshtrain.strategies.data_parallel.buckets import Bucket, build_buckets
-from meshtrain.strategies.data_parallel.ddp import broadcast_tensors, cast_to
-from meshtrain.strategies.data_parallel.gradient_buckets import GradientBuckets
-from meshtrain.strategies.data_parallel.precision import COMPUTE_DTYPES, MasterWeights
-from meshtrain.strategies.zero.flat import (FlatLayout, flatten_into_buckets, keep_unstepped,
-                                           parameter_groups)
+from meshtrain.strategies.shared.buckets import Bucket, build_buckets
+from meshtrain.strategies.shared.flat import (FlatLayout, flatten_into_buckets, keep_unstepped,
+                                              parameter_groups)
+from meshtrain.strategies.shared.gradient_buckets import GradientBuckets
+from meshtrain.strategies.shared.precision import COMPUTE_DTYPES, MasterWeights, cast_to
+from meshtrain.strategies.shared.replicas import broadcast_tensors
+from meshtrain.strategies.slots import GradientSync
 from meshtrain.strategies.zero.offload import Offloader
 
 
-class ZeRO:
+class ZeRO(GradientSync):
     """Slots 3 and 4 for Plan(zero=1 | 2): sharded gradient sync and a sharded optimizer."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],

@@ -47,8 +47,8 @@ from meshtrain.core.comm import Comm
 from meshtrain.core.memory import storage_bytes
 from meshtrain.core.plan import Plan, PlanError
 from meshtrain.models.structure import units_of
-from meshtrain.strategies.data_parallel.buckets import Bucket, build_buckets
-from meshtrain.strategies.data_parallel.precision import MasterWeights
+from meshtrain.strategies.shared.buckets import Bucket, build_buckets
+from meshtrain.strategies.shared.precision import MasterWeights
 from meshtrain.strategies.zero.sharded import ZeRO
 
 

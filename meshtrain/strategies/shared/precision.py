@@ -76,3 +76,15 @@ class MasterWeights:
             master.copy_(value)
             if self.separate:
                 tensor.copy_(value)
+
+
+@torch.no_grad()
+def cast_to(precision: str, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
+    """Make the model compute in bf16 under mixed precision (floating parameters and
+    buffers); in "fp32" the model keeps its own dtype (a float64 model stays float64)."""
+    if precision == "fp32":
+        return
+    dtype = COMPUTE_DTYPES[precision]
+    for t in [*params, *buffers]:
+        if t.is_floating_point() and t.dtype != dtype:
+            t.data = t.data.to(dtype)

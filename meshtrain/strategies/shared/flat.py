@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from meshtrain.core.comm import Comm
-from meshtrain.strategies.data_parallel.buckets import Bucket
+from meshtrain.strategies.shared.buckets import Bucket
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from meshtrain.strategies.data_parallel.buckets import Bucket
+from meshtrain.strategies.shared.buckets import Bucket
 
 
 class GradientBuckets:
