@@ -28,15 +28,6 @@ KNOWN_VIOLATIONS = {
     ("meshtrain.planner.verify", "meshtrain.launch"),
     ("meshtrain.planner.verify", "meshtrain.models.gpt"),
     ("meshtrain.planner.verify", "meshtrain.train.trainer"),
-    ("meshtrain.strategies.data_parallel.parameter_server", "meshtrain.strategies.zero.flat"),
-    ("meshtrain.strategies.pipeline.stages", "meshtrain.train.state"),   # under TYPE_CHECKING
-    ("meshtrain.strategies.zero.flat", "meshtrain.strategies.data_parallel.buckets"),
-    ("meshtrain.strategies.zero.sharded", "meshtrain.strategies.data_parallel.buckets"),
-    ("meshtrain.strategies.zero.sharded", "meshtrain.strategies.data_parallel.ddp"),
-    ("meshtrain.strategies.zero.sharded", "meshtrain.strategies.data_parallel.gradient_buckets"),
-    ("meshtrain.strategies.zero.sharded", "meshtrain.strategies.data_parallel.precision"),
-    ("meshtrain.strategies.zero.zero3", "meshtrain.strategies.data_parallel.buckets"),
-    ("meshtrain.strategies.zero.zero3", "meshtrain.strategies.data_parallel.precision"),
 }
 
 
