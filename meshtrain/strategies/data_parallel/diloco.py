@@ -26,6 +26,7 @@ it stopped at; scalar inner states (AdamW's step) are equal on every worker and 
 """
 from __future__ import annotations
 
+import re
 from contextlib import nullcontext
 from typing import Callable
 
@@ -39,6 +40,7 @@ from meshtrain.core.plan import Plan, PlanError
 from meshtrain.strategies.data_parallel.ddp import broadcast_tensors
 
 _SINCE_SYNC = "diloco_since_sync"
+_WORKER_KEY = re.compile(r"worker(\d+)_")
 _OUTER = ("diloco_anchor", "diloco_momentum")
 
 
@@ -128,7 +130,8 @@ class DiLoCo:
 
     # ---- state ----------------------------------------------------------------------------
     def local_parameters(self) -> dict[str, torch.Tensor]:
-        """This worker's parameters (every worker's are equal right after a sync)."""
+        """This worker's parameters: every worker's are equal right after a sync; between
+        syncs each rank reports (and evaluates) its own worker's."""
         return {n: p.detach() for n, p in self.named.items()}
 
     def local_optimizer_state(self) -> tuple[dict[str, dict], list[dict]]:
@@ -142,7 +145,7 @@ class DiLoCo:
         for anchor, (name, p) in zip(self.anchors, self.named.items()):
             mine = {"param": p.detach(), **inner.get(name, {})}
             entry = {_OUTER[0]: anchor.detach().clone(),
-                     _SINCE_SYNC: torch.tensor(self.since_sync, dtype=torch.int64)}
+                     _SINCE_SYNC: torch.tensor(self.since_sync, device=anchor.device)}
             if outer.get(name, {}).get("momentum_buffer") is not None:
                 entry[_OUTER[1]] = outer[name]["momentum_buffer"].clone()
             for key, value in mine.items():
@@ -170,8 +173,8 @@ class DiLoCo:
         inner, outer, since = {}, {}, set()
         for anchor, (name, p) in zip(self.anchors, self.named.items()):
             saved = state.get(name, {})
-            workers = {k for k in saved if k.startswith("worker") and k[6:7].isdigit()}
-            if workers and f"worker{n - 1}_param" not in saved or f"worker{n}_param" in saved:
+            workers = {int(m.group(1)) for m in map(_WORKER_KEY.match, saved) if m}
+            if workers and workers != set(range(n)):
                 raise PlanError(f"this checkpoint's DiLoCo state is for another number of "
                                 f"dp workers than dp={n}; resume with the dp it was saved with")
             prefix = f"worker{r}_"
