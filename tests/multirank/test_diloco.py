@@ -1,5 +1,5 @@
 """DiLoCo and local SGD (issue 30): DDP in their special case, the bytes they send per H
-steps, exact resume from a checkpoint, composition with tp and pp, bad plans refused."""
+steps, exact resume from a checkpoint, composition with tp and pp (bad plans: tests/unit/test_data_parallel_plan.py)."""
 import pytest
 import torch
 
@@ -143,28 +143,3 @@ def test_composes_with_tp_and_pp(world2, folder):
                                  what=f"dp=2 x {case}=2")
             # each rank syncs only its tp slice / its stage: fewer bytes than the whole
             assert 0 < rank[case]["traffic"]["pseudo-grad"] < oracle["traffic"]["pseudo-grad"]
-
-
-@pytest.mark.parametrize("fields, message", [
-    (dict(dp=2, dp_mode="diloco", sync_every=0), "sync_every=0: must be a whole number >= 1"),
-    (dict(dp=2, dp_mode="diloco", outer_lr=0.0), "outer_lr=0.0: must be a number > 0"),
-    (dict(dp=2, dp_mode="diloco", outer_momentum=1.0), r"outer_momentum=1.0: must be in \[0"),
-    (dict(dp=2, dp_mode="diloco", outer_momentum=-0.1), "outer_momentum=-0.1"),
-    (dict(dp=2, dp_mode="diloco", zero=1), "use zero=0"),
-    (dict(dp=2, dp_mode="local-sgd", zero=2), "use zero=0"),
-    (dict(dp=1, dp_mode="diloco"), "no other workers to sync with; set dp >= 2"),
-    (dict(dp=2, dp_mode="diloco", ps_shards=2), "needs dp_mode='ps-sync' or 'ps-async'"),
-    (dict(dp=2, dp_mode="local-sgd", staleness=1), "only applies to dp_mode='ps-async'"),
-    (dict(dp=2, dp_mode="ps-sync", sync_every=4), "only applies to dp_mode='diloco'"),
-    (dict(dp=2, outer_lr=0.5), "only applies to dp_mode='diloco'"),
-    (dict(dp=2, dp_mode="local-sgd", outer_momentum=0.5), "use dp_mode='diloco' to set"),
-])
-def test_bad_plans_refused(fields, message):
-    with pytest.raises(PlanError, match=message):
-        mt.Plan(**fields)
-
-
-def test_clipping_refused_before_any_rank():
-    with pytest.raises(PlanError, match="max_grad_norm with dp_mode='diloco' is not built"):
-        mt.Trainer(eq.gpt(), mt.Plan(dp=2, dp_mode="diloco"), optimizer=eq.adamw,
-                   max_grad_norm=1.0)
