@@ -1,5 +1,6 @@
 """DiLoCo and local SGD (issue 30): DDP in their special case, the bytes they send per H
-steps, exact resume from a checkpoint, composition with tp and pp (bad plans: tests/unit/test_data_parallel_plan.py)."""
+steps, exact resume from a checkpoint, composition with tp and pp. (Bad plans:
+tests/unit/test_data_parallel_plan.py.)"""
 import pytest
 import torch
 
