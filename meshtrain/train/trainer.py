@@ -50,9 +50,12 @@ def refuse_unbuilt(plan: Plan) -> None:
         (plan.dp_mode not in ("ddp", *LOCAL_STEP_MODES) and (plan.pp > 1 or plan.tp > 1),
          f"dp_mode={plan.dp_mode!r} with pp={plan.pp}, tp={plan.tp}: DP and the parameter "
          "server run with pp = tp = 1 for now"),
+        (plan.dp_mode in LOCAL_STEP_MODES and plan.precision != "fp32",
+         f"dp_mode={plan.dp_mode!r} with precision={plan.precision!r}: DiLoCo and local SGD "
+         "run in fp32 for now"),
         (plan.dp_mode != "ddp" and plan.precision != "fp32",
-         f"dp_mode={plan.dp_mode!r} with precision={plan.precision!r}: DP, the parameter "
-         "server, DiLoCo and local SGD run in fp32 for now"),
+         f"dp_mode={plan.dp_mode!r} with precision={plan.precision!r}: DP and the parameter "
+         "server run in fp32 for now"),
     ]
     for applies, message in unbuilt:
         if applies:
