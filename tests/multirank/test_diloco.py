@@ -55,6 +55,9 @@ def world2_cases(folder: str) -> dict:
         _run(mt.Plan(**dp2, **DILOCO), "adamw", range(cut), save=path)
         out[f"resumed-{cut}"] = _run(mt.Plan(**dp2, **DILOCO), "adamw",
                                      range(cut, 2 * H + 1), load=path)
+    # from a DDP checkpoint: every worker starts from its parameters and optimizer state
+    out["ddp-saved"] = _run(mt.Plan(**dp2), "adamw", range(H), save=f"{folder}/ddp")
+    out["from-ddp"] = _run(mt.Plan(**dp2, **DILOCO), "adamw", range(H, H), load=f"{folder}/ddp")
     return out
 
 
@@ -116,7 +119,8 @@ def test_bytes_per_h_steps(world2):
 
 def test_resume_is_exact(world2):
     """2H + 1 steps in one run against the same split by a checkpoint at H (a sync) and at
-    H + 1 (mid-round: every worker's own parameters and inner state come back): equal."""
+    H + 1 (mid-round: every worker's own parameters and inner state come back): equal. A
+    DDP checkpoint gives every worker its parameters and optimizer state."""
     for rank in world2:
         whole = rank["diloco-m1"]
         for cut in (H, H + 1):
@@ -128,6 +132,16 @@ def test_resume_is_exact(world2):
                 for key, value in states.items():
                     assert torch.equal(torch.as_tensor(resumed["optimizer"][name][key]),
                                        torch.as_tensor(value)), (cut, name, key)
+        ddp, loaded = rank["ddp-saved"], rank["from-ddp"]
+        for name, value in ddp["state"].items():
+            assert torch.equal(loaded["state"][name], value), name
+            state = loaded["optimizer"][name]
+            assert torch.equal(state["diloco_anchor"], value), name
+            for key in ("exp_avg", "exp_avg_sq"):
+                for worker in (0, 1):
+                    assert torch.equal(state[f"worker{worker}_{key}"],
+                                       ddp["optimizer"][name][key]), (name, key)
+            assert torch.equal(state["worker_step"], ddp["optimizer"][name]["step"])
 
 
 def test_composes_with_tp_and_pp(world2, folder):

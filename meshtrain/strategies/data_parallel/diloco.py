@@ -166,8 +166,9 @@ class DiLoCo:
     @torch.no_grad()
     def load_local(self, params: dict[str, torch.Tensor],
                    optimizer_state: tuple[dict[str, dict], list[dict]] | None) -> None:
-        """Take this worker's parameters and inner state, and the outer state; a state
-        without them (saved by another dp_mode) starts a round from `params`."""
+        """Take this worker's parameters and inner state, and the outer state; a state saved
+        by another dp_mode starts a round from `params`, every worker with its optimizer
+        state."""
         r, n = self.comm.mesh.axis_rank(self.axis), self.comm.mesh.size(self.axis)
         state = optimizer_state[0] if optimizer_state is not None else {}
         inner, outer, since = {}, {}, set()
@@ -180,9 +181,13 @@ class DiLoCo:
             prefix = f"worker{r}_"
             p.copy_(saved.get(prefix + "param", params[name]))
             anchor.copy_(saved.get(_OUTER[0], params[name]))
-            inner[name] = {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)
-                           and k != prefix + "param"}
-            inner[name].update({k[7:]: v for k, v in saved.items() if k.startswith("worker_")})
+            if workers:
+                inner[name] = {k[len(prefix):]: v for k, v in saved.items()
+                               if k.startswith(prefix) and k != prefix + "param"}
+                inner[name].update({k[7:]: v for k, v in saved.items()
+                                    if k.startswith("worker_")})
+            else:   # another dp_mode's one optimizer state: every worker starts from it
+                inner[name] = {k: v for k, v in saved.items() if not k.startswith("diloco_")}
             if _OUTER[1] in saved:
                 outer[name] = {"momentum_buffer": saved[_OUTER[1]].clone()}
             since.add(int(saved.get(_SINCE_SYNC, 0)))
