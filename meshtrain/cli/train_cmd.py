@@ -97,14 +97,23 @@ def add_parser(sub) -> None:
                       help="recompute activations in backward: every layer, or attention only")
     plan.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                       help="bf16: bf16 compute and gradients, fp32 master weights")
-    plan.add_argument("--dp-mode", default="ddp", choices=["ddp", "dp", "ps-sync", "ps-async"],
+    plan.add_argument("--dp-mode", default="ddp",
+                      choices=["ddp", "dp", "ps-sync", "ps-async", "diloco", "local-sgd"],
                       help="how data-parallel replicas agree: ddp (ring all-reduce), dp (one "
                            "process, --dp replicas as threads, a master), ps-sync / ps-async "
-                           "(parameter server)")
+                           "(parameter server), diloco / local-sgd (workers step alone and "
+                           "sync every --sync-every steps, for a slow dp link)")
     plan.add_argument("--staleness", type=int, default=0,
                       help="ps-async: how many steps a worker may run ahead of the slowest")
     plan.add_argument("--ps-shards", type=int, default=1,
                       help="ps-sync/ps-async: parameter-server shards (shard k on rank k)")
+    plan.add_argument("--sync-every", type=int, default=Plan().sync_every, metavar="H",
+                      help="diloco/local-sgd: inner steps between two syncs")
+    plan.add_argument("--outer-lr", type=float, default=Plan().outer_lr,
+                      help="diloco: the outer SGD's learning rate on the averaged "
+                           "pseudo-gradient")
+    plan.add_argument("--outer-momentum", type=float, default=Plan().outer_momentum,
+                      help="diloco: the outer SGD's Nesterov momentum, in [0, 1)")
     p.add_argument("--straggler", metavar="RANK:SECONDS",
                    help="delay this rank by SECONDS every step (to measure asynchrony)")
     plan.add_argument("--microbatches", type=int, default=1)
@@ -156,7 +165,8 @@ def build_config(args):
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or default_world)
     dp = args.dp or (2 if one_process else max(1, world // (args.pp * args.tp)))
     plan = Plan(dp=dp, pp=args.pp, tp=args.tp, staleness=args.staleness,
-                ps_shards=args.ps_shards,
+                ps_shards=args.ps_shards, sync_every=args.sync_every,
+                outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                 zero=args.zero, dp_mode=args.dp_mode, microbatches=args.microbatches,
                 schedule=args.schedule, virtual_stages=args.virtual_stages,
                 bucket_mb=args.bucket_mb, precision=args.precision,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-DP_MODES = ("ddp", "dp", "ps-sync", "ps-async")
+DP_MODES = ("ddp", "dp", "ps-sync", "ps-async", "diloco", "local-sgd")
+LOCAL_STEP_MODES = ("diloco", "local-sgd")   # workers step alone, sync every `sync_every`
 OFFLOADS = ("none", "cpu", "disk")
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
 PRECISIONS = ("fp32", "bf16")
@@ -28,7 +29,8 @@ class Plan:
     tp: int = 1
     """Tensor-parallel width: each layer's matrices split across this many ranks (one node)."""
     dp_mode: str = "ddp"
-    """How data-parallel gradients are combined: "ddp" | "dp" | "ps-sync" | "ps-async"."""
+    """How data-parallel gradients are combined: "ddp" | "dp" | "ps-sync" | "ps-async" |
+    "diloco" | "local-sgd" (workers step alone; see sync_every)."""
     staleness: int = 0
     """ps-async only: how many steps a worker's parameters may lag the server's."""
     ps_shards: int = 1
@@ -54,6 +56,14 @@ class Plan:
     recompute: str = "none"
     """Activation recomputation: "none" | "full" (keep each layer's input, recompute the
     layer in backward) | "selective" (recompute only the attention core)."""
+    sync_every: int = 1
+    """diloco / local-sgd only: inner steps each worker takes alone between two syncs (H):
+    the dp axis carries one parameter-sized all-reduce per H steps."""
+    outer_lr: float = 0.7
+    """diloco only: the outer SGD's learning rate on the averaged pseudo-gradient
+    (Douillard et al. 2023 use 0.7; local-sgd is outer lr 1 without momentum)."""
+    outer_momentum: float = 0.9
+    """diloco only: the outer SGD's Nesterov momentum, in [0, 1) (0.9 in the paper)."""
     sequence_parallel: bool = False
     """With tp > 1: split the LayerNorm and residual regions along the sequence over the tp
     ranks (Korthikanti et al. 2022), each all-reduce becoming a reduce-scatter plus an
@@ -107,6 +117,7 @@ class Plan:
             raise PlanError("Plan.sequence_parallel=True splits activations over the tp axis "
                             "and needs tp > 1 (got tp=1); set tp=2 or more (e.g. "
                             "Plan(tp=2, sequence_parallel=True)), or drop sequence_parallel")
+        _check_local_steps(self)
         if self.zero and self.dp_mode != "ddp":
             raise PlanError(f"Plan.zero={self.zero} shards over data-parallel ranks and needs "
                             f"dp_mode='ddp' (got {self.dp_mode!r})")
@@ -155,6 +166,39 @@ class Plan:
         parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
                  if getattr(self, f.name) != getattr(default, f.name)]
         return f"Plan({', '.join(parts)})"
+
+
+def _check_local_steps(plan: Plan) -> None:
+    """diloco / local-sgd and their fields (sync_every, outer_lr, outer_momentum)."""
+    default = Plan.__dataclass_fields__
+    h, lr, mom = plan.sync_every, plan.outer_lr, plan.outer_momentum
+    if not isinstance(h, int) or isinstance(h, bool) or h < 1:
+        raise PlanError(f"Plan.sync_every={h!r}: must be a whole number >= 1 (inner steps "
+                        "between two syncs, e.g. sync_every=8)")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        raise PlanError(f"Plan.outer_lr={lr!r}: must be a number > 0 (e.g. outer_lr=0.7)")
+    if isinstance(mom, bool) or not isinstance(mom, (int, float)) or not 0 <= mom < 1:
+        raise PlanError(f"Plan.outer_momentum={mom!r}: must be in [0, 1) (e.g. 0.9; 0 for "
+                        "plain outer SGD)")
+    outer_set = (lr != default["outer_lr"].default
+                 or mom != default["outer_momentum"].default)
+    if plan.dp_mode not in LOCAL_STEP_MODES:
+        if h != 1 or outer_set:
+            raise PlanError(f"Plan(sync_every={h}, outer_lr={lr}, outer_momentum={mom}) only "
+                            f"applies to dp_mode='diloco' (or 'local-sgd' for sync_every), "
+                            f"not dp_mode={plan.dp_mode!r}; drop them or choose diloco")
+        return
+    if plan.dp_mode == "local-sgd" and outer_set:
+        raise PlanError(f"Plan(dp_mode='local-sgd', outer_lr={lr}, outer_momentum={mom}): "
+                        "local SGD averages the parameters (outer lr 1, no momentum); use "
+                        "dp_mode='diloco' to set outer_lr / outer_momentum")
+    if plan.zero:
+        raise PlanError(f"Plan(dp_mode={plan.dp_mode!r}, zero={plan.zero}): every worker "
+                        "keeps whole parameters and its own optimizer between syncs, which "
+                        "ZeRO shards over dp; use zero=0")
+    if plan.dp == 1:
+        raise PlanError(f"Plan(dp_mode={plan.dp_mode!r}, dp=1): there are no other workers "
+                        "to sync with; set dp >= 2, or use dp_mode='ddp'")
 
 
 def _choose(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -23,13 +23,14 @@ from meshtrain.core.device import device_memory, pinned_bytes
 from meshtrain.core.memory import (ActivationMeter, MemoryReport, optimizer_state_tensors,
                                    peak_process_bytes)
 from meshtrain.core.mesh import Mesh
-from meshtrain.core.plan import Plan, PlanError
+from meshtrain.core.plan import LOCAL_STEP_MODES, Plan, PlanError
 from meshtrain.models import hf
 from meshtrain.models.registry import logits_of
 from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchLoop, NoSharding,
                                         Stages, StepDriver, WholeModel)
 from meshtrain.strategies import pipeline, tensor_parallel
 from meshtrain.strategies.data_parallel.ddp import DDP
+from meshtrain.strategies.data_parallel.diloco import DiLoCo
 from meshtrain.strategies.data_parallel.master_dp import MasterDP
 from meshtrain.strategies.data_parallel.parameter_server import ParameterServer
 from meshtrain.strategies.data_parallel.ps_async import AsyncParameterServer
@@ -45,9 +46,12 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 def refuse_unbuilt(plan: Plan) -> None:
     """Name the first strategy in `plan` that meshtrain cannot run yet."""
     unbuilt = [
-        (plan.dp_mode != "ddp" and (plan.pp > 1 or plan.tp > 1),
+        (plan.dp_mode not in ("ddp", *LOCAL_STEP_MODES) and (plan.pp > 1 or plan.tp > 1),
          f"dp_mode={plan.dp_mode!r} with pp={plan.pp}, tp={plan.tp}: DP and the parameter "
          "server run with pp = tp = 1 for now"),
+        (plan.dp_mode in LOCAL_STEP_MODES and plan.precision != "fp32",
+         f"dp_mode={plan.dp_mode!r} with precision={plan.precision!r}: DiLoCo and local SGD "
+         "run in fp32 for now"),
         (plan.dp_mode != "ddp" and plan.precision != "fp32",
          f"dp_mode={plan.dp_mode!r} with precision={plan.precision!r}: DP and the parameter "
          "server run in fp32 for now"),
@@ -64,6 +68,9 @@ def check_max_grad_norm(max_grad_norm, plan: Plan | None = None) -> None:
         raise PlanError("max_grad_norm with dp_mode='ps-async': clipping needs every "
                         "step's global gradient norm, which asynchronous workers never "
                         "wait for; use ps-sync, or drop max_grad_norm")
+    if plan is not None and plan.dp_mode in LOCAL_STEP_MODES:
+        raise PlanError(f"max_grad_norm with dp_mode={plan.dp_mode!r} is not built: each "
+                        "worker would clip by its own norm; drop max_grad_norm")
     if (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
             or not math.isfinite(max_grad_norm) or max_grad_norm <= 0):
         raise PlanError(f"max_grad_norm={max_grad_norm!r}: must be a positive number (the "
@@ -106,6 +113,8 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
         return ParameterServer(params, buffers, comm, plan)
     if plan.dp_mode == "ps-async":
         return AsyncParameterServer(params, buffers, comm, plan)
+    if plan.dp_mode in LOCAL_STEP_MODES:
+        return DiLoCo(params, buffers, comm, plan)
     if plan.zero == 3:
         return ZeRO3(stages.model, params, buffers, comm, plan, unit_names=zero3_units,
                      offload_dir=offload_dir)

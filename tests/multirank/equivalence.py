@@ -135,7 +135,12 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-OPTIMIZERS = {"sgd": sgd, "adamw": adamw}
+def plain_sgd(params):
+    """No momentum: averaging parameters after a step then equals averaging gradients."""
+    return torch.optim.SGD(params, lr=0.5)
+
+
+OPTIMIZERS = {"sgd": sgd, "adamw": adamw, "plain-sgd": plain_sgd}
 
 
 def batches(model: str, steps: int, dp_rank: int = 0, dp_size: int = 1):

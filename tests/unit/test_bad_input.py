@@ -62,6 +62,17 @@ CASES = [
     ("train --nproc 2 --straggler 1", "expected RANK:SECONDS"),
     ("train --nproc 2 --dp-mode ps-async --max-grad-norm 1",
      "max_grad_norm with dp_mode='ps-async'"),
+    # slow links: DiLoCo and local SGD (issue 30)
+    ("train --nproc 2 --dp-mode diloco --sync-every 0", "sync_every=0: must be a whole number"),
+    ("train --nproc 2 --dp-mode diloco --outer-lr 0", "outer_lr=0.0: must be a number > 0"),
+    ("train --nproc 2 --dp-mode diloco --outer-momentum 1", "outer_momentum=1.0: must be in"),
+    ("train --nproc 1 --dp-mode local-sgd", "no other workers to sync with; set dp >= 2"),
+    ("train --nproc 2 --dp-mode diloco --zero 1", "use zero=0"),
+    ("train --nproc 2 --sync-every 8", "only applies to dp_mode='diloco'"),
+    ("train --nproc 2 --dp-mode local-sgd --max-grad-norm 1",
+     "max_grad_norm with dp_mode='local-sgd' is not built"),
+    ("train --nproc 2 --dp-mode diloco --precision bf16",
+     "DiLoCo and local SGD run in fp32 for now"),
     # train: 3D plans (issue 13), refused before any rank starts
     ("train --dp 2 --pp 2 --tp 2 --nproc 4", "needs dp*pp*tp = 8 ranks but the world has 4"),
     ("train --dp 2 --pp 2 --tp 2 --nproc 8 --heads 3 --d-model 48",

@@ -1,6 +1,8 @@
 """Bad data-parallel-family plans are refused with a message that says what to do."""
 import pytest
 
+import torch
+
 import meshtrain as mt
 from meshtrain.core.plan import PlanError
 
@@ -42,3 +44,30 @@ def test_unbuilt_combinations_are_named():
         refuse_unbuilt(mt.Plan(dp=2, tp=2, dp_mode="ps-sync"))
     with pytest.raises(PlanError, match="precision='bf16'"):
         refuse_unbuilt(mt.Plan(dp=2, dp_mode="dp", precision="bf16"))
+
+
+# ---- DiLoCo and local SGD (issue 30) ----------------------------------------------------
+@pytest.mark.parametrize("fields, message", [
+    (dict(dp=2, dp_mode="diloco", sync_every=0), "sync_every=0: must be a whole number >= 1"),
+    (dict(dp=2, dp_mode="diloco", outer_lr=0.0), "outer_lr=0.0: must be a number > 0"),
+    (dict(dp=2, dp_mode="diloco", outer_momentum=1.0), r"outer_momentum=1.0: must be in \[0"),
+    (dict(dp=2, dp_mode="diloco", outer_momentum=-0.1), "outer_momentum=-0.1"),
+    (dict(dp=2, dp_mode="diloco", zero=1), "use zero=0"),
+    (dict(dp=2, dp_mode="local-sgd", zero=2), "use zero=0"),
+    (dict(dp=1, dp_mode="diloco"), "no other workers to sync with; set dp >= 2"),
+    (dict(dp=2, dp_mode="diloco", ps_shards=2), "needs dp_mode='ps-sync' or 'ps-async'"),
+    (dict(dp=2, dp_mode="local-sgd", staleness=1), "only applies to dp_mode='ps-async'"),
+    (dict(dp=2, dp_mode="ps-sync", sync_every=4), "only applies to dp_mode='diloco'"),
+    (dict(dp=2, outer_lr=0.5), "only applies to dp_mode='diloco'"),
+    (dict(dp=2, dp_mode="local-sgd", outer_momentum=0.5), "use dp_mode='diloco' to set"),
+])
+def test_bad_diloco_plans_refused(fields, message):
+    with pytest.raises(PlanError, match=message):
+        mt.Plan(**fields)
+
+
+def test_diloco_refuses_clipping_before_any_rank():
+    with pytest.raises(PlanError, match="max_grad_norm with dp_mode='diloco' is not built"):
+        mt.Trainer(torch.nn.Linear(2, 2), mt.Plan(dp=2, dp_mode="diloco"),
+                   optimizer=torch.optim.AdamW, loss_fn=torch.nn.functional.mse_loss,
+                   max_grad_norm=1.0)

@@ -9,6 +9,7 @@ import pytest
 
 import meshtrain
 from meshtrain.strategies.data_parallel.ddp import DDP
+from meshtrain.strategies.data_parallel.diloco import DiLoCo
 from meshtrain.strategies.data_parallel.master_dp import MasterDP
 from meshtrain.strategies.data_parallel.parameter_server import ParameterServer
 from meshtrain.strategies.data_parallel.ps_async import AsyncParameterServer
@@ -28,12 +29,13 @@ def _with(skip: str = ""):
 
 def test_optional_steps_have_defaults_and_required_ones_are_named():
     overrides = {cls: {name for name in OPTIONAL if name in vars(cls)}
-                 for cls in (DDP, ZeRO, ZeRO3, MasterDP, ParameterServer, AsyncParameterServer)}
+                 for cls in (DDP, ZeRO, ZeRO3, MasterDP, ParameterServer, AsyncParameterServer,
+                             DiLoCo)}
     assert all(issubclass(cls, GradientSync) for cls in overrides)
     # who needs its own: offload's files (ZeRO), messages in flight (ps-async), threads (DP)
     assert overrides == {DDP: set(), ZeRO: {"close"}, ZeRO3: set(),
                          MasterDP: {"step_driver"}, ParameterServer: set(),
-                         AsyncParameterServer: {"settle", "idle"}}
+                         AsyncParameterServer: {"settle", "idle"}, DiLoCo: set()}
     sync = _with()()
     assert sync.settle() is None and sync.close() is None
     assert sync.step_driver(lambda o, t: o, 1, None) is None

@@ -12,7 +12,7 @@ def test_sizes_must_be_whole_numbers_at_least_one(field, value):
 
 
 @pytest.mark.parametrize("field, value, choices", [
-    ("dp_mode", "horovod", "'ddp', 'dp', 'ps-sync', 'ps-async'"),
+    ("dp_mode", "horovod", "'ddp', 'dp', 'ps-sync', 'ps-async', 'diloco', 'local-sgd'"),
     ("offload", "nvme", "'none', 'cpu', 'disk'"),
     ("schedule", "zb-v", "'naive', 'gpipe', '1f1b', 'interleaved', 'zb-h1'"),
     ("precision", "fp16", "'fp32', 'bf16'"),

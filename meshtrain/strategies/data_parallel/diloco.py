@@ -1,0 +1,212 @@
+"""DiLoCo and local SGD: workers step alone, and agree every H steps (slots 3 and 4).
+
+DiLoCo (Douillard et al. 2023). Each of the N dp workers starts a round from the same
+anchor parameters θ and takes H inner steps alone with its own optimizer (the user's, e.g.
+AdamW) on its own data, reaching θ_i. Then the workers average their pseudo-gradients
+
+    Δ = (1/N) Σ_i (θ − θ_i)          one all-reduce of the parameters' size over dp
+
+and an outer SGD with Nesterov momentum steps the anchor with Δ as its gradient:
+θ ← OuterSGD(θ, Δ; outer_lr, outer_momentum). Every worker starts the next round from it.
+The dp axis carries DDP's per-step gradient bytes once per H steps (plus the loss, one
+scalar per step, so that every step returns the global mean loss).
+
+Local SGD (periodic model averaging) is the case outer_lr = 1, no momentum: θ ← mean θ_i.
+With H = 1, outer_lr = 1 and no momentum, both are DDP exactly (up to fp32 round-off).
+
+Where the state lives: the inner optimizer's state is per worker (each worker's own moments);
+the outer state (anchor θ and the outer momentum) is replicated on every dp rank, since every
+rank computes the same outer step from the same averaged Δ (no extra bytes, N copies).
+Across tp and pp each rank holds the outer state of the slices and stages it holds.
+
+Checkpoints: the optimizer state of each parameter holds the anchor, the outer momentum, the
+inner step count since the last sync, and every worker's inner state and parameters under
+"worker<r>_<key>" (gathered over dp when saving), so a run resumes exactly whatever the step
+it stopped at; scalar inner states (AdamW's step) are equal on every worker and kept once.
+"""
+from __future__ import annotations
+
+import re
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+from torch import nn
+
+from meshtrain.core.comm import Comm
+from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
+from meshtrain.core.optim_state import load_state_by_name, param_groups_by_name, state_by_name
+from meshtrain.core.plan import Plan, PlanError
+from meshtrain.strategies.shared.replicas import broadcast_tensors
+from meshtrain.strategies.slots import GradientSync
+
+_SINCE_SYNC = "diloco_since_sync"
+_WORKER_KEY = re.compile(r"worker(\d+)_")
+_OUTER = ("diloco_anchor", "diloco_momentum")
+
+
+class DiLoCo(GradientSync):
+    """Gradient sync that does not sync gradients: H local steps, then an outer step on the
+    averaged pseudo-gradient (see the module's docstring)."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]],
+                 buffers: list[torch.Tensor], comm: Comm, plan: Plan, axis: str = "dp") -> None:
+        self.comm, self.axis = comm, axis
+        broadcast_tensors([p for _, p in named_params] + list(buffers), comm, axis)
+        self.named = {n: p for n, p in named_params if p.requires_grad}
+        self._name_of = {id(p): n for n, p in self.named.items()}
+        self.params = list(self.named.values())
+        self.sync_every = plan.sync_every
+        local_sgd = plan.dp_mode == "local-sgd"
+        self.outer_lr = 1.0 if local_sgd else float(plan.outer_lr)
+        self.outer_momentum = 0.0 if local_sgd else float(plan.outer_momentum)
+        self.since_sync = 0
+        with torch.no_grad():
+            self.anchors = [p.detach().clone() for p in self.params]
+        # the outer optimizer steps the anchors; Nesterov where there is momentum
+        self.outer = torch.optim.SGD(self.anchors, lr=self.outer_lr,
+                                     momentum=self.outer_momentum,
+                                     nesterov=self.outer_momentum > 0)
+        numel = sum(p.numel() for p in self.params)
+        self.flat = torch.empty(numel, dtype=self.params[0].dtype, device=self.params[0].device)
+
+    # ---- the step -----------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def no_sync(self):
+        return nullcontext()   # inner steps never communicate gradients
+
+    def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
+        """No gradient leaves the worker; only the loss is averaged (the global mean loss
+        every step returns)."""
+        loss = local_loss.detach().reshape(1).float().clone()
+        self.comm.all_reduce(loss, self.axis, tag="loss")
+        return loss.item() / self.comm.mesh.size(self.axis)
+
+    def build_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+                        ) -> torch.optim.Optimizer:
+        """The user's optimizer as each worker's inner optimizer, over its whole replica."""
+        self.optimizer = factory(self.params)
+        return self.optimizer
+
+    def step(self) -> None:
+        """The inner step; every `sync_every`-th, the outer step after it."""
+        self.optimizer.step()
+        self.since_sync += 1
+        if self.since_sync == self.sync_every:
+            self._outer_step()
+            self.since_sync = 0
+
+    @torch.no_grad()
+    def _outer_step(self) -> None:
+        """Δ = mean over workers of (anchor − θ_i), one all-reduce; the outer SGD steps the
+        anchors with Δ; every worker continues from them."""
+        n = self.comm.mesh.size(self.axis)
+        views = self.flat.split([p.numel() for p in self.params])
+        for view, anchor, p in zip(views, self.anchors, self.params):
+            torch.sub(anchor.reshape(-1), p.reshape(-1), out=view)
+        self.flat.div_(n)
+        self.comm.all_reduce(self.flat, self.axis, tag="pseudo-grad")
+        for view, anchor in zip(views, self.anchors):
+            anchor.grad = view.view_as(anchor)
+        self.outer.step()
+        for anchor, p in zip(self.anchors, self.params):
+            anchor.grad = None
+            p.copy_(anchor)
+
+    # ---- after the inner backward: other axes, clipping ------------------------------------
+    def reduced_gradient(self, name: str) -> torch.Tensor | None:
+        return self.named[name].grad   # this worker's own gradient: nothing reduced over dp
+
+    def gradient_square_sum(self, counted: Callable[[str], bool]) -> torch.Tensor:
+        raise PlanError("max_grad_norm with dp_mode='diloco'/'local-sgd' is not built: each "
+                        "worker would clip by its own norm; drop max_grad_norm")
+
+    def scale_gradients(self, factor: torch.Tensor) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(factor.to(p.grad.dtype))
+
+    # ---- state ----------------------------------------------------------------------------
+    def local_parameters(self) -> dict[str, torch.Tensor]:
+        """This worker's parameters: every worker's are equal right after a sync; between
+        syncs each rank reports (and evaluates) its own worker's."""
+        return {n: p.detach() for n, p in self.named.items()}
+
+    def local_optimizer_state(self) -> tuple[dict[str, dict], list[dict]]:
+        """Inner and outer state by name; every worker's inner state and parameters gathered
+        over dp (a collective along dp)."""
+        names = {id(p): n for n, p in self.named.items()}
+        inner = state_by_name(self.optimizer, names)
+        outer = state_by_name(self.outer, {id(a): self._name_of[id(p)]
+                                           for a, p in zip(self.anchors, self.params)})
+        state = {}
+        for anchor, (name, p) in zip(self.anchors, self.named.items()):
+            mine = {"param": p.detach(), **inner.get(name, {})}
+            entry = {_OUTER[0]: anchor.detach().clone(),
+                     _SINCE_SYNC: torch.tensor(self.since_sync, device=anchor.device)}
+            if outer.get(name, {}).get("momentum_buffer") is not None:
+                entry[_OUTER[1]] = outer[name]["momentum_buffer"].clone()
+            for key, value in mine.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    for r, each in enumerate(self._gather(value)):
+                        entry[f"worker{r}_{key}"] = each
+                else:   # scalars (a step count): equal on every worker, kept once
+                    entry[f"worker_{key}"] = value
+            state[name] = entry
+        return state, param_groups_by_name(self.optimizer, names)
+
+    def _gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        n = self.comm.mesh.size(self.axis)
+        out = torch.empty(n * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        self.comm.all_gather(out, tensor.contiguous().reshape(-1), self.axis, tag="checkpoint")
+        return [chunk.view_as(tensor) for chunk in out.chunk(n)]
+
+    @torch.no_grad()
+    def load_local(self, params: dict[str, torch.Tensor],
+                   optimizer_state: tuple[dict[str, dict], list[dict]] | None) -> None:
+        """Take this worker's parameters and inner state, and the outer state; a state saved
+        by another dp_mode starts a round from `params`, every worker with its optimizer
+        state."""
+        r, n = self.comm.mesh.axis_rank(self.axis), self.comm.mesh.size(self.axis)
+        state = optimizer_state[0] if optimizer_state is not None else {}
+        inner, outer, since = {}, {}, set()
+        for anchor, (name, p) in zip(self.anchors, self.named.items()):
+            saved = state.get(name, {})
+            workers = {int(m.group(1)) for m in map(_WORKER_KEY.match, saved) if m}
+            if workers and workers != set(range(n)):
+                raise PlanError(f"this checkpoint's DiLoCo state is for another number of "
+                                f"dp workers than dp={n}; resume with the dp it was saved with")
+            prefix = f"worker{r}_"
+            p.copy_(saved.get(prefix + "param", params[name]))
+            anchor.copy_(saved.get(_OUTER[0], params[name]))
+            if workers:
+                inner[name] = {k[len(prefix):]: v for k, v in saved.items()
+                               if k.startswith(prefix) and k != prefix + "param"}
+                inner[name].update({k[7:]: v for k, v in saved.items()
+                                    if k.startswith("worker_")})
+            else:   # another dp_mode's one optimizer state: every worker starts from it
+                inner[name] = {k: v for k, v in saved.items() if not k.startswith("diloco_")}
+            if _OUTER[1] in saved:
+                outer[name] = {"momentum_buffer": saved[_OUTER[1]].clone()}
+            since.add(int(saved.get(_SINCE_SYNC, 0)))
+        self.since_sync = since.pop() if len(since) == 1 else 0
+        self.zero_grad()
+        if optimizer_state is not None:
+            inner = {k: v for k, v in inner.items() if v}
+            load_state_by_name(self.optimizer, self.named, inner, optimizer_state[1])
+            by_name = dict(zip(self.named, self.anchors))
+            groups = [{**{k: v for k, v in g.items() if k != "params"},
+                       "params": list(by_name)} for g in self.outer.param_groups]
+            load_state_by_name(self.outer, by_name, outer, groups)
+
+    # ---- accounting ---------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Inner states, plus the outer ones (anchors, momentum) and the sync buffer."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        outer = storage_bytes(self.anchors + optimizer_state_tensors(self.outer) + [self.flat])
+        return {"parameters": storage_bytes(self.params), "gradients": storage_bytes(grads),
+                "optimizer_states": storage_bytes(optimizer_state_tensors(self.optimizer))
+                + outer}

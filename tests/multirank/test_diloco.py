@@ -1,0 +1,160 @@
+"""DiLoCo and local SGD (issue 30): DDP in their special case, the bytes they send per H
+steps, exact resume from a checkpoint, composition with tp and pp. (Bad plans:
+tests/unit/test_data_parallel_plan.py.)"""
+import pytest
+import torch
+
+import meshtrain as mt
+from meshtrain.core.comm import ring_all_reduce_elements
+from meshtrain.core.plan import PlanError
+from meshtrain.testing import run_ranks
+from tests.multirank import equivalence as eq
+
+H = 2
+DILOCO = dict(dp_mode="diloco", sync_every=H, outer_lr=0.7, outer_momentum=0.9)
+
+
+def _run(plan: mt.Plan, optimizer: str, steps: range, load=None, save=None) -> dict:
+    """Train the eq GPT under `plan` on `steps` of the shared batches (from a checkpoint at
+    `load`, saving to `save`); the losses, the state and this rank's dp bytes by tag."""
+    torch.manual_seed(0)
+    trainer = mt.Trainer(eq.gpt(), plan, optimizer=eq.OPTIMIZERS[optimizer])
+    if load:
+        trainer.load(load)
+    trainer.comm.stats.reset()
+    data = eq.batches("gpt", steps.stop, trainer.dp_rank, trainer.dp_size)
+    losses = [trainer.step(*data[s]) for s in steps]
+    traffic = {tag: trainer.comm.stats.total(axis="dp", tag=tag).sent
+               for tag in ("grad", "loss", "pseudo-grad")}
+    numel = sum(p.numel() for p in trainer.data_parallel.params)
+    n_params = len(trainer.data_parallel.params)
+    if save:
+        trainer.save(save)
+    return eq.on_host({"losses": losses, "state": trainer.full_state_dict(),
+                       "optimizer": trainer.full_optimizer_state()["state"],
+                       "traffic": traffic, "numel": numel, "n_params": n_params,
+                       "dp_rank": trainer.dp_rank})
+
+
+def world2_cases(folder: str) -> dict:
+    dp2 = dict(dp=2)
+    out = {"ddp": _run(mt.Plan(**dp2), "plain-sgd", range(6)),
+           "local-sgd": _run(mt.Plan(**dp2, dp_mode="local-sgd"), "plain-sgd", range(6)),
+           "diloco-1": _run(mt.Plan(**dp2, dp_mode="diloco", outer_lr=1.0, outer_momentum=0.0),
+                            "plain-sgd", range(6)),
+           "ddp-1step": _run(mt.Plan(**dp2), "adamw", range(1)),
+           "local-sgd-2H": _run(mt.Plan(**dp2, dp_mode="local-sgd", sync_every=H), "adamw",
+                                range(2 * H))}
+    out["diloco-m1"] = _run(mt.Plan(**dp2, **DILOCO), "adamw", range(2 * H + 1))
+    for m in (1, 2):   # the oracles of composition (SGD: AdamW amplifies round-off)
+        out[f"oracle-m{m}"] = _run(mt.Plan(**dp2, **DILOCO, microbatches=m), "sgd",
+                                   range(2 * H + 1))
+    # resume at the sync (H) and in the middle of a round (H + 1)
+    for cut in (H, H + 1):
+        path = f"{folder}/cut{cut}"
+        _run(mt.Plan(**dp2, **DILOCO), "adamw", range(cut), save=path)
+        out[f"resumed-{cut}"] = _run(mt.Plan(**dp2, **DILOCO), "adamw",
+                                     range(cut, 2 * H + 1), load=path)
+    # from a DDP checkpoint: every worker starts from its parameters and optimizer state
+    out["ddp-saved"] = _run(mt.Plan(**dp2), "adamw", range(H), save=f"{folder}/ddp")
+    out["from-ddp"] = _run(mt.Plan(**dp2, **DILOCO), "adamw", range(H, H), load=f"{folder}/ddp")
+    return out
+
+
+def world4_cases(folder: str) -> dict:
+    trainer = mt.Trainer(eq.gpt(), mt.Plan(dp=4, **DILOCO), optimizer=eq.adamw)
+    try:
+        trainer.load(f"{folder}/cut{H}")   # two workers' state for four
+        refused = ""
+    except PlanError as exc:
+        refused = str(exc)
+    return {"refused": refused,
+            "tp": _run(mt.Plan(dp=2, tp=2, **DILOCO), "sgd", range(2 * H + 1)),
+            "pp": _run(mt.Plan(dp=2, pp=2, microbatches=2, **DILOCO), "sgd",
+                       range(2 * H + 1))}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("diloco"))
+
+
+@pytest.fixture(scope="module")
+def world2(folder):
+    return run_ranks(2, world2_cases, folder, timeout=180)
+
+
+def _assert_same(result: dict, ref: dict, atol: float, what: str) -> None:
+    close = dict(rtol=0, atol=atol)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]),
+                               **close, msg=lambda m: f"{what} losses: {m}")
+    for name, value in ref["state"].items():
+        torch.testing.assert_close(result["state"][name], value, **close,
+                                   msg=lambda m: f"{what} {name}: {m}")
+
+
+def test_special_cases_equal_ddp(world2):
+    """H = 1 with inner SGD without momentum: local SGD, and DiLoCo with outer lr 1 and no
+    momentum, train as DDP does (1e-6 on losses and parameters)."""
+    for rank in world2:
+        for mode in ("local-sgd", "diloco-1"):
+            _assert_same(rank[mode], rank["ddp"], 1e-6, mode)
+        assert rank["ddp"]["losses"][-1] < rank["ddp"]["losses"][0]   # it did train
+
+
+def test_bytes_per_h_steps(world2):
+    """Over 2H steps the dp axis carries two parameter-sized all-reduces (DDP's gradient
+    bytes of one step, less the per-step statistics DDP's last bucket carries) and one loss
+    scalar per step."""
+    for rank in world2:
+        ddp, local = rank["ddp-1step"], rank["local-sgd-2H"]
+        ring = lambda numel: ring_all_reduce_elements(numel, 2, rank["ddp"]["dp_rank"]) * 4
+        assert ddp["traffic"]["grad"] == ring(ddp["numel"] + 1 + ddp["n_params"])
+        for run in (local, rank["diloco-m1"]):
+            assert run["traffic"]["pseudo-grad"] == 2 * ring(ddp["numel"]) > 0
+            assert run["traffic"]["grad"] == 0
+        assert local["traffic"]["loss"] == 2 * H * ring(1)
+        assert rank["diloco-m1"]["traffic"]["loss"] == (2 * H + 1) * ring(1)
+
+
+def test_resume_is_exact(world2):
+    """2H + 1 steps in one run against the same split by a checkpoint at H (a sync) and at
+    H + 1 (mid-round: every worker's own parameters and inner state come back): equal. A
+    DDP checkpoint gives every worker its parameters and optimizer state."""
+    for rank in world2:
+        whole = rank["diloco-m1"]
+        for cut in (H, H + 1):
+            resumed = rank[f"resumed-{cut}"]
+            assert resumed["losses"] == whole["losses"][cut:], cut
+            for name, value in whole["state"].items():
+                assert torch.equal(resumed["state"][name], value), (cut, name)
+            for name, states in whole["optimizer"].items():
+                for key, value in states.items():
+                    assert torch.equal(torch.as_tensor(resumed["optimizer"][name][key]),
+                                       torch.as_tensor(value)), (cut, name, key)
+        ddp, loaded = rank["ddp-saved"], rank["from-ddp"]
+        for name, value in ddp["state"].items():
+            assert torch.equal(loaded["state"][name], value), name
+            state = loaded["optimizer"][name]
+            assert torch.equal(state["diloco_anchor"], value), name
+            for key in ("exp_avg", "exp_avg_sq"):
+                for worker in (0, 1):
+                    assert torch.equal(state[f"worker{worker}_{key}"],
+                                       ddp["optimizer"][name][key]), (name, key)
+            assert torch.equal(state["worker_step"], ddp["optimizer"][name]["step"])
+
+
+def test_composes_with_tp_and_pp(world2, folder):
+    """dp=2 x tp=2 and dp=2 x pp=2 on 4 ranks run the same DiLoCo as dp=2 on the whole model
+    (SGD with momentum inside, Nesterov outside, two syncs and a step), to 1e-5. And a
+    checkpoint of two workers does not load into four."""
+    ranks = run_ranks(4, world4_cases, folder, timeout=180)
+    for rank in ranks:
+        assert "DiLoCo state is for another number of dp workers than dp=4" in rank["refused"]
+        for case, oracle_case in (("tp", "oracle-m1"), ("pp", "oracle-m2")):
+            # mid-round the workers differ: each against the oracle's same worker
+            oracle = world2[rank[case]["dp_rank"]][oracle_case]
+            eq.assert_equivalent(dict(rank[case], norms=[]), dict(oracle, norms=[]),
+                                 what=f"dp=2 x {case}=2")
+            # each rank syncs only its tp slice / its stage: fewer bytes than the whole
+            assert 0 < rank[case]["traffic"]["pseudo-grad"] < oracle["traffic"]["pseudo-grad"]
