@@ -117,7 +117,7 @@ class ModelSpec:
     def largest_tensor_params(self) -> int:
         """The biggest single weight matrix: an MLP matrix (h x f), the token embedding or an
         untied output head (V x h), or a square attention matrix. Its gradient is the largest
-        one autograd materialises at a time (see memory.transient_bytes)."""
+        one autograd materialises at a time (see activations.transient_bytes)."""
         h = self.hidden
         return max(h * self.ffn_hidden, self.vocab * h, h * h)
 
@@ -160,8 +160,8 @@ def preset(name: str, seq: int | None = None) -> ModelSpec:
 
 
 def _gpt_presets() -> dict:
-    try:  # imported lazily: the planner must not depend on torch being importable
-        from meshtrain.models.gpt import PRESETS as gpt_presets
+    try:  # the GPT's presets live in models, above the planner, and need torch
+        from meshtrain.models.gpt import PRESETS as gpt_presets  # lazy: torch, by name only
     except ImportError:
         return {}
     return gpt_presets
@@ -173,12 +173,20 @@ def from_description(layers: int, hidden: int, heads: int, vocab: int, seq: int,
     return ModelSpec(name, layers, hidden, heads, vocab, seq, **kw)
 
 
+def from_gpt_shape(vocab_size: int, seq_len: int, n_layer: int, n_head: int, d_model: int,
+                   mlp_ratio: int = 4, bias: bool = True, name: str = "gpt") -> ModelSpec:
+    """meshtrain's reference GPT from its config's fields (GPTConfig's names and defaults):
+    untied lm_head without bias, learned positions, GELU MLP, no dropout, and
+    `scaled_dot_product_attention` (fused: no s x s scores kept)."""
+    return ModelSpec(name, n_layer, d_model, n_head, vocab_size, seq_len, ffn=mlp_ratio * d_model,
+                     bias=bias, tied=False, dropout=False, flash_attention=True)
+
+
 def from_gpt_config(config, name: str = "gpt") -> ModelSpec:
-    """meshtrain's reference GPT: untied lm_head without bias, learned positions, GELU MLP,
-    no dropout, and `scaled_dot_product_attention` (fused: no s x s scores kept)."""
-    spec = ModelSpec(name, config.n_layer, config.d_model, config.n_head, config.vocab_size,
-                     config.seq_len, ffn=config.mlp_ratio * config.d_model, bias=config.bias,
-                     tied=False, dropout=False, flash_attention=True)
+    """meshtrain's reference GPT from its GPTConfig (`from_gpt_shape`), with the exact
+    parameter count the config gives."""
+    spec = from_gpt_shape(config.vocab_size, config.seq_len, config.n_layer, config.n_head,
+                          config.d_model, config.mlp_ratio, config.bias, name)
     if hasattr(config, "num_params"):  # the config knows its exact count; trust it
         spec = replace(spec, measured_params=config.num_params())
     return spec
@@ -192,7 +200,7 @@ def from_module(module, seq: int | None = None, name: str | None = None, **shape
     module does not reveal (layers, hidden, heads, vocab, seq) come from `module.config` when it
     is a GPTConfig, else from `shape` and simple reads (most common Linear input width).
     """
-    import torch.nn as nn  # lazily: only this entry point needs torch
+    import torch.nn as nn  # lazy: torch, only this entry point needs it
 
     total = sum(p.numel() for p in module.parameters())
     if hasattr(module, "layers") and callable(module.layers):
