@@ -143,28 +143,50 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
+# meshtrain's GPT presets (`meshtrain.models.gpt.PRESETS` builds its GPTConfigs from these),
+# shapes from the published models. GPT-2 (Radford et al. 2019, and the HF `gpt2` /
+# `gpt2-medium` configs): vocab 50257, context 1024. "gpt2-1.3b" is GPT-3 XL (Brown et al. 2020,
+# Table 2.1: 24 layers, d_model 2048, d_head 128, context 2048); the paper's "24 heads" does not
+# divide 2048 by 128, so we take 16 heads of 128. Counts differ from the papers' because
+# lm_head is untied and the key projection has no bias here (e.g. gpt2-124m: 124,439,808 tied
+# + 38,597,376 untied lm_head - 12 * 768 key biases = 163,027,968).
+GPT_SHAPES: dict[str, dict[str, int]] = {
+    "tiny": dict(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128),
+    "small": dict(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256),
+    "gpt2-124m": dict(vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, d_model=768),
+    "gpt2-350m": dict(vocab_size=50257, seq_len=1024, n_layer=24, n_head=16, d_model=1024),
+    "gpt2-1.3b": dict(vocab_size=50257, seq_len=2048, n_layer=24, n_head=16, d_model=2048),
+}
+
+
+def gpt_num_params(vocab_size: int, seq_len: int, n_layer: int, d_model: int,
+                   mlp_ratio: int = 4, bias: bool = True) -> int:
+    """Exact parameter count of meshtrain's GPT of this shape, without building it."""
+    d, b, h = d_model, int(bias), mlp_ratio * d_model
+    layer_norm = d * (1 + b)
+    embed = (vocab_size + seq_len) * d
+    attn = 4 * d * d + 3 * d * b                # q, k, v, proj (k has no bias)
+    mlp = d * h + h * b + h * d + d * b         # fc, proj
+    block = 2 * layer_norm + attn + mlp
+    head = layer_norm + d * vocab_size          # ln_f, lm_head (no bias)
+    return embed + n_layer * block + head
+
+
 def preset(name: str, seq: int | None = None) -> ModelSpec:
-    """A planner preset, or a meshtrain GPT preset (`meshtrain.models.gpt.PRESETS`) by name."""
+    """A planner preset, or a meshtrain GPT preset (`GPT_SHAPES`) by name."""
     key = str(name).lower()
     if key in PRESETS:
         spec = PRESETS[key]
     else:
-        gpt_presets = _gpt_presets()
-        if key not in gpt_presets:
-            known = list(PRESETS) + [k for k in gpt_presets if k not in PRESETS]
+        if key not in GPT_SHAPES:
+            known = list(PRESETS) + [k for k in GPT_SHAPES if k not in PRESETS]
             raise ModelSpecError(f"unknown model preset {name!r}; choose one of "
                                  f"{', '.join(known)}, or describe it with --layers --hidden "
                                  f"--heads --vocab --seq")
-        spec = from_gpt_config(gpt_presets[key], name=key)
+        shape = GPT_SHAPES[key]
+        spec = replace(from_gpt_shape(**shape, name=key), measured_params=gpt_num_params(
+            shape["vocab_size"], shape["seq_len"], shape["n_layer"], shape["d_model"]))
     return replace(spec, seq=seq) if seq else spec
-
-
-def _gpt_presets() -> dict:
-    try:  # the GPT's presets live in models, above the planner, and need torch
-        from meshtrain.models.gpt import PRESETS as gpt_presets  # lazy: torch, by name only
-    except ImportError:
-        return {}
-    return gpt_presets
 
 
 def from_description(layers: int, hidden: int, heads: int, vocab: int, seq: int,
