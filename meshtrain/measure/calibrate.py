@@ -52,7 +52,6 @@ def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S
     speed drifts between phases lasting seconds (a 2-core cloud VM here: +-10%), and rounds
     spread each world's samples over the whole calibration instead of one phase. Each round
     also measures the runtime-memory points."""
-
     profile = {"created": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu_count": os.cpu_count(),
                "host_mem": _host_mem(), "worlds": {}}
     rates: dict[int, list[dict]] = {w: [] for w in worlds}

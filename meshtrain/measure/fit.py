@@ -10,8 +10,8 @@ import statistics
 from meshtrain.measure.runs import MEMORY_BATCHES, MEMORY_RUNS, run_model, strategy_runs
 from meshtrain.measure.verify import plan_inputs, predict, predict_roles
 from meshtrain.planner.activations import forward_traffic
-from meshtrain.planner.states import staged_buffer_bytes
 from meshtrain.planner.profile import REFERENCE_GPT
+from meshtrain.planner.states import staged_buffer_bytes
 
 
 def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
@@ -35,7 +35,6 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
     - pp2tp2: the factor on tensor parallel's collectives inside a pipeline (with every
       other term fitted: what is left of the step, against their price on the curve), and
       "pp2tp2_memory_stages" as pp2's."""
-
     def median(values):
         return max(0.0, statistics.median(values))
 

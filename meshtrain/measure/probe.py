@@ -25,7 +25,6 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
     """Run on every rank of a launched world: this rank's measurements, each the median of
     repetitions taken in alternation (bench.timing) for about `budget_s` seconds, so a slow
     phase of the machine hits every quantity alike."""
-
     torch.set_num_threads(1)
     world = dist.get_world_size() if dist.is_initialized() else 1
     comm = Comm(Mesh.build(Plan(dp=world)))

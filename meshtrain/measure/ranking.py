@@ -66,7 +66,6 @@ def runnable(cand) -> bool:
 
 def as_verify_plan(cand, global_batch: int) -> tuple[dict, int]:
     """(Plan fields, per-rank batch) in verify's form, for one advisor candidate."""
-
     per_rank = global_batch // cand.plan.dp
     plan = dataclasses.replace(cand.plan, microbatches=per_rank // cand.micro_batch,
                                recompute=cand.recompute, sequence_parallel=False)

@@ -90,7 +90,6 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     with `exact` the quantities one round suffices for: the allocated peak and the bytes
     sent per axis, each from one more step (None without). `calibrate` runs it too, for
     the runtime memory and the strategies' costs, with exact=False."""
-
     torch.set_num_threads(1)
     meter = ResidentPeak()
     meter.start()
@@ -241,7 +240,6 @@ def verify(profile: dict, plans=PLANS, steps: int = 5, out=sys.stdout, model: di
     step time and resident peak are medians over rounds (each round: the median step of
     the median rank, the peak of the highest rank). The exact quantities (model states,
     activations, allocated peak) come from the first round."""
-
     runs: list[list[list[dict]]] = [[] for _ in plans]
     with tqdm(total=rounds * len(plans), unit="run", desc="verifying", disable=not progress,
               file=sys.stderr) as bar:
