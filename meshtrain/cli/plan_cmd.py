@@ -111,15 +111,15 @@ def run(args) -> int:
     try:
         check_counts(args)
         if args.calibrate:
-            from meshtrain.planner.calibrate import calibrate_command
+            from meshtrain.measure.calibrate import calibrate_command
             return calibrate_command(args)
         if args.rank and not args.verify:
             raise ValueError("--rank ranks plans by running them: add --verify")
         if args.verify and args.rank:
-            from meshtrain.planner.ranking import rank_command
+            from meshtrain.measure.ranking import rank_command
             return rank_command(args)
         if args.verify:
-            from meshtrain.planner.verify import verify_command
+            from meshtrain.measure.verify import verify_command
             return verify_command(args)
         spec, setup, cluster = build_inputs(args)
         advice = advise(spec, setup, cluster)

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.core.gpt_shapes import GPT_SHAPES, gpt_num_params
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -57,30 +59,13 @@ class GPTConfig:
         return self.d_model // self.n_head
 
     def num_params(self) -> int:
-        """Exact parameter count of `GPT(self)`, without building it."""
-        d, b, h = self.d_model, int(self.bias), self.mlp_ratio * self.d_model
-        layer_norm = d * (1 + b)
-        embed = (self.vocab_size + self.seq_len) * d
-        attn = 4 * d * d + 3 * d * b                # q, k, v, proj (k has no bias)
-        mlp = d * h + h * b + h * d + d * b         # fc, proj
-        block = 2 * layer_norm + attn + mlp
-        head = layer_norm + d * self.vocab_size     # ln_f, lm_head (no bias)
-        return embed + self.n_layer * block + head
+        """Exact parameter count of `GPT(self)`, without building it (the planner's count)."""
+        return gpt_num_params(self.vocab_size, self.seq_len, self.n_layer, self.d_model,
+                              self.mlp_ratio, self.bias)
 
 
-# Shapes from the published models. GPT-2 (Radford et al. 2019, and the HF `gpt2` /
-# `gpt2-medium` configs): vocab 50257, context 1024. "gpt2-1.3b" is GPT-3 XL (Brown et al. 2020,
-# Table 2.1: 24 layers, d_model 2048, d_head 128, context 2048); the paper's "24 heads" does not
-# divide 2048 by 128, so we take 16 heads of 128. Counts differ from the papers' because
-# lm_head is untied and the key projection has no bias here (e.g. gpt2-124m: 124,439,808 tied
-# + 38,597,376 untied lm_head - 12 * 768 key biases = 163,027,968).
-PRESETS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128),
-    "small": GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256),
-    "gpt2-124m": GPTConfig(vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, d_model=768),
-    "gpt2-350m": GPTConfig(vocab_size=50257, seq_len=1024, n_layer=24, n_head=16, d_model=1024),
-    "gpt2-1.3b": GPTConfig(vocab_size=50257, seq_len=2048, n_layer=24, n_head=16, d_model=2048),
-}
+# The presets' shapes live with the planner, which sizes them without torch (model_spec.py)
+PRESETS: dict[str, GPTConfig] = {name: GPTConfig(**shape) for name, shape in GPT_SHAPES.items()}
 
 
 def gpt_config(name: str, **overrides) -> GPTConfig:

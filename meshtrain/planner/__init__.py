@@ -1,7 +1,7 @@
 """Strategy planner: pure memory and time models per plan, and the advisor that ranks plans.
 
-Imports no strategy and creates no process group; calibration and verification (which do
-run ranks) live in `calibrate.py` and `verify.py` and are imported only when asked for.
+Pure: imports only `meshtrain.core` and itself, no strategy and no torch, and creates no
+process group. Calibration and verification, which run ranks, are `meshtrain.measure`.
 """
 from meshtrain.planner.advisor import Advice, NoPlanFits, advise, require_fit
 from meshtrain.planner.hardware import Cluster, make_cluster

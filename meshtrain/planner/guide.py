@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 
 from meshtrain.core.plan import Plan
 from meshtrain.planner.advisor import Advice, Evaluated
-from meshtrain.planner.memory import largest_layer_bytes, memory
+from meshtrain.planner.memory import memory
+from meshtrain.planner.states import largest_layer_bytes
 from meshtrain.planner.setup import Candidate
 from meshtrain.planner.time_model import step_flops
 

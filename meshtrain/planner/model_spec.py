@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from meshtrain.core.gpt_shapes import GPT_SHAPES, gpt_num_params
+
 
 class ModelSpecError(ValueError):
     """A model description that cannot be used: the message names the field and the fix."""
@@ -117,7 +119,7 @@ class ModelSpec:
     def largest_tensor_params(self) -> int:
         """The biggest single weight matrix: an MLP matrix (h x f), the token embedding or an
         untied output head (V x h), or a square attention matrix. Its gradient is the largest
-        one autograd materialises at a time (see memory.transient_bytes)."""
+        one autograd materialises at a time (see activations.transient_bytes)."""
         h = self.hidden
         return max(h * self.ffn_hidden, self.vocab * h, h * h)
 
@@ -144,27 +146,20 @@ PRESETS: dict[str, ModelSpec] = {
 
 
 def preset(name: str, seq: int | None = None) -> ModelSpec:
-    """A planner preset, or a meshtrain GPT preset (`meshtrain.models.gpt.PRESETS`) by name."""
+    """A planner preset, or a meshtrain GPT preset (`GPT_SHAPES`) by name."""
     key = str(name).lower()
     if key in PRESETS:
         spec = PRESETS[key]
     else:
-        gpt_presets = _gpt_presets()
-        if key not in gpt_presets:
-            known = list(PRESETS) + [k for k in gpt_presets if k not in PRESETS]
+        if key not in GPT_SHAPES:
+            known = list(PRESETS) + [k for k in GPT_SHAPES if k not in PRESETS]
             raise ModelSpecError(f"unknown model preset {name!r}; choose one of "
                                  f"{', '.join(known)}, or describe it with --layers --hidden "
                                  f"--heads --vocab --seq")
-        spec = from_gpt_config(gpt_presets[key], name=key)
+        shape = GPT_SHAPES[key]
+        spec = replace(from_gpt_shape(**shape, name=key), measured_params=gpt_num_params(
+            shape["vocab_size"], shape["seq_len"], shape["n_layer"], shape["d_model"]))
     return replace(spec, seq=seq) if seq else spec
-
-
-def _gpt_presets() -> dict:
-    try:  # imported lazily: the planner must not depend on torch being importable
-        from meshtrain.models.gpt import PRESETS as gpt_presets
-    except ImportError:
-        return {}
-    return gpt_presets
 
 
 def from_description(layers: int, hidden: int, heads: int, vocab: int, seq: int,
@@ -173,12 +168,20 @@ def from_description(layers: int, hidden: int, heads: int, vocab: int, seq: int,
     return ModelSpec(name, layers, hidden, heads, vocab, seq, **kw)
 
 
+def from_gpt_shape(vocab_size: int, seq_len: int, n_layer: int, n_head: int, d_model: int,
+                   mlp_ratio: int = 4, bias: bool = True, name: str = "gpt") -> ModelSpec:
+    """meshtrain's reference GPT from its config's fields (GPTConfig's names and defaults):
+    untied lm_head without bias, learned positions, GELU MLP, no dropout, and
+    `scaled_dot_product_attention` (fused: no s x s scores kept)."""
+    return ModelSpec(name, n_layer, d_model, n_head, vocab_size, seq_len, ffn=mlp_ratio * d_model,
+                     bias=bias, tied=False, dropout=False, flash_attention=True)
+
+
 def from_gpt_config(config, name: str = "gpt") -> ModelSpec:
-    """meshtrain's reference GPT: untied lm_head without bias, learned positions, GELU MLP,
-    no dropout, and `scaled_dot_product_attention` (fused: no s x s scores kept)."""
-    spec = ModelSpec(name, config.n_layer, config.d_model, config.n_head, config.vocab_size,
-                     config.seq_len, ffn=config.mlp_ratio * config.d_model, bias=config.bias,
-                     tied=False, dropout=False, flash_attention=True)
+    """meshtrain's reference GPT from its GPTConfig (`from_gpt_shape`), with the exact
+    parameter count the config gives."""
+    spec = from_gpt_shape(config.vocab_size, config.seq_len, config.n_layer, config.n_head,
+                          config.d_model, config.mlp_ratio, config.bias, name)
     if hasattr(config, "num_params"):  # the config knows its exact count; trust it
         spec = replace(spec, measured_params=config.num_params())
     return spec
@@ -192,7 +195,7 @@ def from_module(module, seq: int | None = None, name: str | None = None, **shape
     module does not reveal (layers, hidden, heads, vocab, seq) come from `module.config` when it
     is a GPTConfig, else from `shape` and simple reads (most common Linear input width).
     """
-    import torch.nn as nn  # lazily: only this entry point needs torch
+    import torch.nn as nn  # lazy: torch, only this entry point needs it
 
     total = sum(p.numel() for p in module.parameters())
     if hasattr(module, "layers") and callable(module.layers):

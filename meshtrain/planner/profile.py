@@ -8,7 +8,7 @@ AdamW update rate; and the runtime memory (fixed + per activation byte) a rank n
 its tensors. The reference step at two batch sizes separates its FLOP rate from a fixed cost
 per micro-batch (`step_costs`); world 1's rate against world w's is what a rank gains while
 others idle (more ranks than cores). Per world > 1, `strategies`: what each strategy costs
-beyond the model on the reference GPT (calibrate.fit_strategies): ZeRO's staging copies,
+beyond the model on the reference GPT (meshtrain.measure.fit.fit_strategies): ZeRO's staging copies,
 disk offload's paging, tensor parallel's unsplit work and buffers, the pipeline runtime's
 work per micro-batch and its buffers.
 
@@ -24,7 +24,13 @@ import os
 from pathlib import Path
 
 from meshtrain.planner.hardware import Cluster, Curve, HardwareError
+from meshtrain.planner.model_spec import from_gpt_shape
+from meshtrain.planner.time_model import step_flops
 
+# The reference GPT calibration times (meshtrain.models.gpt.GPTConfig's fields) at two
+# batch sizes: its rate and its fixed cost per micro-batch (step_costs)
+REFERENCE_GPT = dict(vocab_size=256, seq_len=128, n_layer=2, n_head=4, d_model=256)
+REFERENCE_BATCH, SMALL_BATCH = 8, 2
 DEFAULT_PATH = Path("~/.cache/meshtrain/profile.json")
 LOCAL_OVERLAP = 0.0
 
@@ -120,16 +126,11 @@ def step_costs(entry: dict) -> tuple[float, float]:
     The overhead (Python, autograd and kernel dispatch: the same for any batch) is spread
     over the reference's blocks plus one for the embedding, head and loss. A profile from
     before the second size was measured gives (its one rate, 0)."""
-    from meshtrain.models.gpt import GPTConfig
-    from meshtrain.planner.calibrate import REFERENCE_BATCH, REFERENCE_GPT, SMALL_BATCH
-    from meshtrain.planner.model_spec import from_gpt_config
-    from meshtrain.planner.time_model import step_flops
-
     big = entry["model_flops"]
     small = entry.get("model_flops_small")
     if not small:
         return big, 0.0
-    spec = from_gpt_config(GPTConfig(**REFERENCE_GPT))
+    spec = from_gpt_shape(**REFERENCE_GPT)
     f_big, f_small = step_flops(spec, REFERENCE_BATCH), step_flops(spec, SMALL_BATCH)
     t_big, t_small = f_big / big, f_small / small
     if t_big <= t_small:   # noise swamped the difference: no overhead to separate

@@ -6,6 +6,7 @@ import json
 from meshtrain.planner import data_parallel_family
 from meshtrain.planner.advisor import Advice
 from meshtrain.planner.guide import verdict
+from meshtrain.planner.memory import role_memories
 from meshtrain.planner.units import fmt_rate
 
 
@@ -62,7 +63,6 @@ def words(advice: Advice) -> str:
 
 
 def _roles(advice: Advice, ev) -> dict:
-    from meshtrain.planner.memory import role_memories
     return role_memories(advice.spec, ev.cand, advice.setup,
                          **advice.cluster.memory_terms(ev.cand.plan))
 

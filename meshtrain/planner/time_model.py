@@ -17,7 +17,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from meshtrain.planner.hardware import Cluster, nearest
-from meshtrain.planner.memory import model_states, stage_params
+from meshtrain.planner.states import model_states, stage_params
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
 
@@ -126,72 +126,117 @@ def family_exchange(psi: float, setup: Setup, plan, cluster: Cluster) -> float:
 
 
 def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) -> StepTime:
+    """One step on the busiest rank: the pipeline's slots of compute and tp/pp communication
+    (bubble included), the data-parallel exchange not hidden behind compute, offload, the
+    optimizer step and the Trainer's fixed cost per step."""
     p = cand.plan
-    b, m, s, h = cand.micro_batch, p.microbatches, spec.seq, spec.hidden
-    if p.dp_mode == "dp":   # every replica computes its 1/N slice of the micro-batch
-        b = b / p.dp
-    # Compute per micro-batch on one rank: the model's FLOPs for b sequences over pp stages
-    # (the busiest holds ceil(l/p) layers, plus the logit layer when pp = 1) and tp ranks.
-    layer_f, scores_f, logits_f = forward_flops_per_token(spec, s)
+    m = p.microbatches
+    b = cand.micro_batch / p.dp if p.dp_mode == "dp" else cand.micro_batch
+    compute_scale, step_overhead = trainer_costs(cand, cluster)
+    t_mb = micro_batch_compute(spec, cand, cluster, b) * compute_scale
+    if p.tp > 1:   # what tensor parallel does not split (norms, residuals, the vocabulary
+        # loss's extra passes), calibrated per token and block
+        t_mb += tp_overhead(cluster, p.tp) * b * spec.seq * (math.ceil(spec.layers / p.pp) + 1)
+    t_tp = tp_comm_time(spec, cand, setup, cluster, b)
+    t_pp = pp_comm_time(spec, cand, setup, cluster, b)
+    slot = t_mb + t_tp + t_pp
+    compute = m * t_mb
+    pipeline = pipeline_time(cand, cluster, slot)
+    bubble = pipeline - m * slot
+    psi = stage_params(spec, p.pp, p.tp)
+    t_dp, last, stats = dp_comm_time(spec, cand, setup, cluster, psi)
+    exposed = max(0.0, t_dp - dp_hidden(cand, cluster, t_dp - last, compute, t_mb)) + stats
+    t_off = offload_time(cand, setup, cluster, psi)
+    t_opt = optimizer_time(cand, setup, cluster, psi)
+    total = pipeline + exposed + t_off + t_opt + step_overhead
+    return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, t_opt, total)
+
+
+def trainer_costs(cand: Candidate, cluster: Cluster) -> tuple[float, float]:
+    """(factor on a micro-batch's compute, fixed seconds per step): the Trainer's step
+    against the bare model's (calibrated; 1 and 0 on presets). DP's replicas are threads of
+    one process: one process's."""
+    if cand.plan.dp_mode == "dp" and cluster.process_trainer:
+        return cluster.process_trainer
+    return cluster.compute_scale, cluster.step_overhead
+
+
+def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: float) -> float:
+    """Seconds of one micro-batch of `b` sequences on one rank, before the Trainer's factor:
+    the model's FLOPs over pp stages (the busiest holds ceil(l/p) layers, plus the logit
+    layer) and tp ranks, plus a fixed cost per block that no FLOP count sees."""
+    p = cand.plan
+    layer_f, scores_f, logits_f = forward_flops_per_token(spec, spec.seq)
     extra = layer_f if cand.recompute == "full" else scores_f if cand.recompute == "selective" else 0
     layers_here = math.ceil(spec.layers / p.pp)
-    mb_flops = b * s * (layers_here * (3 * layer_f + extra) + 3 * logits_f) / p.tp
-    # plus a fixed cost per block per micro-batch that no FLOP count sees (kernel launches,
-    # autograd, Python: calibrated on CPU ranks, 0 on GPU presets), which tensor parallel
-    # does not divide; the embedding, head and loss count as one more block
+    mb_flops = b * spec.seq * (layers_here * (3 * layer_f + extra) + 3 * logits_f) / p.tp
+    # kernel launches, autograd, Python: calibrated on CPU ranks, 0 on GPU presets; tensor
+    # parallel does not divide it; the embedding, head and loss count as one more block
     dispatch = cluster.block_overhead * (layers_here * (4 / 3 if cand.recompute == "full" else 1) + 1)
     if p.dp_mode == "dp":   # the replicas' threads take turns at Python's interpreter lock
         dispatch *= p.dp
-    # the Trainer's micro-batch against the bare model's (calibrated; 1 on presets); DP's
-    # replicas are threads of one process: one process's
-    compute_scale, step_overhead = cluster.compute_scale, cluster.step_overhead
-    if p.dp_mode == "dp" and cluster.process_trainer:
-        compute_scale, step_overhead = cluster.process_trainer
-    t_mb = (mb_flops / cluster.achievable_flops + dispatch) * compute_scale
-    if p.tp > 1:   # what tensor parallel does not split (norms, residuals, the vocabulary
-        # loss's extra passes), calibrated per token and block
-        t_mb += tp_overhead(cluster, p.tp) * b * s * (layers_here + 1)
+    return mb_flops / cluster.achievable_flops + dispatch
 
-    # Tensor parallel: 4 collectives of b s h per layer (2 forward, 2 backward; Megatron 2019
-    # §3), 6 with full recomputation (its forward runs twice); ring all-reduce volume.
-    act = b * s * h * setup.act_bytes
-    n_tp = (6 if cand.recompute == "full" else 4) * layers_here
+
+def tp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster,
+                 b: float) -> float:
+    """Tensor parallel per micro-batch: 4 collectives of b s h per layer (2 forward, 2
+    backward; Megatron 2019 §3), 6 with full recomputation (its forward runs twice); ring
+    all-reduce volume."""
+    p = cand.plan
+    act = b * spec.seq * spec.hidden * setup.act_bytes
+    n_tp = (6 if cand.recompute == "full" else 4) * math.ceil(spec.layers / p.pp)
     t_tp = n_tp * cluster.collective_time("all_reduce", act, p.tp, p.tp)
     if p.pp > 1:   # beside the other stages' work (calibrated on CPU ranks; 1 on presets)
         t_tp *= cluster.pp_tp_scale
+    return t_tp
 
-    # Pipeline: each micro-batch sends b s h forward and its gradient back across a boundary;
-    # with tp > 1 every tp rank sends the whole activation to its peer in the next stage
-    # (meshtrain's runtime; Megatron 2021 §4.1 would send 1/t and all-gather it).
-    t_pp = 0.0
-    if p.pp > 1:
-        t_pp = 2 * cluster.collective_time("p2p", act, 2, p.tp * p.dp * p.pp)
-        # interleaving multiplies the boundaries crossed (§2.2.2), and the runtime's work
-        # per chunk a micro-batch runs through (calibrated on CPU ranks; 0 on presets)
-        t_pp = (t_pp + cluster.pp_overhead) * p.virtual_stages
 
-    slots = pipeline_slots(p.schedule, p.pp, m, p.virtual_stages)
-    slot = t_mb + t_tp + t_pp
-    compute = m * t_mb
-    pipeline = slots * slot
+def pp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster,
+                 b: float) -> float:
+    """Pipeline per micro-batch: it sends b s h forward and its gradient back across a
+    boundary; with tp > 1 every tp rank sends the whole activation to its peer in the next
+    stage (meshtrain's runtime; Megatron 2021 §4.1 would send 1/t and all-gather it)."""
+    p = cand.plan
+    if p.pp == 1:
+        return 0.0
+    act = b * spec.seq * spec.hidden * setup.act_bytes
+    t_pp = 2 * cluster.collective_time("p2p", act, 2, p.tp * p.dp * p.pp)
+    # interleaving multiplies the boundaries crossed (§2.2.2), and the runtime's work
+    # per chunk a micro-batch runs through (calibrated on CPU ranks; 0 on presets)
+    return (t_pp + cluster.pp_overhead) * p.virtual_stages
+
+
+def pipeline_time(cand: Candidate, cluster: Cluster, slot: float) -> float:
+    """Seconds of the step's forwards and backwards, bubble included, each slot one
+    micro-batch's compute and tp/pp communication on one stage."""
+    p = cand.plan
+    m = p.microbatches
+    pipeline = pipeline_slots(p.schedule, p.pp, m, p.virtual_stages) * slot
     if cluster.idle_speedup > 1 and p.pp > 1:
         # more ranks than cores: while some stages wait in the fill and drain, the busy ones
         # get their cores; the step is then bound by the work itself, m slots per rank at
         # the shared speed, or by the critical path at the solo speed
         pipeline = max(m * slot, pipeline / cluster.idle_speedup)
-    bubble = pipeline - m * slot
+    return pipeline
 
-    # Data parallel (ZeRO §7.2): S = this rank's gradients. DDP / ZeRO-1: one all-reduce (or
-    # reduce-scatter + all-gather) per step; ZeRO-2 reduce-scatters every micro-batch (it keeps
-    # only a gradient shard) and all-gathers parameters once; ZeRO-3 all-gathers parameters in
-    # forward and in backward and reduce-scatters gradients, every micro-batch: 1.5x DDP's
-    # volume per micro-batch.
-    psi = stage_params(spec, p.pp, p.tp)
+
+def dp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster,
+                 psi: float) -> tuple[float, float, float]:
+    """(all of the data-parallel exchange, its part that waits for backward's end, the
+    step's statistics all-reduce) in seconds, for a stage of `psi` parameters.
+
+    ZeRO §7.2, S = this rank's gradients: DDP / ZeRO-1 one all-reduce (or reduce-scatter +
+    all-gather) per step; ZeRO-2 reduce-scatters every micro-batch (it keeps only a gradient
+    shard) and all-gathers parameters once; ZeRO-3 all-gathers parameters in forward and in
+    backward and reduce-scatters gradients, every micro-batch: 1.5x DDP's volume per
+    micro-batch."""
+    p = cand.plan
+    m = p.microbatches
     grad_bytes = psi * setup.grad_bytes
     param_bytes = psi * setup.param_bytes
-    span = p.tp * p.dp
-    coll = lambda kind, nbytes: cluster.collective_time(kind, nbytes, p.dp, span)
-    stats = 0.0
+    coll = lambda kind, nbytes: cluster.collective_time(kind, nbytes, p.dp, p.tp * p.dp)
+    last_bucket = bucket_sizes(grad_bytes, p.bucket_mb * 2**20)[2]
     # the step's statistics: the loss, and meshtrain's DDP adds a used-flag per parameter
     # tensor (~13 per block)
     stats_bytes = 4 * (1 + 13 * math.ceil(spec.layers / p.pp))
@@ -211,67 +256,75 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     elif p.zero == 2:
         # the updated parameters' all-gather follows the optimizer step: no backward left
         # to hide it behind (DeepSpeed stage 2 runs it after the step)
-        last = (coll("reduce_scatter", bucket_sizes(grad_bytes, p.bucket_mb * 2**20)[2])
-                + coll("all_gather", param_bytes))
+        last = coll("reduce_scatter", last_bucket) + coll("all_gather", param_bytes)
         t_dp = m * coll("reduce_scatter", grad_bytes) + coll("all_gather", param_bytes)
     else:
         t_dp = m * (2 * coll("all_gather", param_bytes) + coll("reduce_scatter", grad_bytes))
         # nothing is computed before the first unit's gather, nor after the last bucket
         unit = spec.largest_layer_params / p.tp * setup.param_bytes
-        last = (coll("all_gather", unit)
-                + coll("reduce_scatter", bucket_sizes(grad_bytes, p.bucket_mb * 2**20)[2]))
+        last = coll("all_gather", unit) + coll("reduce_scatter", last_bucket)
     if p.dp_mode.startswith("ps-") or p.dp_mode == "dp":
         t_dp, last = family_exchange(psi, setup, p, cluster), 0.0
+    stats = 0.0
     if p.dp > 1 and (p.zero >= 1 or p.dp_mode.startswith("ps-")):
         stats = coll("all_reduce", stats_bytes)   # one small all-reduce behind the gradients
-    # Overlap: DDP buckets overlap the all-reduce with the last micro-batch's backward (2/3
-    # of its compute; Li et al. 2020, PyTorch DDP §3.2.3), ZeRO-2 its reduce-scatters with
-    # every micro-batch's backward, except the last bucket, which is ready only when
-    # backward ends; ZeRO-3 prefetches, hiding its traffic behind all compute
-    # (Rajbhandari et al. 2020 §7.2.2). With pp > 1 the gradient exchange waits for the
-    # pipeline flush (Megatron 2021 §2.2) and is not hidden. `cluster.overlap` scales what
-    # can hide: 1 on GPUs (copy engines and NCCL's own SMs); on CPU ranks gloo's threads take
-    # the cores backward runs on, so a local profile sets it low (see profile.py).
-    if p.dp == 1 or p.dp_mode != "ddp":   # pushes and copies start when backward ends
-        hidden = 0.0
-    elif p.pp > 1:
-        hidden = 0.0
-    elif p.zero == 3:
-        hidden = max(0.0, min(t_dp - last, compute)) * cluster.overlap
-    elif p.zero == 2:  # the last micro-batch's last bucket, too, waits for backward's end
-        hidden = max(0.0, min(t_dp - last, compute * 2 / 3)) * cluster.overlap
-    else:
-        hidden = max(0.0, min(t_dp - last, t_mb * 2 / 3)) * cluster.overlap
-    exposed = max(0.0, t_dp - hidden) + stats
+    return t_dp, last, stats
 
-    # Offload (ZeRO-Offload §4): gradient shard to host, updated parameters back, over the
-    # host link, and Adam on the host CPUs at host_update_rate shared by the node's GPUs.
-    t_off = 0.0
-    if p.offload != "none" and cluster.host_is_device:
-        # CPU ranks: the optimizer runs where it always does (t_opt below); disk adds the
+
+def dp_hidden(cand: Candidate, cluster: Cluster, hideable: float, compute: float,
+              t_mb: float) -> float:
+    """Seconds of the data-parallel exchange hidden behind compute, of the `hideable` part
+    (all but what waits for backward's end).
+
+    DDP buckets overlap the all-reduce with the last micro-batch's backward (2/3 of its
+    compute; Li et al. 2020, PyTorch DDP §3.2.3), ZeRO-2 its reduce-scatters with every
+    micro-batch's backward, except the last bucket, which is ready only when backward ends;
+    ZeRO-3 prefetches, hiding its traffic behind all compute (Rajbhandari et al. 2020
+    §7.2.2). With pp > 1 the gradient exchange waits for the pipeline flush (Megatron 2021
+    §2.2) and is not hidden. `cluster.overlap` scales what can hide: 1 on GPUs (copy engines
+    and NCCL's own SMs); on CPU ranks gloo's threads take the cores backward runs on, so a
+    local profile sets it low (see profile.py)."""
+    p = cand.plan
+    if p.dp == 1 or p.dp_mode != "ddp" or p.pp > 1:   # pushes and copies start when
+        return 0.0                                     # backward ends
+    if p.zero == 3:
+        return max(0.0, min(hideable, compute)) * cluster.overlap
+    if p.zero == 2:  # the last micro-batch's last bucket, too, waits for backward's end
+        return max(0.0, min(hideable, compute * 2 / 3)) * cluster.overlap
+    return max(0.0, min(hideable, t_mb * 2 / 3)) * cluster.overlap
+
+
+def offload_time(cand: Candidate, setup: Setup, cluster: Cluster, psi: float) -> float:
+    """Offload (ZeRO-Offload §4): gradient shard to host, updated parameters back, over the
+    host link, and Adam on the host CPUs at host_update_rate shared by the node's GPUs."""
+    p = cand.plan
+    if p.offload == "none":
+        return 0.0
+    if cluster.host_is_device:
+        # CPU ranks: the optimizer runs where it always does (optimizer_time); disk adds the
         # calibrated cost of paging the offloaded states in and out each step
-        if p.offload == "disk":
-            on_disk = model_states(psi, setup, p.zero, p.dp, p.offload, True).host
-            t_off = on_disk * cluster.disk_overhead
-    elif p.offload != "none":
-        shard = psi / p.dp
-        t_off = shard * (setup.grad_bytes + setup.param_bytes) / cluster.host_bw
-        t_off += shard * cluster.gpus_per_node / cluster.host_update_rate
-    # The optimizer step is bound by memory bandwidth: Adam reads the parameter, gradient and
-    # K bytes of state and writes the parameter and state back (Rajbhandari et al. 2020 §3.1
-    # for K), for this rank's shard only under ZeRO-1+.
-    # A calibrated profile measures the optimizer's update rate (parameters/s) directly:
-    # PyTorch's AdamW on CPU runs tensor by tensor, several passes per tensor, well below
-    # the single-pass bound.
-    t_opt = 0.0
-    if p.offload == "none" or cluster.host_is_device:
-        shard = psi / (p.dp if p.zero >= 1 else p.ps_shards if p.dp_mode.startswith("ps-") else 1)
-        per_param = setup.param_bytes + setup.grad_bytes + 2 * setup.optim_bytes + setup.param_bytes
-        t_opt = shard * per_param / cluster.mem_bw
-        if cluster.optimizer_rate:
-            t_opt = shard / cluster.optimizer_rate
-    total = pipeline + exposed + t_off + t_opt + step_overhead
-    return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, t_opt, total)
+        if p.offload != "disk":
+            return 0.0
+        return model_states(psi, setup, p.zero, p.dp, p.offload, True).host * cluster.disk_overhead
+    shard = psi / p.dp
+    t_off = shard * (setup.grad_bytes + setup.param_bytes) / cluster.host_bw
+    return t_off + shard * cluster.gpus_per_node / cluster.host_update_rate
+
+
+def optimizer_time(cand: Candidate, setup: Setup, cluster: Cluster, psi: float) -> float:
+    """The on-device optimizer step, bound by memory bandwidth: Adam reads the parameter,
+    gradient and K bytes of state and writes the parameter and state back (Rajbhandari et
+    al. 2020 §3.1 for K), for this rank's shard only under ZeRO-1+. A calibrated profile
+    measures the optimizer's update rate (parameters/s) directly: PyTorch's AdamW on CPU
+    runs tensor by tensor, several passes per tensor, well below the single-pass bound."""
+    p = cand.plan
+    if p.offload != "none" and not cluster.host_is_device:
+        return 0.0
+    shard = psi / (p.dp if p.zero >= 1 else p.ps_shards if p.dp_mode.startswith("ps-") else 1)
+    if cluster.optimizer_rate:
+        return shard / cluster.optimizer_rate
+    per_param = setup.param_bytes + setup.grad_bytes + 2 * setup.optim_bytes + setup.param_bytes
+    return shard * per_param / cluster.mem_bw
 
 
 def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None = None,

@@ -209,7 +209,7 @@ def test_pipeline_under_ddp_zero_and_tensor_parallel_matches_one_process(world):
 def test_plan_verify_runs_a_pipeline_plan():
     import io
 
-    from meshtrain.planner import verify
+    from meshtrain.measure import verify
     from tests.multirank.test_plan_verify import PROFILE, TINY
 
     assert any(plan.get("pp", 1) > 1 for plan, _ in verify.PLANS)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from meshtrain.planner import verify
+from meshtrain.measure import verify
 
 TINY = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=32)
 PLANS = (({"dp": 1}, 4), ({"dp": 2, "microbatches": 2}, 4), ({"tp": 2}, 4),
@@ -126,7 +126,8 @@ def test_sequence_parallel_activations_are_what_meshtrain_saves(rows_and_text):
 
 
 def test_calibration_ranks_agree_on_repetitions_and_measure_every_collective():
-    from meshtrain.planner.calibrate import KINDS, MIN_REPS, measure_rank
+    from meshtrain.measure.probe import measure_rank
+    from meshtrain.measure.runs import KINDS, MIN_REPS
     from meshtrain.testing import run_ranks
 
     sizes = (256, 4096)

@@ -6,7 +6,7 @@ import torch
 import meshtrain as mt
 from meshtrain.core.memory import ActivationMeter
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.planner.memory import layer_activation_bytes
+from meshtrain.planner.activations import layer_activation_bytes
 from meshtrain.planner.model_spec import from_gpt_config
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.testing import run_ranks
@@ -82,7 +82,7 @@ def test_a_whole_step_keeps_what_the_planner_predicts(precision):
     planner's activation term for the same plan: with and without full recomputation, and
     so the fraction full recomputation saves."""
     from meshtrain.planner.memory import memory
-    from meshtrain.planner.verify import plan_inputs
+    from meshtrain.measure.verify import plan_inputs
 
     kept, predicted = {}, {}
     for mode in ("none", "full"):

@@ -5,14 +5,14 @@ import time
 import pytest
 
 from meshtrain.bench.timing import time_each_step
-from meshtrain.planner.calibrate import _combine, _mean_of_rounds
+from meshtrain.measure.probe import combine, mean_of_rounds
 
 
 def _spec4():
     """The 4-block GPT `meshtrain plan --verify` runs."""
     from meshtrain.models.gpt import GPTConfig
     from meshtrain.planner.model_spec import from_gpt_config
-    from meshtrain.planner.verify import MODEL
+    from meshtrain.measure.verify import MODEL
     return from_gpt_config(GPTConfig(**MODEL))
 
 
@@ -24,7 +24,7 @@ def _rank(rate: float, busbw: list[float]) -> dict:
 
 
 def test_a_launch_keeps_the_slowest_rank():
-    entry = _combine([_rank(5.0, [1.0, 8.0]), _rank(4.0, [2.0, 6.0])])
+    entry = combine([_rank(5.0, [1.0, 8.0]), _rank(4.0, [2.0, 6.0])])
     assert entry["model_flops"] == 4.0 and entry["matmul_flops"] == 8.0
     assert entry["mem_bw"] == 40.0 and entry["optimizer_rate"] == 12.0
     # per size, not per rank: the slowest at each size may be a different rank
@@ -32,8 +32,8 @@ def test_a_launch_keeps_the_slowest_rank():
 
 
 def test_rounds_are_averaged_so_a_slow_phase_is_not_picked_whole():
-    fast, slow = _combine([_rank(156.0, [4.0, 10.0])]), _combine([_rank(127.0, [2.0, 6.0])])
-    entry = _mean_of_rounds([fast, fast, slow, slow])
+    fast, slow = combine([_rank(156.0, [4.0, 10.0])]), combine([_rank(127.0, [2.0, 6.0])])
+    entry = mean_of_rounds([fast, fast, slow, slow])
     assert entry["model_flops"] == pytest.approx(141.5)
     assert entry["collectives"]["all_reduce"]["busbw"] == pytest.approx([3.0, 8.0])
     assert entry["per_round"]["model_flops"] == [156.0, 156.0, 127.0, 127.0]
@@ -59,7 +59,7 @@ def test_timing_counts_the_trailing_barrier_only_when_waiting_for_all():
 
 
 def test_runtime_memory_is_a_line_through_the_median_points():
-    from meshtrain.planner.calibrate import fit_runtime_memory
+    from meshtrain.measure.fit import fit_runtime_memory
     MB = 1e6
     # three rounds of ((first layer, rest) traffic, overhead) at two batch sizes; one
     # round's heap grew more
@@ -81,7 +81,7 @@ def test_runtime_memory_is_a_line_through_the_median_points():
 def test_runtime_memory_with_a_deeper_point_separates_the_first_layer():
     """Measured here (1, 2 and 4 blocks): the heap keeps ~0.66 of a micro-batch's first
     layer's traffic and ~0.2 of each further layer's; three points give the three terms."""
-    from meshtrain.planner.calibrate import fit_runtime_memory
+    from meshtrain.measure.fit import fit_runtime_memory
     MB = 1e6
     fixed, first, rest = 2 * MB, 0.66, 0.2
     traffic = [(4.6 * MB, 4.7 * MB), (36.8 * MB, 37.4 * MB), (18.4 * MB, 56 * MB)]
@@ -101,7 +101,7 @@ def test_runtime_memory_with_a_deeper_point_separates_the_first_layer():
 
 
 def test_accumulation_is_what_two_micro_batches_keep_beyond_one():
-    from meshtrain.planner.calibrate import fit_runtime_memory
+    from meshtrain.measure.fit import fit_runtime_memory
     MB = 1e6
     fixed, first, rest = 2 * MB, 0.66, 0.2
     traffic = [(4.6 * MB, 4.7 * MB), (36.8 * MB, 37.4 * MB), (18.4 * MB, 56 * MB),
@@ -117,7 +117,7 @@ def test_runtime_memory_terms_are_never_negative():
     """Points from a real calibration (one process): the deeper point lay a little below what the
     reference points' first-layer rate gives, so the exact terms had the rest's rate at
     -0.03; the fit keeps it at 0 and fits the other two to the three points."""
-    from meshtrain.planner.calibrate import fit_runtime_memory
+    from meshtrain.measure.fit import fit_runtime_memory
     MB = 1e6
     points = [((4.2 * MB, 5.0 * MB), 7.1 * MB), ((33.6 * MB, 39.8 * MB), 37.0 * MB),
               ((16.8 * MB, 53.5 * MB), 19.0 * MB)]
@@ -136,11 +136,12 @@ def fixed_plus(fit: dict, first: float, rest: float) -> float:
 
 def test_the_heap_counts_the_first_layer_at_its_own_rate():
     from meshtrain.core.plan import Plan
+    from meshtrain.planner import activations as am
     from meshtrain.planner import memory as mm
     from meshtrain.planner.setup import Candidate, Setup
     spec = _spec4()
     cand, setup = Candidate(Plan(), 8), Setup(precision="fp32")
-    first, rest = mm.forward_traffic(spec, cand, setup, 0)
+    first, rest = am.forward_traffic(spec, cand, setup, 0)
     assert rest > 3 * first   # three more blocks and the output layer
     base = mm.memory(spec, cand, setup, runtime=(1e6, 0.0, 0.0)).runtime
     assert mm.memory(spec, cand, setup, runtime=(1e6, 0.2, 0.66)).runtime == pytest.approx(
@@ -151,8 +152,10 @@ def test_the_heap_counts_the_first_layer_at_its_own_rate():
 
 
 def test_the_trainer_correction_meets_both_measured_ddp_steps():
-    from meshtrain.planner.calibrate import DEEP_POINT, MEMORY_BATCHES, REFERENCE_GPT, fit_trainer
-    from meshtrain.planner.verify import predict
+    from meshtrain.measure.fit import fit_trainer
+    from meshtrain.measure.runs import DEEP_POINT, MEMORY_BATCHES
+    from meshtrain.planner.profile import REFERENCE_GPT
+    from meshtrain.measure.verify import predict
 
     curve = {"sizes": [256, 2**24], "busbw": [1e7, 1e9]}
     entry = {"matmul_flops": 1e11, "model_flops": 8e10, "model_flops_small": 7e10,

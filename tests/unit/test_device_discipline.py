@@ -33,8 +33,8 @@ ALLOWED = {
     # the benches and calibration build references on the host: point 6 of issue 26 moves
     # them onto the mesh's device
     ("bench/*", "*"): "benchmarks (issue 26 point 6)",
-    ("planner/calibrate.py", "*"): "calibration (issue 26 point 6)",
-    ("planner/verify.py", "*"): "plan verification's batches, moved by the step driver",
+    ("measure/probe.py", "*"): "calibration (issue 26 point 6)",
+    ("measure/verify.py", "*"): "plan verification's batches, moved by the step driver",
 }
 
 

@@ -5,7 +5,9 @@ import pytest
 
 from meshtrain.core.plan import Plan
 from meshtrain.planner import Setup, advise, make_cluster, preset
+from meshtrain.planner import activations as am
 from meshtrain.planner import memory as mm
+from meshtrain.planner import states as sm
 from meshtrain.planner.guide import FAMILIES, questions
 from meshtrain.planner.setup import Candidate
 
@@ -16,16 +18,16 @@ def test_the_output_layer_lives_on_the_last_stage():
     spec = preset("gpt2-350m")
     cand = Candidate(Plan(pp=2, microbatches=8, schedule="1f1b"), 2, "none")
     first, last = mm.stage_memories(spec, cand, SETUP)
-    per_layer = mm.layer_activation_bytes(spec, spec.seq, 2, elem_bytes=SETUP.act_bytes)
+    per_layer = am.layer_activation_bytes(spec, spec.seq, 2, elem_bytes=SETUP.act_bytes)
     blocks = spec.layers // 2 * per_layer
     output = (2 * SETUP.act_bytes * spec.seq * 2 * spec.hidden
-              + mm.logits_bytes(spec, spec.seq, 2, 1))
+              + am.logits_bytes(spec, spec.seq, 2, 1))
     # 1F1B: the first stage holds p = 2 micro-batches of its blocks and no output layer,
     # the last one micro-batch of its blocks and the output layer's activations and logits
     assert first.activations == pytest.approx(2 * blocks)
     assert last.activations == pytest.approx(blocks + output)
-    assert first.params == pytest.approx(mm.stage_params(spec, 2, 1, 0) * SETUP.param_bytes)
-    assert last.params == pytest.approx(mm.stage_params(spec, 2, 1, 1) * SETUP.param_bytes)
+    assert first.params == pytest.approx(sm.stage_params(spec, 2, 1, 0) * SETUP.param_bytes)
+    assert last.params == pytest.approx(sm.stage_params(spec, 2, 1, 1) * SETUP.param_bytes)
     # the busiest rank is whichever stage needs more, with its own parameters
     assert mm.memory(spec, cand, SETUP).total == max(first.total, last.total)
 
@@ -36,9 +38,9 @@ def test_the_output_layer_lives_on_the_last_stage():
     ("interleaved", 2, [(6 + 4 + 1) / 2, (4 + 4 + 1) / 2, (2 + 4 + 1) / 2, (0 + 4 + 1) / 2]),
 ])
 def test_microbatches_in_flight_per_stage(schedule, v, expected):
-    got = [mm.inflight_microbatches(schedule, 4, 8, v, stage) for stage in range(4)]
+    got = [am.inflight_microbatches(schedule, 4, 8, v, stage) for stage in range(4)]
     assert got == expected
-    assert got[0] == mm.inflight_microbatches(schedule, 4, 8, v)   # the first stage's
+    assert got[0] == am.inflight_microbatches(schedule, 4, 8, v)   # the first stage's
 
 
 def test_zero3_on_one_rank_is_ranked_only_with_offload():

@@ -6,8 +6,10 @@ import pytest
 
 from meshtrain.core.plan import Plan
 from meshtrain.models.gpt import GPTConfig
+from meshtrain.planner import activations as am
 from meshtrain.planner import memory as mm
-from meshtrain.planner.calibrate import REFERENCE_BATCH, REFERENCE_GPT, SMALL_BATCH
+from meshtrain.planner import states as sm
+from meshtrain.planner.profile import REFERENCE_BATCH, REFERENCE_GPT, SMALL_BATCH
 from meshtrain.planner.hardware import Cluster, Curve
 from meshtrain.planner.model_spec import from_gpt_config
 from meshtrain.planner.profile import step_costs
@@ -68,22 +70,22 @@ def test_tensor_parallel_pays_for_the_work_it_does_not_split():
 
 def test_on_cpu_ranks_cpu_offload_moves_nothing_and_disk_keeps_the_gradient_shard():
     psi = 1e6
-    plain = mm.model_states(psi, FP32, zero=2, dp=2)
-    assert mm.model_states(psi, FP32, 2, 2, "cpu", host_is_device=True) == plain
-    disk = mm.model_states(psi, FP32, 2, 2, "disk", host_is_device=True)
+    plain = sm.model_states(psi, FP32, zero=2, dp=2)
+    assert sm.model_states(psi, FP32, 2, 2, "cpu", host_is_device=True) == plain
+    disk = sm.model_states(psi, FP32, 2, 2, "disk", host_is_device=True)
     assert (disk.params, disk.grads, disk.optim) == (4 * psi, 4 * psi / 2, 0.0)
     assert disk.host == 8 * psi / 2
-    z3 = mm.model_states(psi, FP32, 3, 2, "disk", host_is_device=True)
+    z3 = sm.model_states(psi, FP32, 3, 2, "disk", host_is_device=True)
     assert (z3.params, z3.grads, z3.host) == (0.0, 4 * psi / 2, (8 + 4) * psi / 2)
     # on a GPU the gradient shard leaves the device too (ZeRO-Offload)
-    assert mm.model_states(psi, FP32, 2, 2, "disk").grads == 0.0
+    assert sm.model_states(psi, FP32, 2, 2, "disk").grads == 0.0
 
 
 def test_zero_staging_grows_with_its_largest_collective_buffer():
     setup = FP32
     for zero, buffer in ((1, SPEC.num_params * 4), (3, SPEC.largest_layer_params * 4)):
         cand = Candidate(Plan(dp=2, zero=zero), 8, "none")
-        assert mm.collective_buffer_bytes(SPEC, cand, setup) == pytest.approx(buffer)
+        assert sm.collective_buffer_bytes(SPEC, cand, setup) == pytest.approx(buffer)
         bare = mm.memory(SPEC, cand, setup, runtime=(1e6, 0.5))
         staged = mm.memory(SPEC, cand, setup, runtime=(1e6, 0.5), staging=3.0)
         heap = bare.runtime - 1e6                    # the activations' heap
@@ -94,17 +96,17 @@ def test_zero_staging_grows_with_its_largest_collective_buffer():
         assert staged.allocated == bare.allocated    # staging is the runtime's, not a tensor
     # a bucket caps ZeRO-1/2's buffer; DDP and one rank stage nothing
     small = Candidate(Plan(dp=2, zero=1, bucket_mb=1.0), 8, "none")
-    assert mm.collective_buffer_bytes(SPEC, small, setup) == 2**20
-    assert mm.collective_buffer_bytes(SPEC, Candidate(Plan(dp=2), 8, "none"), setup) == 0
+    assert sm.collective_buffer_bytes(SPEC, small, setup) == 2**20
+    assert sm.collective_buffer_bytes(SPEC, Candidate(Plan(dp=2), 8, "none"), setup) == 0
 
 
 def test_full_recomputation_keeps_layer_inputs_but_the_heap_sees_every_activation():
     keep = Candidate(Plan(dp=2, zero=3), 8, "none")
     redo = Candidate(Plan(dp=2, zero=3, recompute="full"), 8, "full")
     k, r = (mm.memory(SPEC, c, FP32, runtime=(0.0, 0.5)) for c in (keep, redo))
-    layer = mm.layer_activation_bytes(SPEC, SPEC.seq, 8, elem_bytes=4)
+    layer = am.layer_activation_bytes(SPEC, SPEC.seq, 8, elem_bytes=4)
     assert k.activations - r.activations == pytest.approx(
-        SPEC.layers * (layer - mm.layer_activation_bytes(SPEC, SPEC.seq, 8, recompute="full",
+        SPEC.layers * (layer - am.layer_activation_bytes(SPEC, SPEC.seq, 8, recompute="full",
                                                          elem_bytes=4)))
     # the layer re-run in backward, and its backward's ffn-wide gradients
     block = 1.5 * SPEC.ffn_hidden * SPEC.seq * 8 * 4
@@ -222,7 +224,7 @@ def test_a_stage_without_the_loss_peaks_in_its_last_blocks_backward():
     first, last = mm.stage_memories(SPEC, cand, FP32)
     absorb = 4 * SPEC.largest_tensor_params
     assert first.transient == pytest.approx(absorb + 1.5 * SPEC.ffn_hidden * SPEC.seq * 8 * 4)
-    assert last.transient == pytest.approx(mm.transient_bytes(SPEC, cand, FP32))
+    assert last.transient == pytest.approx(am.transient_bytes(SPEC, cand, FP32))
 
 
 @pytest.mark.parametrize("plan, expected", [
@@ -271,7 +273,7 @@ def test_the_activations_heap_is_one_micro_batchs_whatever_is_in_flight():
                     for s in ("gpipe", "1f1b"))
     assert gpipe.activations == pytest.approx(2 * one_f.activations)   # 4 in flight, not 2
     assert gpipe.runtime == pytest.approx(one_f.runtime)
-    layer = mm.layer_activation_bytes(SPEC, SPEC.seq, 2, elem_bytes=4)
+    layer = am.layer_activation_bytes(SPEC, SPEC.seq, 2, elem_bytes=4)
     assert one_f.runtime == pytest.approx(0.5 * layer * SPEC.layers / 2)
     # DP's replica threads keep no heap behind (their arenas give it back)
     master = mm.memory(SPEC, Candidate(Plan(dp=2, dp_mode="dp"), 8, "none"), FP32, **runtime)
@@ -319,7 +321,7 @@ def test_sequence_parallel_adds_its_calibrated_heap_per_byte_of_forward_traffic(
     assert cl.memory_terms(Plan(tp=2))["sp_heap"] == 0.0     # without sequence parallel
     assert cl.memory_terms(Plan(tp=2))["extra"] == 2e6
     cand = Candidate(plan, 8, "none", True)
-    first, rest = mm.forward_traffic(SPEC, cand, FP32, 0)
+    first, rest = am.forward_traffic(SPEC, cand, FP32, 0)
     bare = mm.memory(SPEC, cand, FP32, **LOCAL.memory_terms(plan))
     assert mm.memory(SPEC, cand, FP32, **terms).runtime - bare.runtime == \
         pytest.approx(1e6 + 0.5 * (first + rest))
@@ -331,9 +333,9 @@ def test_an_interleaved_stage_heaps_each_chunks_first_layer():
     plain = Candidate(Plan(pp=2, microbatches=4), 2, "none")
     chunked = Candidate(Plan(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2),
                         2, "none")
-    first, rest = mm.forward_traffic(SPEC, plain, FP32, 0)
+    first, rest = am.forward_traffic(SPEC, plain, FP32, 0)
     blocks = SPEC.layers // 2
-    assert mm.forward_traffic(SPEC, chunked, FP32, 0) == pytest.approx((2 * first, (blocks - 2) * first))
+    assert am.forward_traffic(SPEC, chunked, FP32, 0) == pytest.approx((2 * first, (blocks - 2) * first))
     assert rest == pytest.approx((blocks - 1) * first)
 
 

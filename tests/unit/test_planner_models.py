@@ -3,7 +3,9 @@ from dataclasses import replace
 
 import pytest
 
+from meshtrain.planner import activations as am
 from meshtrain.planner import memory as mm
+from meshtrain.planner import states as sm
 from meshtrain.planner.model_spec import PRESETS, from_description, preset
 from meshtrain.planner.setup import Candidate, Setup
 from meshtrain.planner.time_model import step_flops
@@ -16,7 +18,7 @@ MIXED_ADAM = Setup(precision="bf16", optimizer="adam")
 # --- ZeRO (Rajbhandari et al. 2020), Table 1: Psi = 7.5B, K = 12, N_d = 64 -----------------
 @pytest.mark.parametrize("zero, published_gb", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.88)])
 def test_zero_table1_model_states(zero, published_gb):
-    states = mm.model_states(7.5e9, MIXED_ADAM, zero=zero, dp=64)
+    states = sm.model_states(7.5e9, MIXED_ADAM, zero=zero, dp=64)
     gb = states.device / 1e9
     digits = len(str(published_gb).split(".")[1]) if "." in str(published_gb) else 0
     assert round(gb, digits) == published_gb
@@ -24,7 +26,7 @@ def test_zero_table1_model_states(zero, published_gb):
 
 def test_zero_table1_other_columns():
     # the same table's N_d = 1024 column for 7.5B: 120, 30.1, 15.1, 0.12 (GB)
-    got = [mm.model_states(7.5e9, MIXED_ADAM, z, 1024).device / 1e9 for z in range(4)]
+    got = [sm.model_states(7.5e9, MIXED_ADAM, z, 1024).device / 1e9 for z in range(4)]
     assert [round(g, 1) for g in got[:3]] == [120.0, 30.1, 15.1]
     assert round(got[3], 2) == 0.12
     assert MIXED_ADAM.optim_bytes == 12
@@ -32,12 +34,12 @@ def test_zero_table1_other_columns():
 
 def test_zero_communication_volumes():
     # ZeRO §7.2: DDP 2Psi, P_os+g 2Psi (reduce-scatter + all-gather), P_os+g+p 3Psi
-    assert [mm.zero_comm_volume(z, 1.0) for z in (0, 1, 2, 3)] == [2, 2, 2, 3]
+    assert [sm.zero_comm_volume(z, 1.0) for z in (0, 1, 2, 3)] == [2, 2, 2, 3]
 
 
 def test_offload_moves_states_to_host():
-    on_device = mm.model_states(1e9, MIXED_ADAM, zero=2, dp=4, offload="none")
-    off = mm.model_states(1e9, MIXED_ADAM, zero=2, dp=4, offload="cpu")
+    on_device = sm.model_states(1e9, MIXED_ADAM, zero=2, dp=4, offload="none")
+    off = sm.model_states(1e9, MIXED_ADAM, zero=2, dp=4, offload="cpu")
     assert off.optim == 0 and off.grads == 0 and off.params == on_device.params
     assert off.host == on_device.optim + on_device.grads
 
@@ -57,7 +59,7 @@ GPT3 = PRESETS["gpt3-175b"]
     (1, False, "full", 2 * SBH),
 ])
 def test_korthikanti_table2(tp, sp, recompute, expected):
-    got = mm.layer_activation_bytes(GPT3, S, B, tp=tp, sp=sp, recompute=recompute)
+    got = am.layer_activation_bytes(GPT3, S, B, tp=tp, sp=sp, recompute=recompute)
     assert got == pytest.approx(expected, rel=1e-12)
 
 
@@ -67,7 +69,7 @@ def test_meshtrain_sequence_parallel_keeps_the_gathered_inputs():
     backward: 4sbh (1 - 1/t) more per layer than Table 2's 34/t (the LayerNorm inputs and
     masks still split); the memory model counts meshtrain's unless the setup says
     Megatron's."""
-    got = mm.layer_activation_bytes(GPT3, S, B, tp=T, sp=True, gathered_inputs=True)
+    got = am.layer_activation_bytes(GPT3, S, B, tp=T, sp=True, gathered_inputs=True)
     assert got == pytest.approx(SBH * (6 / T + 4 + 24 / T + 5 * A * S / (H * T)), rel=1e-12)
     cand = Candidate(Plan(tp=T), B, "none", True)
     ours = mm.memory(GPT3, cand, MIXED_ADAM).activations
@@ -77,7 +79,7 @@ def test_meshtrain_sequence_parallel_keeps_the_gathered_inputs():
 
 def test_korthikanti_none_is_34_plus_5as_over_h():
     # the headline number: 114 s b h bytes per layer for GPT-3 without parallelism
-    assert mm.layer_activation_bytes(GPT3, S, B) == SBH * 114
+    assert am.layer_activation_bytes(GPT3, S, B) == SBH * 114
 
 
 # --- Megatron 2021 Table 1: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12lh)), V=51200, s=2048 -----
@@ -168,11 +170,11 @@ def test_units_refuse_bad_text(fn, text, words):
 
 # --- pipeline in-flight activations ------------------------------------------------------
 def test_inflight_microbatches_per_schedule():
-    assert mm.inflight_microbatches("gpipe", 4, 16) == 16
-    assert mm.inflight_microbatches("1f1b", 4, 16) == 4
-    assert mm.inflight_microbatches("1f1b", 4, 2) == 2
-    assert mm.inflight_microbatches("interleaved", 4, 16, 2) == 4 * (1 + 3 / 8)
-    assert mm.inflight_microbatches("1f1b", 1, 16) == 1
+    assert am.inflight_microbatches("gpipe", 4, 16) == 16
+    assert am.inflight_microbatches("1f1b", 4, 16) == 4
+    assert am.inflight_microbatches("1f1b", 4, 2) == 2
+    assert am.inflight_microbatches("interleaved", 4, 16, 2) == 4 * (1 + 3 / 8)
+    assert am.inflight_microbatches("1f1b", 1, 16) == 1
 
 
 def test_memory_of_a_plan_adds_up():

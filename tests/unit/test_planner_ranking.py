@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from meshtrain.planner.ranking import as_verify_plan, choose_plans, rank_report, spearman
+from meshtrain.measure.ranking import as_verify_plan, choose_plans, rank_report, spearman
 
 
 def test_spearman_against_hand_computed_values():
@@ -55,10 +55,10 @@ def test_the_sample_spans_the_rest_of_the_predicted_order():
     from meshtrain.planner.advisor import advise
     from meshtrain.planner.model_spec import from_gpt_config
     from meshtrain.planner.profile import cluster_from_profile
-    from meshtrain.planner.ranking import runnable
+    from meshtrain.measure.ranking import runnable
     from meshtrain.planner.setup import Setup
     from meshtrain.models.gpt import GPTConfig
-    from meshtrain.planner.verify import MODEL
+    from meshtrain.measure.verify import MODEL
 
     setup = Setup(global_batch=16, micro_batch=0, precision="fp32", optimizer="adam",
                   recompute="", sequence_parallel=False)

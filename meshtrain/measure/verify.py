@@ -22,11 +22,30 @@ is compared on its own row under the plan's, which shows the busiest. Each strat
 from __future__ import annotations
 
 import io
+import json
 import os
 import statistics
 import sys
 import tempfile
 from contextlib import contextmanager
+
+from tqdm import tqdm
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.bench.timing import time_each_step
+from meshtrain.core.plan import Plan
+from meshtrain.launch import launch
+from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.planner.advisor import evaluate
+from meshtrain.planner.hardware import HardwareError
+from meshtrain.planner.memory import rank_role, role_memories
+from meshtrain.planner.model_spec import from_gpt_config
+from meshtrain.planner.profile import cluster_from_profile, load_profile, profile_path
+from meshtrain.planner.setup import Candidate, Setup
+from meshtrain.planner.time_model import axis_bytes
+from meshtrain.train.trainer import Trainer
 
 # (Plan fields, per-rank batch): DDP at several world sizes and batch sizes; ZeRO-1/2/3 with
 # recomputation and disk offload; tensor parallel at tp 2 and 4 (every tp rank feeds the same
@@ -51,12 +70,10 @@ PLANS = (({"dp": 1}, 8), ({"dp": 1, "microbatches": 2}, 16), ({"dp": 2}, 8),
 
 
 def world_of(plan: dict) -> int:
-    from meshtrain.core.plan import Plan
     return Plan(**plan).world_size
 
 
 def label(plan: dict, batch: int) -> str:
-    from meshtrain.core.plan import Plan
     return f"{Plan(**plan).describe()[5:-1] or 'one process'}, batch {batch}/rank"
 MODEL = dict(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256)   # "small"
 ROUNDS = 3      # runs of each plan, interleaved with the other plans'
@@ -73,15 +90,6 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     with `exact` the quantities one round suffices for: the allocated peak and the bytes
     sent per axis, each from one more step (None without). `calibrate` runs it too, for
     the runtime memory and the strategies' costs, with exact=False."""
-    import torch
-    import torch.distributed as dist
-
-    from meshtrain.bench.timing import time_each_step
-    from meshtrain.core.plan import Plan
-    from meshtrain.models.gpt import GPT, GPTConfig
-    from meshtrain.planner.memory import rank_role
-    from meshtrain.train.trainer import Trainer
-
     torch.set_num_threads(1)
     meter = ResidentPeak()
     meter.start()
@@ -161,7 +169,6 @@ class ResidentPeak:
     current resident set. At the end, the peak resident set less the file-backed and shared
     pages resident then (library code the first steps touched, which stays) is the peak of
     the anonymous part."""
-
     def start(self) -> None:
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -190,11 +197,6 @@ class ResidentPeak:
 def plan_inputs(plan: dict, batch: int, model: dict = MODEL):
     """(spec, candidate, setup) the planner judges `plan` with, `batch` sequences per rank
     (DP's one process takes them all and splits them over its replicas)."""
-    from meshtrain.core.plan import Plan
-    from meshtrain.models.gpt import GPTConfig
-    from meshtrain.planner.model_spec import from_gpt_config
-    from meshtrain.planner.setup import Candidate, Setup
-
     p = Plan(**plan)
     spec = from_gpt_config(GPTConfig(**model), "gpt")
     micro = batch // p.microbatches
@@ -207,23 +209,16 @@ def plan_inputs(plan: dict, batch: int, model: dict = MODEL):
 def predict_cluster(profile: dict, plan: dict):
     """The calibrated cluster of the plan's ranks; DP's replicas run as threads of one
     process, one per core share, as that many ranks would."""
-    from meshtrain.core.plan import Plan
-    from meshtrain.planner.profile import cluster_from_profile
-
     p = Plan(**plan)
     return cluster_from_profile(profile, p.dp if p.dp_mode == "dp" else p.world_size)
 
 
 def predict(profile: dict, plan: dict, batch: int, model: dict = MODEL):
-    from meshtrain.planner.advisor import evaluate
-
     return evaluate(*plan_inputs(plan, batch, model), predict_cluster(profile, plan))
 
 
 def predict_roles(profile: dict, plan: dict, batch: int, model: dict = MODEL) -> dict:
     """The memory each role of `plan` (memory.rank_role) needs, predicted."""
-    from meshtrain.planner.memory import role_memories
-
     spec, cand, setup = plan_inputs(plan, batch, model)
     cluster = predict_cluster(profile, plan)
     return role_memories(spec, cand, setup, **cluster.memory_terms(cand.plan))
@@ -245,10 +240,6 @@ def verify(profile: dict, plans=PLANS, steps: int = 5, out=sys.stdout, model: di
     step time and resident peak are medians over rounds (each round: the median step of
     the median rank, the peak of the highest rank). The exact quantities (model states,
     activations, allocated peak) come from the first round."""
-    from tqdm import tqdm
-
-    from meshtrain.launch import launch
-
     runs: list[list[list[dict]]] = [[] for _ in plans]
     with tqdm(total=rounds * len(plans), unit="run", desc="verifying", disable=not progress,
               file=sys.stderr) as bar:
@@ -320,8 +311,6 @@ def predict_sent(plan: dict, batch: int, model: dict = MODEL, role: str | None =
                  ) -> dict[str, float] | None:
     """Bytes per axis a rank of `role` (None: the busiest) sends per step, predicted; None
     for DP, whose copies never leave its one process."""
-    from meshtrain.planner.time_model import axis_bytes
-
     spec, cand, setup = plan_inputs(plan, batch, model)
     if cand.plan.dp_mode == "dp":
         return None
@@ -366,8 +355,6 @@ def summary(rows: list[dict]) -> tuple[bool, str]:
 
 
 def verify_command(args) -> int:
-    from meshtrain.planner.hardware import HardwareError
-    from meshtrain.planner.profile import load_profile, profile_path
     profile = load_profile(args.profile)
     missing = sorted({world_of(p) for p, _ in PLANS} - {int(w) for w in profile["worlds"]})
     if missing:
@@ -387,6 +374,5 @@ def verify_command(args) -> int:
           "before the model is built to the end of the timed steps (the kernel's high-water mark); "
           "step = median of the timed steps after the warm-up.")
     if args.json:
-        import json
         print(json.dumps(rows, indent=2))
     return 0 if ok else 1

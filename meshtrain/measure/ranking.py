@@ -8,8 +8,21 @@ was the measured best, or how far behind it was.
 """
 from __future__ import annotations
 
+import dataclasses
+import io
+import json
 import random
 import sys
+
+from meshtrain.core.plan import PlanError
+from meshtrain.measure.verify import MODEL, verify
+from meshtrain.models.gpt import GPTConfig
+from meshtrain.planner.advisor import advise
+from meshtrain.planner.model_spec import from_gpt_config
+from meshtrain.planner.profile import cluster_from_profile, load_profile
+from meshtrain.planner.setup import Setup
+# the one refusal of what is not built; it moves to core once it lives there
+from meshtrain.train.trainer import refuse_unbuilt
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -42,9 +55,6 @@ def runnable(cand) -> bool:
     """Plans `verify` can run and measure fairly: the Trainer builds them, without sequence
     parallel (the ranking's setup leaves it off: one tp variant per plan) and without
     offload (disk speed is not calibrated)."""
-    from meshtrain.core.plan import PlanError
-    from meshtrain.train.trainer import refuse_unbuilt
-
     if cand.sp or cand.plan.offload != "none":
         return False
     try:
@@ -56,8 +66,6 @@ def runnable(cand) -> bool:
 
 def as_verify_plan(cand, global_batch: int) -> tuple[dict, int]:
     """(Plan fields, per-rank batch) in verify's form, for one advisor candidate."""
-    import dataclasses
-
     per_rank = global_batch // cand.plan.dp
     plan = dataclasses.replace(cand.plan, microbatches=per_rank // cand.micro_batch,
                                recompute=cand.recompute, sequence_parallel=False)
@@ -74,13 +82,6 @@ def choose_plans(profile: dict, world: int, global_batch: int = 16, top: int = 3
     other, closer than this machine's run-to-run noise: their measured order was chance,
     and the correlation over them measured the noise; the predicted best's distance from
     the measured best still judges the top.)"""
-    from meshtrain.models.gpt import GPTConfig
-    from meshtrain.planner.advisor import advise
-    from meshtrain.planner.model_spec import from_gpt_config
-    from meshtrain.planner.profile import cluster_from_profile
-    from meshtrain.planner.setup import Setup
-    from meshtrain.planner.verify import MODEL
-
     spec = from_gpt_config(GPTConfig(**MODEL), "gpt")
     setup = Setup(global_batch=global_batch, micro_batch=0, precision="fp32",
                   optimizer="adam", recompute="", sequence_parallel=False)
@@ -114,10 +115,7 @@ def rank_report(rows: list[dict]) -> tuple[dict, str]:
 
 
 def rank_command(args) -> int:
-    import io
 
-    from meshtrain.planner.profile import load_profile
-    from meshtrain.planner.verify import verify
 
     profile = load_profile(args.profile)
     plans = choose_plans(profile, args.nproc)
@@ -132,6 +130,5 @@ def rank_command(args) -> int:
     result, text = rank_report(rows)
     print("\n" + text)
     if args.json:
-        import json
         print(json.dumps({"rows": rows, "ranking": result}, indent=2))
     return 0

@@ -1,0 +1,33 @@
+"""The shapes of meshtrain's GPT presets and the GPT's exact parameter count: plain data and
+arithmetic that both the model (models/gpt.py) and the pure planner (planner/model_spec.py) read,
+so it lives below both."""
+from __future__ import annotations
+
+
+# meshtrain's GPT presets (`meshtrain.models.gpt.PRESETS` builds its GPTConfigs from these),
+# shapes from the published models. GPT-2 (Radford et al. 2019, and the HF `gpt2` /
+# `gpt2-medium` configs): vocab 50257, context 1024. "gpt2-1.3b" is GPT-3 XL (Brown et al. 2020,
+# Table 2.1: 24 layers, d_model 2048, d_head 128, context 2048); the paper's "24 heads" does not
+# divide 2048 by 128, so we take 16 heads of 128. Counts differ from the papers' because
+# lm_head is untied and the key projection has no bias here (e.g. gpt2-124m: 124,439,808 tied
+# + 38,597,376 untied lm_head - 12 * 768 key biases = 163,027,968).
+GPT_SHAPES: dict[str, dict[str, int]] = {
+    "tiny": dict(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128),
+    "small": dict(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256),
+    "gpt2-124m": dict(vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, d_model=768),
+    "gpt2-350m": dict(vocab_size=50257, seq_len=1024, n_layer=24, n_head=16, d_model=1024),
+    "gpt2-1.3b": dict(vocab_size=50257, seq_len=2048, n_layer=24, n_head=16, d_model=2048),
+}
+
+
+def gpt_num_params(vocab_size: int, seq_len: int, n_layer: int, d_model: int,
+                   mlp_ratio: int = 4, bias: bool = True) -> int:
+    """Exact parameter count of meshtrain's GPT of this shape, without building it."""
+    d, b, h = d_model, int(bias), mlp_ratio * d_model
+    layer_norm = d * (1 + b)
+    embed = (vocab_size + seq_len) * d
+    attn = 4 * d * d + 3 * d * b                # q, k, v, proj (k has no bias)
+    mlp = d * h + h * b + h * d + d * b         # fc, proj
+    block = 2 * layer_norm + attn + mlp
+    head = layer_norm + d * vocab_size          # ln_f, lm_head (no bias)
+    return embed + n_layer * block + head

@@ -1,0 +1,177 @@
+"""`meshtrain plan --calibrate`: measure this machine and save the profile `--cluster local` uses.
+
+On each world size asked for, every rank (one thread, all running at once, as in training)
+measures: a square matmul's FLOP/s; a reference GPT step's achieved FLOP/s, its FLOPs
+counted by the planner's own `step_flops` (so the time model's efficiency is calibrated on
+the formula it uses), at two batch sizes (their difference separates the fixed cost of a
+micro-batch from its FLOPs); memory-copy bandwidth; and all_reduce, all_gather,
+reduce_scatter, broadcast and point-to-point send/recv at several sizes through meshtrain's accounted `Comm` on the dp axis, converted to
+bus bandwidth with the same ring factors the time model divides by (from 256 bytes, the size
+of a step's statistics, to 16 MiB, near the 25 MiB DDP bucket); and AdamW's update rate
+(parameters/s, PyTorch's CPU AdamW, tensor by tensor) on the reference GPT's parameters.
+
+Timing on a noisy machine: within a launch every quantity is measured once per repetition,
+in alternation, for a few seconds, and each is the median of its repetitions; each world
+size is launched in several rounds interleaved with the others (1, 2, 4, 1, 2, 4, ...) and
+the profile keeps the mean over rounds. A shared machine's speed can switch between a fast
+and a slow phase lasting seconds: one launch can sit wholly in either, the rounds sample both
+(docs/history.md).
+
+Runtime memory: in each round, per world size, the Trainer trains the reference GPT (DDP, AdamW,
+fp32) at two micro-batch sizes, each in fresh processes, exactly as `--verify` runs a plan;
+what each rank's resident memory grows by beyond the tensors the planner derives (exact
+model states and saved activations from the Trainer's accounting, plus the planner's
+backward transients) is the runtime's working memory: a fixed part (the first step's
+thread pools, oneDNN and gloo buffers, glibc arenas) and a part that grows with the
+activations (the allocator keeps the freed forward/backward temporaries as heap it does
+not return). A line through the two points (each the median over rounds) gives (fixed
+bytes, bytes per activation byte).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+from tqdm import tqdm
+
+from meshtrain.launch import launch
+from meshtrain.measure.fit import fit_runtime_memory, fit_strategies, fit_trainer
+from meshtrain.measure.probe import combine, mean_of_rounds, measure_rank
+from meshtrain.measure.runs import BUDGET_S, MEMORY_RUNS, ROUNDS, run_model, strategy_runs
+from meshtrain.measure.verify import plan_inputs, verify_rank
+from meshtrain.planner.activations import forward_traffic, transient_bytes
+from meshtrain.planner.profile import REFERENCE_GPT, save_profile
+from meshtrain.planner.units import fmt_rate
+
+
+def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S,
+              progress: bool = True) -> dict:
+    """Measure every world size in `rounds` rounds (1, 2, 4, 1, 2, 4, ...): this machine's
+    speed may drift between phases lasting seconds (docs/history.md), and rounds
+    spread each world's samples over the whole calibration instead of one phase. Each round
+    also measures the runtime-memory points."""
+    profile = {"created": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu_count": os.cpu_count(),
+               "host_mem": _host_mem(), "worlds": {}}
+    rates: dict[int, list[dict]] = {w: [] for w in worlds}
+    memory: dict[int, list[list[tuple[float, float]]]] = {w: [] for w in worlds}
+    strategies: dict[int, list[dict]] = {w: [] for w in worlds}
+    runs = sum(1 + len(MEMORY_RUNS) + len(strategy_runs(w)) for w in worlds)
+    bar = tqdm(total=rounds * runs, unit="run", desc="calibrating", disable=not progress,
+               file=sys.stderr)
+    for _ in range(rounds):
+        for w in worlds:
+            rates[w].append(combine(launch(measure_rank, nproc=w, kwargs={"budget_s": budget_s})))
+            bar.update()
+            memory[w].append([runtime_memory_point(w, b, layers, m) for layers, b, m in MEMORY_RUNS])
+            bar.update(len(MEMORY_RUNS))
+            if w > 1:
+                strategies[w].append(strategy_points(w, bar.update))
+    bar.close()
+    for w in worlds:
+        entry = mean_of_rounds(rates[w])
+        entry["runtime_memory"] = fit_runtime_memory([[(t, o) for t, o, _ in r] for r in memory[w]])
+        profile["worlds"][str(w)] = entry
+        entry["trainer"] = fit_trainer(profile, w, [[t for *_, t in r] for r in memory[w]])
+        if w > 1:
+            entry["strategies"] = fit_strategies(profile, w, strategies[w])
+    return profile
+
+def strategy_points(world: int, tick=lambda: None) -> dict:
+    """One round of `strategy_runs(world)`, each in fresh ranks as `--verify` runs
+    a plan: the highest rank's resident growth (and each role's: pipeline stages) and the
+    median rank's step time."""
+    points = {}
+    for name, (plan, batch) in strategy_runs(world).items():
+        results = launch(verify_rank, nproc=world, args=(run_model(name), plan, batch),
+                         kwargs={"steps": 4, "exact": False})
+        by_role = {}
+        for r in results:
+            by_role[r["role"]] = max(by_role.get(r["role"], 0), r["peak_growth"])
+        points[name] = {"peak_rss": max(by_role.values()), "peak_rss_by_role": by_role,
+                        "step": statistics.median(r["step"] for r in results)}
+        tick()
+    return points
+
+def runtime_memory_point(world: int, batch: int, layers: int = REFERENCE_GPT["n_layer"],
+                         microbatches: int = 1) -> tuple[tuple[float, float], float, float]:
+    """((first layer's, the rest's forward traffic), runtime memory, step seconds) of the
+    reference GPT with `layers` blocks at `batch` (in `microbatches`) on `world` ranks, in fresh ranks (a heap
+    already grown by an earlier run would hide this run's growth), run exactly as `--verify`
+    runs a plan; see the module docstring."""
+    model = {**REFERENCE_GPT, "n_layer": layers}
+    plan = {"dp": world, "microbatches": microbatches}
+    results = launch(verify_rank, nproc=world, args=(model, plan, batch),
+                     kwargs={"steps": 4, "exact": False})
+    spec, cand, setup = plan_inputs(plan, batch, model)
+    tensors = (max(r["model_states"] for r in results) + max(r["activations"] for r in results)
+               + transient_bytes(spec, cand, setup))
+    step = statistics.median(r["step"] for r in results)
+    return (forward_traffic(spec, cand, setup, 0), max(r["peak_growth"] for r in results)
+            - tensors, step)
+
+def _host_mem() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16e9
+
+
+def _mb(stages: list[float]) -> str:
+    return " / ".join(f"{v / 1e6:.1f}" for v in stages) + " MB (first / last stage)"
+
+
+def describe(profile: dict) -> str:
+    lines = [f"calibrated {profile['created']} on {profile['cpu_count']} cores, "
+             f"{profile['host_mem'] / 1e9:.3g} GB host memory"]
+    for w, e in profile["worlds"].items():
+        lines.append(f"  {w} rank(s): matmul {fmt_rate(e['matmul_flops'], 'FLOP/s')} per rank, "
+                     f"GPT step {fmt_rate(e['model_flops'], 'FLOP/s')} "
+                     f"({e['model_flops'] / e['matmul_flops']:.0%}), copy {fmt_rate(e['mem_bw'], 'B/s')}, "
+                     f"AdamW {fmt_rate(e.get('optimizer_rate', 0), 'param/s')}")
+        rt = e.get("runtime_memory")
+        if rt:
+            lines.append(f"      runtime memory: {rt['fixed'] / 1e6:.1f} MB + "
+                         f"{rt.get('per_first_layer_byte', rt['per_activation_byte']):.2f} x "
+                         f"a micro-batch's first layer + {rt['per_activation_byte']:.2f} x "
+                         f"the rest of its forward" + (
+                             f"; + {rt['accumulation'] / 1e6:.1f} MB accumulating over "
+                             f"micro-batches" if "accumulation" in rt else ""))
+        tr = e.get("trainer")
+        if tr:
+            lines.append(f"      Trainer step: {tr['compute_scale']:.3f} x the model's compute "
+                         f"+ {tr['per_step'] * 1e3:.1f} ms")
+        fitted = e.get("strategies")
+        if fitted:
+            lines.append("      ZeRO staging: " + ", ".join(
+                f"stage {k[4:]} {v:.2f} x its largest buffer" for k, v in fitted.items()
+                if k.startswith("zero")) + f"; disk offload {fitted['disk'] * 1e9:.2f} ns/byte, "
+                f"staging {fitted.get('disk_memory', 0):.2f} x")
+            lines.append("      tensor parallel's unsplit work: " + ", ".join(
+                f"tp={k[2:]} {v * 1e9:.0f} ns per token and block + "
+                f"{fitted[k + '_memory'] / 1e6:.1f} MB" for k, v in fitted.items()
+                if k.startswith("tp") and k[2:].isdigit())
+                + (f"; with sequence parallel + {fitted['tp2sp_memory'][0] / 1e6:.1f} MB + "
+                   f"{fitted['tp2sp_memory'][1]:.2f} x the forward traffic"
+                   if "tp2sp_memory" in fitted else "")
+                + (f"; pipeline runtime {fitted['pp2'] * 1e3:.2f} ms per micro-batch and "
+                   f"chunk + {_mb(fitted['pp2_memory_stages'])}" if "pp2" in fitted else "")
+                + (f"; tensor parallel in a pipeline: its collectives x {fitted['pp2tp2']:.2f}"
+                   f", + {_mb(fitted['pp2tp2_memory_stages'])}" if "pp2tp2" in fitted else ""))
+        for kind, c in e["collectives"].items():
+            pts = ", ".join(f"{s / 2**20:g} MiB {fmt_rate(b, 'B/s')}" for s, b in zip(c["sizes"], c["busbw"]))
+            lines.append(f"      {kind}: {pts}")
+    return "\n".join(lines)
+
+
+def calibrate_command(args) -> int:
+    worlds = sorted({1, 2, max(1, args.nproc)} | ({4} if args.nproc >= 4 else set()))
+    print(f"calibrating on {worlds} local rank(s), {ROUNDS} rounds of about {BUDGET_S:g} s "
+          f"each, with the runtime memory and each strategy on a reference GPT (about five "
+          f"minutes)...", file=sys.stderr)
+    profile = calibrate(tuple(worlds))
+    path = save_profile(profile, args.profile)
+    print(describe(profile))
+    print(f"profile saved to {path}; plan with it: meshtrain plan --cluster local ...")
+    return 0

@@ -1,0 +1,56 @@
+"""What calibration runs: its budgets, the reference GPT's runs for the runtime memory, and
+the plans that measure each strategy's own costs (`strategy_runs`)."""
+from __future__ import annotations
+
+from meshtrain.planner.profile import REFERENCE_GPT
+
+SIZES = (256, 16 * 2**10, 256 * 2**10, 2 * 2**20, 16 * 2**20)   # bytes per collective
+ROUNDS = 5                  # launches per world size, interleaved with the other worlds'
+BUDGET_S = 2.0              # seconds of alternated repetitions per launch
+MIN_REPS = 5
+MEMORY_BATCHES = (2, 16)    # micro-batches of the runtime-memory calibration on the reference
+                            # GPT (far apart: a few MB of noise in a point moves a slope less)
+DEEP_POINT = (4, 8)         # ... and (layers, batch) of a deeper one: the heap keeps more of
+                            # a micro-batch's first layer than of each further layer's
+ACCUMULATION_POINT = (16, 2)   # ... and (batch, micro-batches) of one that accumulates
+                            # gradients over micro-batches: its heap keeps more
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
+# the runtime-memory runs in calibration order, (layers, batch, micro-batches): the reference
+# GPT at MEMORY_BATCHES, the deeper one, the accumulating one (fit_runtime_memory and
+# fit_trainer read them in this order)
+MEMORY_RUNS = ([(REFERENCE_GPT["n_layer"], b, 1) for b in MEMORY_BATCHES] + [(*DEEP_POINT, 1)]
+               + [(REFERENCE_GPT["n_layer"], *ACCUMULATION_POINT)])
+
+
+# Each strategy's own runtime costs, on the reference GPT, beside DDP's: (plan, per-rank
+# batch). ZeRO's gathers and scatters are staged by a CPU backend in copies of their buffers
+# (gloo: up to 3x an all-gather's output), which DDP's in-place all-reduce does not need;
+# tensor parallel repeats on every rank the work it does not split.
+# (Tensor parallel at each width t that divides the world, the rest of the ranks over dp:
+# how much it repeats depends on t, and on how many ranks share the cores.)
+def strategy_runs(world: int) -> dict[str, tuple[dict, int]]:
+    """name -> (plan, per-rank batch) at `world` ranks."""
+    if world == 1:
+        return {}
+    runs = {f"zero{z}": ({"dp": world, "zero": z}, 2) for z in (1, 2, 3)}
+    # the recomputed forward gathers every unit again: staged while backward's are
+    runs["zero3r"] = ({"dp": world, "zero": 3, "recompute": "full"}, 8)
+    runs["disk"] = ({"dp": world, "zero": 2, "offload": "disk"}, 8)
+    for t in range(2, world + 1):
+        if world % t == 0:
+            runs[f"tp{t}"] = ({"dp": world // t, "tp": t} if t < world else {"tp": t}, 8)
+    # sequence parallel: its gathers and scatters along the sequence, staged per layer,
+    # on the reference GPT and a deeper one (run_model)
+    runs["tp2sp"] = runs["tp2sp_deep"] = ({**runs["tp2"][0], "sequence_parallel": True}, 8)
+    if world % 2 == 0:
+        runs["pp2"] = ({"dp": world // 2, "pp": 2, "microbatches": 4} if world > 2 else
+                       {"pp": 2, "microbatches": 4}, 8)
+    if world % 4 == 0:   # tensor parallel inside a pipeline: each stage's collectives
+        # beside the other stage's compute
+        runs["pp2tp2"] = ({"pp": 2, "tp": 2, "microbatches": 4, "dp": world // 4}, 8)
+    return runs
+
+
+def run_model(name: str) -> dict:
+    """The GPT a strategy run trains: the reference, or with DEEP_POINT's blocks ("_deep")."""
+    return {**REFERENCE_GPT, "n_layer": DEEP_POINT[0]} if name.endswith("_deep") else REFERENCE_GPT

@@ -1,0 +1,138 @@
+"""Activation bytes per rank for one plan: what each layer saves for backward, how many
+micro-batches a pipeline stage holds, the output layer's, and backward's working tensors.
+
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+§4 and Table 2: activation bytes per transformer layer; §4.2.3 pipeline in-flight counts.
+"""
+from __future__ import annotations
+
+import math
+
+from meshtrain.planner.model_spec import ModelSpec
+from meshtrain.planner.setup import Candidate, Setup
+
+
+def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int = 1,
+                           sp: bool = False, recompute: str = "none",
+                           elem_bytes: int = 2, gathered_inputs: bool = False) -> float:
+    """Activation bytes one transformer layer keeps for backward (Korthikanti 2022, Table 2).
+
+    In 16-bit with dropout and multi-head attention the paper's counts are:
+      none:                       s b h (34 + 5 a s / h)
+      tensor parallel t:          s b h (10 + 24/t + 5 a s / (h t))
+      tensor + sequence parallel: s b h (34/t + 5 a s / (h t))
+      selective recomputation:    s b h (10 + 24/t)      (with sequence parallel: 34 s b h / t)
+      full recomputation:         2 s b h                (only the layer's input)
+    Built from its §4.1 parts so they also hold for other shapes: the 10 that TP leaves
+    replicated are the two LayerNorm inputs (4sbh), the attention and MLP inputs (4sbh) and
+    two 1-byte dropout masks (2sbh); the 24 TP divides are Q, K, V and the projection input
+    (8sbh) and the MLP's two 4h-wide tensors (16sbh); the scores are softmax output (2),
+    dropout mask (1) and dropout output (2) per a s^2 b. Other element sizes scale the
+    2-byte terms; masks stay 1 byte.
+    `gathered_inputs`: under sequence parallel, the attention and MLP inputs are saved as
+    all-gathered (whole sequence: meshtrain's runtime), not as this rank's slice re-gathered
+    in backward (Megatron-LM, the paper's 34/t).
+    """
+    s, b, h, a, e = seq, micro_batch, spec.hidden, spec.heads, elem_bytes
+    sbh = s * b * h
+    if recompute == "full":
+        return e * sbh / (tp if sp else 1)
+    masks = 2 if spec.dropout else 0
+    kept = (4 * e + masks) / (tp if sp else 1)
+    if sp and gathered_inputs:   # the LayerNorm inputs and masks split, those two whole
+        kept = (2 * e + masks) / tp + 2 * e
+    attn = e * (2 + 2 * spec.kv_dim / h)
+    mlp = e * (4 if spec.mlp == "swiglu" else 2) * spec.ffn_hidden / h
+    divided = attn + mlp
+    if recompute == "selective" or spec.flash_attention:
+        scores = 0.0
+    else:
+        scores = (a * s / h) * (e + (1 + e if spec.dropout else 0))
+    return sbh * (kept + (divided + scores) / tp)
+
+
+def inflight_microbatches(schedule: str, pp: int, m: int, v: int = 1, stage: int = 0) -> float:
+    """Micro-batches whose activations pipeline stage `stage` holds at its peak.
+
+    pp = 1: micro-batches run one after another (gradient accumulation): 1.
+    GPipe (Huang et al. 2019): all m forwards before any backward: m, on every stage.
+    1F1B (PipeDream-Flush, Narayanan et al. 2021 §2.2.1): stage s runs p - s forwards before
+    its first backward: min(m, p - s) (p on the first stage, 1 on the last).
+    Interleaved with v chunks per rank (Megatron 2021 §2.2.2 warm-up of 2(p - s - 1) +
+    (v - 1) p chunk-forwards, then one more before the first backward): in units of a whole
+    stage's layers, (2(p - s - 1) + (v - 1) p + 1) / v; on the first stage that is
+    p (1 + (p-1)/(p v)), Korthikanti 2022 §4.2.3.
+    Naive model parallel: one micro-batch moves through at a time: 1.
+    """
+    if pp == 1 or schedule == "naive":
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved":
+        return min(m, (2 * (pp - stage - 1) + (v - 1) * pp + 1) / v)
+    if schedule == "zb-h1":   # rank r defers r W's: every stage holds up to P (schedules.py)
+        return min(m, pp)
+    return min(m, pp - stage)
+
+
+def logits_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int) -> float:
+    """The output layer's fp32 logits for cross-entropy: 4 s b V / t bytes (Korthikanti 2022,
+    §4.3), kept on the last stage for one micro-batch."""
+    return 4 * seq * micro_batch * spec.vocab / tp
+
+
+def transient_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
+    """Working tensors that exist beside the saved activations at the step's peak (derived).
+
+    The peak falls as backward starts, when every saved activation is still alive. Then:
+    - the cross-entropy's gradient w.r.t. the log-probabilities and the log-softmax
+      backward's gradient w.r.t. the logits, both fp32 and logits-shaped: 2 x 4 s b V / t;
+    - one freshly produced parameter gradient before it is copied into its DDP bucket (the
+      "absorb" transient; also the size of a single-tensor AdamW temporary): the largest
+      weight matrix's gradient, grad_bytes x largest_tensor_params / t.
+    Checked against the CPU allocator's exact peak (torch.profiler profile_memory) for
+    meshtrain's GPT: exact when an h x 4h matrix is the largest (the absorb transient then
+    coincides with the logits' gradients); when the vocabulary dominates, the second term
+    does not coincide with the first and this over-states the peak by that one gradient.
+    """
+    p = cand.plan
+    logits = 2 * logits_bytes(spec, spec.seq, cand.micro_batch, p.tp)
+    absorb = setup.grad_bytes * spec.largest_tensor_params / p.tp
+    return logits + absorb
+
+
+def output_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
+    """The output layer's activations for one micro-batch, on the last stage: the final
+    norm's and the projection's inputs (2 s b h elements; under sequence parallel the
+    norm's a slice, the projection's too where it is re-gathered in backward) and the fp32
+    logits."""
+    p = cand.plan
+    sbh = setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden
+    split = p.tp if cand.sp else 1
+    projection = sbh / (split if setup.sp_saves_slices else 1)
+    return sbh / split + projection + logits_bytes(spec, spec.seq, cand.micro_batch, p.tp)
+
+
+def full_layer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
+    """Everything one layer's forward makes for one micro-batch, saved or not (nothing
+    recomputed): what a recomputed layer holds again, and the heap's unit."""
+    return layer_activation_bytes(spec, spec.seq, cand.micro_batch, cand.plan.tp, cand.sp,
+                                  "none", setup.act_bytes, not setup.sp_saves_slices)
+
+
+def forward_traffic(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int
+                    ) -> tuple[float, float]:
+    """What one micro-batch's forward allocates on `stage`, saved or not, as (its first
+    layer's, the rest: its other layers' and the output layer's on the last stage). The heap
+    the runtime keeps grows with it (the next micro-batch reuses what this one freed,
+    whatever is in flight); measured, glibc keeps most of one layer's temporaries and a
+    smaller part of each further layer's (meshtrain.measure.fit.fit_runtime_memory). An interleaved
+    stage runs its chunks' forwards apart, each from its own first layer: "first" is theirs."""
+    p = cand.plan
+    layer = full_layer_bytes(spec, cand, setup)
+    layers_here = math.ceil(spec.layers / p.pp)
+    chunks = min(p.virtual_stages, layers_here)
+    rest = layer * (layers_here - chunks)
+    if stage == p.pp - 1:
+        rest += output_bytes(spec, cand, setup)
+    return layer * chunks, rest
