@@ -19,6 +19,7 @@ class HostComm(Comm):
     def __init__(self, comm: Comm) -> None:
         super().__init__(comm.mesh, comm.stats)
         self.log = comm.log
+        self.link = comm.link
         self._groups = {axis: gloo_group(comm.mesh, axis) for axis in AXES}
 
     def group(self, axis: str):
