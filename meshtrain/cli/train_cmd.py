@@ -105,6 +105,9 @@ def add_parser(sub) -> None:
                       help="ps-async: how many steps a worker may run ahead of the slowest")
     plan.add_argument("--ps-shards", type=int, default=1,
                       help="ps-sync/ps-async: parameter-server shards (shard k on rank k)")
+    p.add_argument("--link", metavar="AXIS=BW[,LAT]",
+                   help="emulate a slow link: sleep each collective's modelled time on that "
+                        "axis, e.g. dp=1Gb/s,5ms (several joined by ';'); labelled as emulation")
     p.add_argument("--straggler", metavar="RANK:SECONDS",
                    help="delay this rank by SECONDS every step (to measure asynchrony)")
     plan.add_argument("--microbatches", type=int, default=1)
@@ -166,6 +169,12 @@ def build_config(args):
         check_ranks_fit(device, plan.world_size)
     plan.check_world_size(world)
     straggler = parse_straggler(args.straggler, world) if args.straggler else None
+    if args.link:   # a bad spec is refused here, before any rank starts
+        from meshtrain.core.link import LinkSpecError, parse_link_spec
+        try:
+            parse_link_spec(args.link)
+        except LinkSpecError as e:
+            raise PlanError(str(e)) from None
     if args.trace and plan.pp == 1:
         raise PlanError("--trace records a pipeline's timeline: it needs --pp 2 or more")
     from meshtrain.models.registry import kind_of
@@ -185,7 +194,7 @@ def build_config(args):
                      collective_timeout=300.0 if args.collective_timeout is None
                      else args.collective_timeout,
                      check_collectives=args.check_collectives,
-                     straggler=straggler, trace=args.trace)
+                     straggler=straggler, trace=args.trace, link=args.link)
 
 
 def parse_straggler(text: str, world: int) -> list:
@@ -375,6 +384,8 @@ def print_summary(s: dict) -> None:
             lines.append(f"  GPU rank {rank}   allocated {_mib(m['device_allocated'])}, peak "
                          f"allocated {_mib(m['device_peak'])}; host pinned "
                          f"{_mib(m.get('host_pinned') or 0)}")
+    if s.get("link_emulation"):
+        lines.append(f"link          {s['link_emulation']}")
     lines += [f"run folder    {s['run_dir']}",
               f"checkpoint    {s['checkpoint']}", ""]
     print("\n".join(lines))
