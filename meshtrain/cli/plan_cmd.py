@@ -92,7 +92,7 @@ def build_inputs(args):
                   sequence_parallel=not args.no_sequence_parallel)
     extra = {"efficiency": args.efficiency} if args.efficiency is not None else {}
     if args.host_mem:
-        from meshtrain.planner.units import parse_bytes
+        from meshtrain.core.units import parse_bytes
         extra["host_mem"] = parse_bytes(args.host_mem)
     if args.cluster == "local":
         from meshtrain.planner.profile import load_profile_cluster

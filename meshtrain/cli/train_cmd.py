@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from meshtrain.cli.summary import print_summary
 from meshtrain.core.plan import Plan, PlanError
 
 
@@ -114,6 +115,9 @@ def add_parser(sub) -> None:
                            "pseudo-gradient")
     plan.add_argument("--outer-momentum", type=float, default=Plan().outer_momentum,
                       help="diloco: the outer SGD's Nesterov momentum, in [0, 1)")
+    p.add_argument("--link", metavar="AXIS=BW[,LAT]",
+                   help="emulate a slow link: sleep each collective's modelled time on that "
+                        "axis, e.g. dp=1Gb/s,5ms (several joined by ';'); labelled as emulation")
     p.add_argument("--straggler", metavar="RANK:SECONDS",
                    help="delay this rank by SECONDS every step (to measure asynchrony)")
     plan.add_argument("--microbatches", type=int, default=1)
@@ -176,6 +180,12 @@ def build_config(args):
         check_ranks_fit(device, plan.world_size)
     plan.check_world_size(world)
     straggler = parse_straggler(args.straggler, world) if args.straggler else None
+    if args.link:   # a bad spec is refused here, before any rank starts
+        from meshtrain.core.link import LinkSpecError, parse_link_spec
+        try:
+            parse_link_spec(args.link)
+        except LinkSpecError as e:
+            raise PlanError(str(e)) from None
     if args.trace and plan.pp == 1:
         raise PlanError("--trace records a pipeline's timeline: it needs --pp 2 or more")
     from meshtrain.models.registry import kind_of
@@ -195,7 +205,7 @@ def build_config(args):
                      collective_timeout=300.0 if args.collective_timeout is None
                      else args.collective_timeout,
                      check_collectives=args.check_collectives,
-                     straggler=straggler, trace=args.trace)
+                     straggler=straggler, trace=args.trace, link=args.link)
 
 
 def parse_straggler(text: str, world: int) -> list:
@@ -352,39 +362,3 @@ def _refused(message, run_dir) -> int:
     """A checkpoint that cannot be loaded: one line, nothing written to the run folder."""
     print(f"meshtrain train: cannot resume {run_dir}: {message}", file=sys.stderr)
     return 1
-
-
-def _mib(n) -> str:
-    return f"{n / 2**20:,.1f} MiB"
-
-
-def print_summary(s: dict) -> None:
-    ratio = s["val_loss_end"] / s["val_loss_start"]
-    lines = [
-        "",
-        f"plan          {s['plan']}, {s['steps']} steps"
-        + (f" (resumed at step {s['resumed_from']})" if s["resumed_from"] else "")
-        + (f"; restarted {s['restarts']}x after a rank failed" if s.get("restarts") else ""),
-        f"train loss    {s['train_loss_start']:.4f} -> {s['train_loss_end']:.4f}",
-        f"val loss      {s['val_loss_start']:.4f} -> {s['val_loss_end']:.4f} ({ratio:.2f}x)",
-        f"throughput    {s['tokens_per_s']:,.0f} tokens/s (median step {s['median_step_s'] * 1e3:.1f} ms; "
-        f"first step done {s['first_step_after_s']:.1f} s after the command started)",
-        f"MFU           {s['mfu']:.2%} ({s['flops_per_token']:.3g} FLOPs/token; peak "
-        f"{s['peak_flops'] / 1e12:.3g} TFLOP/s per device, {s['peak_source']})",
-        f"communicated  {_mib(s['bytes_sent_per_step'])} sent per rank per step",
-    ]
-    for rank, m in enumerate(s["memory_per_rank"]):
-        act = _mib(m["activations"]) if m["activations"] is not None else "n/a"
-        extra = "".join([f", on disk {_mib(m['offloaded'])}" if m.get("offloaded") else "",
-                         f", gathered at most {_mib(m['gathered_peak'])}"
-                         if m.get("gathered_peak") else ""])
-        lines.append(f"memory rank {rank}  params {_mib(m['parameters'])}, grads "
-                     f"{_mib(m['gradients'])}, optimizer {_mib(m['optimizer_states'])}"
-                     f"{extra}, activations {act}, process peak {_mib(m['peak_process'])}")
-        if m.get("device_peak") is not None:
-            lines.append(f"  GPU rank {rank}   allocated {_mib(m['device_allocated'])}, peak "
-                         f"allocated {_mib(m['device_peak'])}; host pinned "
-                         f"{_mib(m.get('host_pinned') or 0)}")
-    lines += [f"run folder    {s['run_dir']}",
-              f"checkpoint    {s['checkpoint']}", ""]
-    print("\n".join(lines))

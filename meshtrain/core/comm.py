@@ -201,6 +201,7 @@ class Comm:
         self.mesh = mesh
         self.stats = stats if stats is not None else CommStats()
         self.log = CollectiveLog()   # the call sequence the watchdog compares between ranks
+        self.link = None             # a core.link.LinkModel: sleeps the modelled time per call
 
     def group(self, axis: str):
         """The process group this Comm uses along `axis`."""
@@ -225,6 +226,8 @@ class Comm:
             check_device(tensor, self.group(axis))
         self.stats.record(axis, op, tag, sent, received)
         self.log.enter(op, axis, tag, tensor)
+        if self.link is not None and axis in AXES:
+            self.link.charge(axis, op, sent, received, self.mesh.size(axis))
 
     # ---- collectives --------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, axis: str, op: str = "sum", tag: str = "",

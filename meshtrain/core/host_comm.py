@@ -17,9 +17,19 @@ class HostComm(Comm):
     """`Comm.on_host()`: the same accounting over gloo groups."""
 
     def __init__(self, comm: Comm) -> None:
+        self._base = comm
         super().__init__(comm.mesh, comm.stats)
         self.log = comm.log
         self._groups = {axis: gloo_group(comm.mesh, axis) for axis in AXES}
+
+    @property
+    def link(self):
+        """The base Comm's emulated link, even one set after this was made."""
+        return self._base.link
+
+    @link.setter
+    def link(self, value) -> None:   # Comm.__init__ sets None; the base Comm owns the link
+        pass
 
     def group(self, axis: str):
         return self._groups[axis]

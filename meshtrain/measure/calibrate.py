@@ -43,7 +43,7 @@ from meshtrain.measure.runs import BUDGET_S, MEMORY_RUNS, ROUNDS, run_model, str
 from meshtrain.measure.verify import plan_inputs, verify_rank
 from meshtrain.planner.activations import forward_traffic, transient_bytes
 from meshtrain.planner.profile import REFERENCE_GPT, save_profile
-from meshtrain.planner.units import fmt_rate
+from meshtrain.core.units import fmt_rate
 
 
 def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S,

@@ -13,7 +13,7 @@ import bisect
 import math
 from dataclasses import dataclass, field, replace
 
-from meshtrain.planner.units import parse_bandwidth, parse_bytes, parse_flops
+from meshtrain.core.units import parse_bandwidth, parse_bytes, parse_flops
 
 
 class HardwareError(ValueError):

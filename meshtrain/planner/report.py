@@ -7,7 +7,7 @@ from meshtrain.planner import data_parallel_family
 from meshtrain.planner.advisor import Advice
 from meshtrain.planner.guide import verdict
 from meshtrain.planner.memory import role_memories
-from meshtrain.planner.units import fmt_rate
+from meshtrain.core.units import fmt_rate
 
 
 def _gb(x: float) -> str:

@@ -44,6 +44,7 @@ class RunConfig:
     check_collectives: bool = False  # compare the ranks' first-step call sequences
     straggler: list | None = None    # [rank, seconds]: that rank is delayed every step
     trace: bool = False              # pipeline: save the last step's measured trace (trace.*)
+    link: str | None = None          # emulated slow link, e.g. "dp=1Gb/s,5ms" (core/link.py)
 
     def save(self) -> None:
         path = Path(self.run_dir) / "config.json"

@@ -60,6 +60,11 @@ def train_rank(config: RunConfig) -> dict:
         max_grad_norm=config.max_grad_norm, measure_activations=True,
         offload_dir=(config.offload_dir or Path(config.run_dir) / "offload")
         if plan.offload == "disk" else None)
+    emulated = None
+    if config.link:   # sleeps the modelled time of each accounted call: emulation, labelled
+        from meshtrain.core.link import LinkModel
+        trainer.comm.link = LinkModel.from_spec(config.link)
+        emulated = trainer.comm.link.describe()
     sampler = BatchSampler(corpus.train, config.batch_size, seq_len, config.seed,
                            trainer.dp_rank, trainer.dp_size)
     val = eval_batches(corpus.val, max(1, config.batch_size // 2), seq_len, config.eval_batches)
@@ -113,7 +118,8 @@ def train_rank(config: RunConfig) -> dict:
         record = {"step": step + 1, "loss": loss, "lr": lr, "step_s": dt,
                   "tokens_per_s": tokens_per_step / dt, "mfu": util(tokens_per_step / dt),
                   "bytes_sent": sent, "bytes_by_axis": by_axis,
-                  **(device_memory(trainer.mesh.device) or {})}
+                  **(device_memory(trainer.mesh.device) or {}),
+                  **({"link_emulation": emulated} if emulated else {})}
         if step == start:   # how long the user waited for training to start
             first_step_s = time.time() - (config.started_at or process_start_time())
             record["since_start_s"] = first_step_s
@@ -148,6 +154,7 @@ def train_rank(config: RunConfig) -> dict:
         "bytes_sent_per_step": sum(step_bytes) / max(1, len(step_bytes)), "memory_per_rank": memory,
         "wall_s": time.perf_counter() - t_start,
         "checkpoint": str(latest_checkpoint(Path(config.run_dir).resolve())),
+        "link_emulation": emulated,
     }
     if is_main:
         (Path(config.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))

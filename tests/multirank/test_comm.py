@@ -221,3 +221,25 @@ def test_gather_objects_moves_json_and_charges_two_ring_all_gathers():
         text_bytes = ring_half_elements(n * longest, n, rank)
         assert stats == {"world/all_gather[report]": {
             "calls": 2, "sent": sizes_bytes + text_bytes, "received": sizes_bytes + text_bytes}}
+
+
+def link_case():
+    """One all-reduce and one all-gather through a Comm on an emulated dp link, fake sleep."""
+    from meshtrain.core.link import LinkModel
+    n = dist.get_world_size()
+    comm = Comm(Mesh.build(Plan(dp=n)))
+    slept = []
+    comm.link = LinkModel.from_spec("dp=1Gb/s,5ms", sleep=slept.append)
+    comm.all_reduce(rank_data(1000, dist.get_rank(), torch.float32), "dp")
+    comm.all_gather(torch.zeros(12 * n), torch.ones(12), "dp")
+    return slept, comm.stats.snapshot()
+
+
+def test_emulated_link_sleeps_the_modelled_time_of_each_call():
+    n = 4
+    for r, (slept, _) in enumerate(run_ranks(n, link_case)):
+        ar = ring_all_reduce_elements(1000, n, r) * 4
+        ar_in = ring_all_reduce_received_elements(1000, n, r) * 4
+        ag = ring_half_elements(12 * n, n, r) * 4
+        assert slept == pytest.approx([2 * (n - 1) * 0.005 + max(ar, ar_in) / 1.25e8,
+                                       (n - 1) * 0.005 + ag / 1.25e8])

@@ -60,6 +60,8 @@ CASES = [
     ("train --nproc 2 --dp-mode ps-async --staleness -1", "staleness=-1"),
     ("train --nproc 2 --straggler 2:0.1", "rank 2 does not exist in a world of 2"),
     ("train --nproc 2 --straggler 1", "expected RANK:SECONDS"),
+    ("train --nproc 2 --link xp=1Gb/s", "unknown axis 'xp'; use one of dp, pp, tp"),
+    ("train --nproc 2 --link dp=fast", "bandwidth 'fast' does not start with a number"),
     ("train --nproc 2 --dp-mode ps-async --max-grad-norm 1",
      "max_grad_norm with dp_mode='ps-async'"),
     # slow links: DiLoCo and local SGD (issue 30)

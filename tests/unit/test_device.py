@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from meshtrain.cli import summary as summary_module
 from meshtrain.cli import train_cmd
 from meshtrain.core import device as dev
 from meshtrain.core.mesh import device_for_backend
@@ -147,7 +148,7 @@ def test_the_summary_shows_gpu_memory_when_there_is_some(capsys):
                    mfu=0.5, flops_per_token=1e9, peak_flops=1e12, peak_source="table",
                    bytes_sent_per_step=0, memory_per_rank=[memory, dict(memory, device_peak=None)],
                    run_dir="r", checkpoint="c")
-    train_cmd.print_summary(summary)
+    summary_module.print_summary(summary)
     out = capsys.readouterr().out
     assert "GPU rank 0   allocated 3.0 MiB, peak allocated 5.0 MiB; host pinned 2.0 MiB" in out
     assert "GPU rank 1" not in out   # a CPU rank's summary is today's

@@ -1,0 +1,41 @@
+"""The summary `meshtrain train` prints when a run ends: losses, speed and MFU, bytes sent,
+memory per rank (and per GPU where there is one), and the emulated link if any."""
+from __future__ import annotations
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def print_summary(s: dict) -> None:
+    ratio = s["val_loss_end"] / s["val_loss_start"]
+    lines = [
+        "",
+        f"plan          {s['plan']}, {s['steps']} steps"
+        + (f" (resumed at step {s['resumed_from']})" if s["resumed_from"] else "")
+        + (f"; restarted {s['restarts']}x after a rank failed" if s.get("restarts") else ""),
+        f"train loss    {s['train_loss_start']:.4f} -> {s['train_loss_end']:.4f}",
+        f"val loss      {s['val_loss_start']:.4f} -> {s['val_loss_end']:.4f} ({ratio:.2f}x)",
+        f"throughput    {s['tokens_per_s']:,.0f} tokens/s (median step {s['median_step_s'] * 1e3:.1f} ms; "
+        f"first step done {s['first_step_after_s']:.1f} s after the command started)",
+        f"MFU           {s['mfu']:.2%} ({s['flops_per_token']:.3g} FLOPs/token; peak "
+        f"{s['peak_flops'] / 1e12:.3g} TFLOP/s per device, {s['peak_source']})",
+        f"communicated  {_mib(s['bytes_sent_per_step'])} sent per rank per step",
+    ]
+    for rank, m in enumerate(s["memory_per_rank"]):
+        act = _mib(m["activations"]) if m["activations"] is not None else "n/a"
+        extra = "".join([f", on disk {_mib(m['offloaded'])}" if m.get("offloaded") else "",
+                         f", gathered at most {_mib(m['gathered_peak'])}"
+                         if m.get("gathered_peak") else ""])
+        lines.append(f"memory rank {rank}  params {_mib(m['parameters'])}, grads "
+                     f"{_mib(m['gradients'])}, optimizer {_mib(m['optimizer_states'])}"
+                     f"{extra}, activations {act}, process peak {_mib(m['peak_process'])}")
+        if m.get("device_peak") is not None:
+            lines.append(f"  GPU rank {rank}   allocated {_mib(m['device_allocated'])}, peak "
+                         f"allocated {_mib(m['device_peak'])}; host pinned "
+                         f"{_mib(m.get('host_pinned') or 0)}")
+    if s.get("link_emulation"):
+        lines.append(f"link          {s['link_emulation']}")
+    lines += [f"run folder    {s['run_dir']}",
+              f"checkpoint    {s['checkpoint']}", ""]
+    print("\n".join(lines))
