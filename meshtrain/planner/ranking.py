@@ -42,13 +42,13 @@ def runnable(cand) -> bool:
     """Plans `verify` can run and measure fairly: the Trainer builds them, without sequence
     parallel (the ranking's setup leaves it off: one tp variant per plan) and without
     offload (disk speed is not calibrated)."""
+    from meshtrain.core.admit import check_plan
     from meshtrain.core.plan import PlanError
-    from meshtrain.train.trainer import refuse_unbuilt
 
     if cand.sp or cand.plan.offload != "none":
         return False
     try:
-        refuse_unbuilt(cand.plan)
+        check_plan(cand.plan)
     except PlanError:
         return False
     return True
