@@ -138,6 +138,7 @@ def _under_torchrun() -> bool:
 
 
 def build_config(args):
+    from meshtrain.core.admit import check_plan
     from meshtrain.core.device import check_ranks_fit, default_ranks, resolve_device
     from meshtrain.train.config import RunConfig
 
@@ -160,8 +161,10 @@ def build_config(args):
                 raise PlanError(f"the run's plan has pp*tp = {old.pp * old.tp}, which does not "
                                 f"divide --nproc {world}; resume on a multiple of it")
             config.plan = dataclasses.replace(old, dp=world // (old.pp * old.tp)).to_dict()
+        plan = Plan.from_dict(config.plan)
+        check_plan(plan, world_size=world or plan.world_size)
         if not _under_torchrun():   # under torchrun, each rank checks its LOCAL_RANK
-            check_ranks_fit(config.device, Plan.from_dict(config.plan).world_size)
+            check_ranks_fit(config.device, plan.world_size)
         return config
     device = resolve_device(args.device)
     one_process = args.dp_mode == "dp"   # DP's replicas are threads of one process
@@ -175,10 +178,11 @@ def build_config(args):
                 schedule=args.schedule, virtual_stages=args.virtual_stages,
                 bucket_mb=args.bucket_mb, precision=args.precision,
                 offload=args.offload, recompute=args.recompute,
-                sequence_parallel=args.sequence_parallel)
+                sequence_parallel=args.sequence_parallel, max_grad_norm=args.max_grad_norm,
+                offload_dir=args.offload_dir, measure_activations=True)
     if not _under_torchrun():   # one GPU per rank: refused here, before any rank starts
         check_ranks_fit(device, plan.world_size)
-    plan.check_world_size(world)
+    check_plan(plan, world_size=world)   # before any rank starts
     straggler = parse_straggler(args.straggler, world) if args.straggler else None
     if args.link:   # a bad spec is refused here, before any rank starts
         from meshtrain.core.link import LinkSpecError, parse_link_spec
@@ -200,12 +204,21 @@ def build_config(args):
                      steps=250 if args.steps is None else args.steps,
                      batch_size=args.batch, lr=args.lr, warmup=args.warmup, seed=args.seed,
                      eval_every=args.eval_every, ckpt_every=args.ckpt_every,
-                     max_grad_norm=args.max_grad_norm, offload_dir=args.offload_dir,
                      progress=not args.no_progress, tensorboard=args.tensorboard,
                      collective_timeout=300.0 if args.collective_timeout is None
                      else args.collective_timeout,
                      check_collectives=args.check_collectives,
                      straggler=straggler, trace=args.trace, link=args.link)
+
+
+def make_run_dir(run_dir) -> None:
+    """Create the run folder (and its checkpoints/), refusing in one line a path that
+    cannot hold it (unwritable, under a file, in a pseudo file system such as /proc)."""
+    try:
+        Path(run_dir, "checkpoints").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--run-dir {run_dir}: cannot create the run folder there "
+                         f"({exc.strerror or exc}); give a writable folder") from None
 
 
 def parse_straggler(text: str, world: int) -> list:
@@ -231,22 +244,16 @@ def run(args) -> int:
     from meshtrain.models.registry import check_model_spec
     from meshtrain.train import errors
     from meshtrain.train.config import check_run_config, latest_checkpoint
-    from meshtrain.train.trainer import check_max_grad_norm, refuse_unbuilt
 
     try:
         config = build_config(args)
         plan = Plan.from_dict(config.plan)
-        refuse_unbuilt(plan)
-        check_max_grad_norm(config.max_grad_norm, plan)
         check_run_config(config)
         if args.max_restarts < 0:
             raise ValueError(f"--max-restarts {args.max_restarts}: give 0 (no restart) or more")
         if args.max_restarts and _under_torchrun():
             raise ValueError("under torchrun, pass --max-restarts to torchrun itself (the "
                              "ranks resume from the latest checkpoint on their own)")
-        if config.offload_dir and plan.offload != "disk":
-            raise PlanError("--offload-dir is where --offload disk writes; add --offload disk "
-                            "or drop --offload-dir")
         check_model_spec(config.model, config.model_overrides)   # here, not on N ranks
         check_model_plan(config, plan)
         if config.tensorboard:
@@ -264,6 +271,7 @@ def run(args) -> int:
             if ckpt is not None:
                 from meshtrain.train import checkpoint
                 checkpoint.inspect(ckpt)
+        make_run_dir(config.run_dir)
     except errors.CheckpointError as exc:
         return _refused(exc, config.run_dir)
     except (PlanError, ValueError, FileNotFoundError) as exc:
@@ -271,7 +279,6 @@ def run(args) -> int:
         return 2
     from meshtrain.core.processes import process_start_time
     config.started_at = process_start_time()
-    Path(config.run_dir, "checkpoints").mkdir(parents=True, exist_ok=True)
     if _under_torchrun():
         from meshtrain.launch import shutdown_distributed
         from meshtrain.train.run import train_rank
@@ -327,7 +334,7 @@ def check_model_plan(config, plan: Plan) -> None:
     elif plan.tp > 1:
         raise PlanError(f"--tp {plan.tp}: tensor parallel from the command line shards "
                         f"meshtrain's GPT presets and transformers causal LMs; {config.model!r} "
-                        "needs a tp_plan, which the Python API takes (Trainer(..., tp_plan={...}))")
+                        "needs a tp_plan, which the Python API takes (Plan(tp=T, tp_plan={...}))")
 
 
 def check_transformers_plan(spec: str, plan: Plan) -> None:

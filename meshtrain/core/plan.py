@@ -6,6 +6,7 @@ and how to fix it, so a bad plan fails before any process group exists.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, fields
 
 DP_MODES = ("ddp", "dp", "ps-sync", "ps-async", "diloco", "local-sgd")
@@ -68,8 +69,24 @@ class Plan:
     """With tp > 1: split the LayerNorm and residual regions along the sequence over the tp
     ranks (Korthikanti et al. 2022), each all-reduce becoming a reduce-scatter plus an
     all-gather; their activation memory falls by tp."""
+    # ---- knobs that shape a run beyond the mesh (checked by core/admit.check_plan) ------
+    max_grad_norm: float | None = None
+    """Clip gradients to this global norm over every axis (None: no clipping)."""
+    offload_dir: str | None = None
+    """Where offload="disk" writes (None: a temporary folder; `meshtrain train`: the run
+    folder's offload/)."""
+    zero3_units: tuple[str, ...] | None = None
+    """zero=3: module names gathered and freed as one unit (None: the model's layers)."""
+    stage_cuts: tuple[int, ...] | None = None
+    """pp > 1: index of the first layer of stages 1..S-1 (None: balanced by parameters)."""
+    tp_plan: tuple[tuple[str, str], ...] | None = None
+    """tp > 1: (module-name pattern, "column" | "row" | "vocab") pairs, given as a dict or
+    pairs (None: the model's own, for the GPT and transformers models)."""
+    measure_activations: bool = False
+    """Count the activation bytes each step keeps for backward (memory_report)."""
 
     def __post_init__(self) -> None:
+        _freeze_knobs(self)
         for name in ("dp", "pp", "tp", "microbatches", "virtual_stages", "ps_shards"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -150,7 +167,11 @@ class Plan:
                 f"so that dp*pp*tp = {world_size}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-ready fields (from_dict reads them back to an equal Plan)."""
+        data = asdict(self)
+        if self.tp_plan is not None:
+            data["tp_plan"] = dict(self.tp_plan)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
@@ -199,6 +220,24 @@ def _check_local_steps(plan: Plan) -> None:
     if plan.dp == 1:
         raise PlanError(f"Plan(dp_mode={plan.dp_mode!r}, dp=1): there are no other workers "
                         "to sync with; set dp >= 2, or use dp_mode='ddp'")
+
+
+def _freeze_knobs(plan: Plan) -> None:
+    """Give the knobs one hashable, JSON round-trippable form: a dict tp_plan as pairs,
+    lists as tuples, a path as a string. A value of another type is left for check_plan
+    to refuse by name."""
+    def put(name, value):
+        object.__setattr__(plan, name, value)
+    if isinstance(plan.tp_plan, dict):
+        put("tp_plan", tuple(plan.tp_plan.items()))
+    elif isinstance(plan.tp_plan, (list, tuple)) and all(
+            isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in plan.tp_plan):
+        put("tp_plan", tuple(tuple(pair) for pair in plan.tp_plan))
+    for name in ("zero3_units", "stage_cuts"):
+        if isinstance(getattr(plan, name), list):
+            put(name, tuple(getattr(plan, name)))
+    if isinstance(plan.offload_dir, os.PathLike):
+        put("offload_dir", os.fspath(plan.offload_dir))
 
 
 def _choose(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -14,6 +14,7 @@ import json
 import random
 import sys
 
+from meshtrain.core.admit import check_plan
 from meshtrain.core.plan import PlanError
 from meshtrain.measure.verify import MODEL, verify
 from meshtrain.models.gpt import GPTConfig
@@ -21,8 +22,6 @@ from meshtrain.planner.advisor import advise
 from meshtrain.planner.model_spec import from_gpt_config
 from meshtrain.planner.profile import cluster_from_profile, load_profile
 from meshtrain.planner.setup import Setup
-# the one refusal of what is not built; it moves to core once it lives there
-from meshtrain.train.trainer import refuse_unbuilt
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -58,7 +57,7 @@ def runnable(cand) -> bool:
     if cand.sp or cand.plan.offload != "none":
         return False
     try:
-        refuse_unbuilt(cand.plan)
+        check_plan(cand.plan)
     except PlanError:
         return False
     return True

@@ -95,9 +95,8 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     meter.start()
     torch.manual_seed(0)
     config = GPTConfig(**model)
-    trainer = Trainer(GPT(config), Plan(**plan),
-                      optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                      measure_activations=True)
+    trainer = Trainer(GPT(config), Plan(**plan, measure_activations=True),
+                      optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     gen = torch.Generator().manual_seed(1 + trainer.dp_rank)
     tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=gen)
     x, y = tokens[:, :-1], tokens[:, 1:]

@@ -96,7 +96,7 @@ def tp_plan_of(model: nn.Module, tp: int) -> dict:
     if not base_plan:
         raise PlanError(f"{type(model).__name__} ({family(model)!r}) carries no "
                         "base_model_tp_plan in its config: pass tp_plan={'module-name "
-                        "pattern': 'column' | 'row' | 'qkv' | 'vocab'} to the Trainer, or use tp=1")
+                        "pattern': 'column' | 'row' | 'qkv' | 'vocab'} in the Plan (Plan(tp=T, tp_plan=...)), or use tp=1")
     check_heads(model, tp)
     prefix = model.base_model_prefix
     plan = {}
@@ -104,7 +104,7 @@ def tp_plan_of(model: nn.Module, tp: int) -> dict:
         if style not in STYLE_OF:
             raise PlanError(f"{type(model).__name__}'s base_model_tp_plan[{pattern!r}] = "
                             f"{style!r}: meshtrain maps only {', '.join(STYLE_OF)}; pass "
-                            "tp_plan= to the Trainer instead")
+                            "Plan(tp_plan=...) instead")
         plan[f"{prefix}.{pattern}"] = STYLE_OF[style]
     embed = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
     plan[embed] = "vocab"

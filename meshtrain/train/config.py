@@ -18,7 +18,7 @@ from meshtrain.train.errors import CheckpointError
 @dataclass
 class RunConfig:
     run_dir: str
-    plan: dict = field(default_factory=dict)
+    plan: dict = field(default_factory=dict)   # the whole Plan (Plan.to_dict): resume reads it
     model: str = "tiny"
     device: str = "auto"           # where the ranks run: cpu | cuda (auto: resolved per rank)
     model_overrides: dict = field(default_factory=dict)
@@ -34,8 +34,6 @@ class RunConfig:
     eval_every: int = 100
     eval_batches: int = 8
     ckpt_every: int = 100
-    max_grad_norm: float | None = None
-    offload_dir: str | None = None   # offload="disk": default <run_dir>/offload
     started_at: float | None = None  # when the command started (for the time to first step)
     resume: bool = False
     progress: bool = True
@@ -60,6 +58,10 @@ class RunConfig:
                                     "pass the folder a previous `meshtrain train` printed")
         try:
             saved = json.loads(path.read_text())
+            # runs saved before these knobs joined the Plan kept them beside it
+            moved = {k: saved.pop(k) for k in ("max_grad_norm", "offload_dir") if k in saved}
+            if isinstance(saved.get("plan"), dict):
+                saved["plan"].update({k: v for k, v in moved.items() if v is not None})
             return cls(**dict(saved, run_dir=str(run_dir)))
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
             raise ValueError(f"{path} is not a valid run configuration ({exc}); pass the "

@@ -17,6 +17,7 @@ from the checkpoint of step s gives exactly the numbers an uninterrupted run giv
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from meshtrain.core.device import DeviceClock, device_memory
 from meshtrain.core.flops import mfu, model_flops_per_token, run_peak
+from meshtrain.core.link import LinkModel
 from meshtrain.core.plan import Plan
 from meshtrain.core.processes import process_start_time
 from meshtrain.train.config import RunConfig, latest_checkpoint, learning_rate, write_latest
@@ -54,15 +56,13 @@ def train_rank(config: RunConfig) -> dict:
     seq_len = built.seq_len
     flops_tok = model_flops_per_token(built.module, seq_len)   # before any sharding
     check_fits(corpus, seq_len)
+    if plan.offload == "disk" and plan.offload_dir is None:   # the run folder's, wherever it is
+        plan = dataclasses.replace(plan, offload_dir=str(Path(config.run_dir) / "offload"))
     trainer = Trainer(built.module, plan, optimizer=lambda ps: default_adamw(
         ps, lr=config.lr, weight_decay=config.weight_decay),
-        loss_fn=token_cross_entropy if config.loss == "cross-entropy" else built.loss,
-        max_grad_norm=config.max_grad_norm, measure_activations=True,
-        offload_dir=(config.offload_dir or Path(config.run_dir) / "offload")
-        if plan.offload == "disk" else None)
+        loss_fn=token_cross_entropy if config.loss == "cross-entropy" else built.loss)
     emulated = None
     if config.link:   # sleeps the modelled time of each accounted call: emulation, labelled
-        from meshtrain.core.link import LinkModel
         trainer.comm.link = LinkModel.from_spec(config.link)
         emulated = trainer.comm.link.describe()
     sampler = BatchSampler(corpus.train, config.batch_size, seq_len, config.seed,

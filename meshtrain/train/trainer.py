@@ -10,20 +10,20 @@ by name before anything is built.
 """
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from typing import Callable
 
 import torch
 from torch import nn
 
+from meshtrain.core.admit import check_plan
 from meshtrain.core.comm import Comm
 from meshtrain.core.watchdog import CollectiveFailure, is_communication_error, watch
 from meshtrain.core.device import device_memory, pinned_bytes
 from meshtrain.core.memory import (ActivationMeter, MemoryReport, optimizer_state_tensors,
                                    peak_process_bytes)
 from meshtrain.core.mesh import Mesh
-from meshtrain.core.plan import LOCAL_STEP_MODES, Plan, PlanError
+from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.models import hf
 from meshtrain.models.registry import logits_of
 from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchLoop, NoSharding,
@@ -43,40 +43,6 @@ from meshtrain.core.state import StateLayout
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
-def refuse_unbuilt(plan: Plan) -> None:
-    """Name the first strategy in `plan` that meshtrain cannot run yet."""
-    unbuilt = [
-        (plan.dp_mode not in ("ddp", *LOCAL_STEP_MODES) and (plan.pp > 1 or plan.tp > 1),
-         f"dp_mode={plan.dp_mode!r} with pp={plan.pp}, tp={plan.tp}: DP and the parameter "
-         "server run with pp = tp = 1 for now"),
-        (plan.dp_mode in LOCAL_STEP_MODES and plan.precision != "fp32",
-         f"dp_mode={plan.dp_mode!r} with precision={plan.precision!r}: DiLoCo and local SGD "
-         "run in fp32 for now"),
-        (plan.dp_mode != "ddp" and plan.precision != "fp32",
-         f"dp_mode={plan.dp_mode!r} with precision={plan.precision!r}: DP and the parameter "
-         "server run in fp32 for now"),
-    ]
-    for applies, message in unbuilt:
-        if applies:
-            raise PlanError(f"{message}; use a data-parallel plan such as Plan(dp=N)")
-
-
-def check_max_grad_norm(max_grad_norm, plan: Plan | None = None) -> None:
-    if max_grad_norm is None:
-        return
-    if plan is not None and plan.dp_mode == "ps-async":
-        raise PlanError("max_grad_norm with dp_mode='ps-async': clipping needs every "
-                        "step's global gradient norm, which asynchronous workers never "
-                        "wait for; use ps-sync, or drop max_grad_norm")
-    if plan is not None and plan.dp_mode in LOCAL_STEP_MODES:
-        raise PlanError(f"max_grad_norm with dp_mode={plan.dp_mode!r} is not built: each "
-                        "worker would clip by its own norm; drop max_grad_norm")
-    if (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-            or not math.isfinite(max_grad_norm) or max_grad_norm <= 0):
-        raise PlanError(f"max_grad_norm={max_grad_norm!r}: must be a positive number (the "
-                        "largest global gradient norm), or None for no clipping")
-
-
 # ---- the five slots, each a plain function of the plan ---------------------------------------
 def shard_layers(model: nn.Module, plan: Plan, comm: Comm, tp_plan: dict | None) -> LayerSharding:
     """Slot 1: shard each layer's matrices over tp, in place, keeping parameter names."""
@@ -87,23 +53,19 @@ def shard_layers(model: nn.Module, plan: Plan, comm: Comm, tp_plan: dict | None)
 
 
 def check_layer_sharding(model: nn.Module, plan: Plan, tp_plan: dict | None) -> None:
-    """Slot 1's refusals that need no process group (run before the mesh is built)."""
-    if tp_plan is not None and plan.tp == 1:
-        raise PlanError("tp_plan is given but Plan.tp=1: set tp > 1 to shard layers, or "
-                        "drop tp_plan")
+    """Slot 1's refusals that need the model's modules but no process group (run before
+    the mesh is built; check_plan has refused a tp_plan without tp)."""
     tensor_parallel.check(model, plan, tp_plan)
 
 
-def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout,
-                stage_cuts: list[int] | None = None) -> Stages:
+def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout) -> Stages:
     """Slot 2: keep only this rank's pipeline stages (chunks) of the model."""
     if plan.pp == 1:
         return WholeModel(model, layout.canonical)
-    return pipeline.keep_stages(model, plan, comm, layout, stage_cuts)
+    return pipeline.keep_stages(model, plan, comm, layout, _list(plan.stage_cuts))
 
 
-def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
-                   zero3_units: list[str] | None = None, offload_dir=None) -> GradientSync:
+def sync_gradients(stages: Stages, plan: Plan, comm: Comm) -> GradientSync:
     """Slots 3 and 4: how dp replicas agree on gradients, and who owns the optimizer.
     Parameters in `stages.shared` must be laid out identically on every stage holding them."""
     params, buffers = stages.named_parameters(), [b for _, b in stages.named_buffers()]
@@ -116,11 +78,11 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
     if plan.dp_mode in LOCAL_STEP_MODES:
         return DiLoCo(params, buffers, comm, plan)
     if plan.zero == 3:
-        return ZeRO3(stages.model, params, buffers, comm, plan, unit_names=zero3_units,
-                     offload_dir=offload_dir)
+        return ZeRO3(stages.model, params, buffers, comm, plan,
+                     unit_names=_list(plan.zero3_units), offload_dir=plan.offload_dir)
     if plan.zero in (1, 2):
         return ZeRO(params, buffers, comm, plan, shared=list(stages.shared),
-                    offload_dir=offload_dir)
+                    offload_dir=plan.offload_dir)
     return DDP(params, buffers, comm, bucket_mb=plan.bucket_mb, precision=plan.precision)
 
 
@@ -138,26 +100,20 @@ def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_f
 
 class Trainer:
     def __init__(self, model: nn.Module, plan: Plan, optimizer: OptimizerFactory,
-                 loss_fn: Callable | None = None, tp_plan: dict | None = None,
-                 max_grad_norm: float | None = None, measure_activations: bool = False,
-                 zero3_units: list[str] | None = None, offload_dir=None,
-                 stage_cuts: list[int] | None = None) -> None:
-        refuse_unbuilt(plan)
-        check_max_grad_norm(max_grad_norm, plan)
-        if offload_dir is not None and plan.offload != "disk":
-            raise PlanError(f"offload_dir is where offload='disk' writes, but Plan.offload="
-                            f"{plan.offload!r}; set offload='disk' or drop offload_dir")
-        if zero3_units is not None and plan.zero != 3:
-            raise PlanError(f"zero3_units names ZeRO-3's wrapping units, but Plan.zero="
-                            f"{plan.zero}; set zero=3 or drop zero3_units")
-        # a transformers causal LM brings its own loss and tp plan (models/hf.py)
-        loss_fn, tp_plan = hf.defaults(model, plan.tp, loss_fn, tp_plan)
+                 loss_fn: Callable | None = None) -> None:
+        """Everything that shapes the run is in `plan` (saved and compared whole); the
+        optimizer and the loss are code. `loss_fn` None: the model's own .loss."""
+        check_plan(plan, model)   # the world size: Mesh.build, after the model's refusals
+        # a transformers causal LM brings its own loss and tp plan (models/hf.py): model
+        # defaults, filled where the plan leaves them unset
+        loss_fn, tp_plan = hf.defaults(model, plan.tp, loss_fn,
+                                       dict(plan.tp_plan) if plan.tp_plan else None)
         if loss_fn is None and not hasattr(model, "loss"):
             raise TypeError(f"{type(model).__name__} has no .loss(output, targets): pass "
                             "loss_fn=, e.g. torch.nn.functional.cross_entropy")
         check_layer_sharding(model, plan, tp_plan)
-        pipeline.check(model, plan, stage_cuts)   # stages need layers: before any group
-        self.plan, self.max_grad_norm = plan, max_grad_norm
+        pipeline.check(model, plan, _list(plan.stage_cuts))   # layers: before any group
+        self.plan, self.max_grad_norm = plan, plan.max_grad_norm
         self.mesh = Mesh.build(plan)
         self.comm = Comm(self.mesh)
         self.watchdog = watch(self.comm)   # names the culprit when a collective fails
@@ -170,18 +126,17 @@ class Trainer:
         self.sharding = shard_layers(self.model, plan, self.comm, tp_plan)
         self.loss_fn = self.sharding.wrap_loss(self.loss_fn)   # vocab-parallel where split
         self.activations = (ActivationMeter(self.model.parameters())
-                            if measure_activations else None)
+                            if plan.measure_activations else None)
         # recomputation after tensor parallel, before stages and data parallel (torchtitan's
         # order): it wraps the layers as they will run
         self.recomputed = apply_recompute(self.model, plan.recompute,
                                           self.activations.keep if self.activations else None)
         # 2. pipeline stages: the data-parallel sync covers only what this stage keeps
-        self.stages = keep_stages(self.model, plan, self.comm, self.layout, stage_cuts)
+        self.stages = keep_stages(self.model, plan, self.comm, self.layout)
         if self.activations is not None:
             self.activations.track(p for _, p in self.stages.named_parameters())
         # 3-4. gradient sync before the optimizer: the optimizer must see what the sync owns
-        self.data_parallel = sync_gradients(self.stages, plan, self.comm, zero3_units,
-                                            offload_dir)
+        self.data_parallel = sync_gradients(self.stages, plan, self.comm)
         self.optimizer = self.data_parallel.build_optimizer(optimizer)
         # 5. the step driver
         self.driver = drive_steps(self.model, self.stages, plan, self.comm, self.loss_fn,
@@ -357,6 +312,10 @@ def _loss_in_fp32(loss_fn: Callable) -> Callable:
     def loss(output, targets):
         return loss_fn(logits_of(output).float(), targets)   # any output type
     return loss
+
+
+def _list(values) -> list | None:
+    return None if values is None else list(values)
 
 
 def _param_shaped(value) -> bool:

@@ -32,7 +32,7 @@ class Case:
     model: str = "gpt"
     optimizer: str = "sgd"
     clip: float | None = None
-    trainer_kw: dict = field(default_factory=dict)
+    plan_kw: dict = field(default_factory=dict)
 
     @property
     def bf16(self) -> bool:
@@ -96,7 +96,7 @@ def reference_of(case: Case, device: str) -> dict:
 def train_case(name: str, device: str, directory: str) -> dict:
     """On each rank: the case's plan, trained on this rank's device."""
     case = CASES[name]
-    kw = dict(case.trainer_kw)
+    kw = dict(case.plan_kw)
     if case.plan.get("offload") == "disk":
         kw["offload_dir"] = directory
     with deterministic(device), warnings.catch_warnings():

@@ -18,6 +18,8 @@ Models:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -219,16 +221,17 @@ def reference_bf16(model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
 
 
 def train(plan: mt.Plan, model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
-          max_grad_norm: float | None = None, dtype=None, **trainer_kw) -> dict:
-    """The same training under `plan`, on this rank and its mesh's device (MESHTRAIN_DEVICE,
-    which `run_ranks(device=...)` sets); returns what `reference` returns, on the host."""
+          max_grad_norm: float | None = None, dtype=None, **plan_kw) -> dict:
+    """The same training under `plan` (with `max_grad_norm` and the Plan fields in
+    `plan_kw` set on it), on this rank and its mesh's device (MESHTRAIN_DEVICE, which
+    `run_ranks(device=...)` sets); returns what `reference` returns, on the host."""
     build, loss_fn, _, _ = MODELS[model]
     torch.manual_seed(0)
     net = build()
     if dtype is not None:
         net = net.to(dtype)
-    trainer = mt.Trainer(net, plan, optimizer=OPTIMIZERS[optimizer], loss_fn=loss_fn,
-                         max_grad_norm=max_grad_norm, **trainer_kw)
+    plan = dataclasses.replace(plan, max_grad_norm=max_grad_norm, **plan_kw)
+    trainer = mt.Trainer(net, plan, optimizer=OPTIMIZERS[optimizer], loss_fn=loss_fn)
     losses, norms = [], []
     for x, y in batches(model, steps, trainer.dp_rank, trainer.dp_size):
         losses.append(trainer.step(x, y))

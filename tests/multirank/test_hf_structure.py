@@ -21,8 +21,8 @@ pytest.importorskip("transformers")
 
 def _activation_bytes(recompute: str) -> int:
     torch.manual_seed(0)
-    trainer = mt.Trainer(build("llama-tiny"), mt.Plan(recompute=recompute), eq.sgd,
-                         measure_activations=True)
+    trainer = mt.Trainer(build("llama-tiny"),
+                         mt.Plan(recompute=recompute, measure_activations=True), eq.sgd)
     x, y = eq.batches("llama-tiny", 1)[0]
     trainer.step(x, y)
     return trainer.memory_report().activations, trainer.recomputed
@@ -91,8 +91,7 @@ def alias_refused():
     torch.manual_seed(0)
     plan = {"lm.model.layers.*.mlp.up_proj": "column", "lm.model.layers.*.mlp.gate_proj":
             "column", "lm.model.layers.*.mlp.down_proj": "row", "lm.model.embed_tokens": "vocab"}
-    mt.Trainer(PlainListWrapper(), mt.Plan(tp=2), eq.sgd,
-               loss_fn=eq.token_loss, tp_plan=plan)
+    mt.Trainer(PlainListWrapper(), mt.Plan(tp=2, tp_plan=plan), eq.sgd, loss_fn=eq.token_loss)
 
 
 def test_an_alias_of_a_module_tp_split_is_refused():
@@ -152,9 +151,9 @@ def readme_gpt2(tp: int) -> dict:
     from meshtrain.strategies.tensor_parallel import token_cross_entropy
 
     torch.manual_seed(0)
-    trainer = mt.Trainer(eq.hf_gpt2(), mt.Plan(tp=tp, precision="bf16"), eq.sgd,
-                         loss_fn=token_cross_entropy,
-                         tp_plan=eq.HF_GPT2_TP_PLAN if tp > 1 else None)
+    trainer = mt.Trainer(eq.hf_gpt2(), mt.Plan(tp=tp, precision="bf16",
+                                               tp_plan=eq.HF_GPT2_TP_PLAN if tp > 1 else None),
+                         eq.sgd, loss_fn=token_cross_entropy)
     losses = [trainer.step(x, y) for x, y in eq.batches("hf_gpt2", 3)]
     return {"losses": losses, "state": trainer.full_state_dict()}
 

@@ -93,8 +93,8 @@ def one_step_counters() -> list[dict]:
     out = []
     for zero in (0, 1, 2):
         torch.manual_seed(0)
-        trainer = mt.Trainer(eq.gpt(), mt.Plan(dp=2, pp=2, tp=2, zero=zero, microbatches=M),
-                             optimizer=eq.sgd, max_grad_norm=CLIP)
+        trainer = mt.Trainer(eq.gpt(), mt.Plan(dp=2, pp=2, tp=2, zero=zero, microbatches=M,
+                                               max_grad_norm=CLIP), optimizer=eq.sgd)
         first, second = eq.batches(MODEL, 2, trainer.dp_rank, trainer.dp_size)
         trainer.step(*first)                      # the first step also sends shapes
         trainer.comm.stats.reset()

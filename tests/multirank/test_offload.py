@@ -52,8 +52,8 @@ def resident_after_steps(zero: int, offload: str, directory: str) -> dict:
     before = resident()
     torch.manual_seed(0)
     kw = {"offload_dir": directory} if offload == "disk" else {}
-    trainer = mt.Trainer(wide(), mt.Plan(zero=zero, offload=offload), optimizer=eq.adamw,
-                         loss_fn=eq.token_loss, **kw)
+    trainer = mt.Trainer(wide(), mt.Plan(zero=zero, offload=offload, **kw), optimizer=eq.adamw,
+                         loss_fn=eq.token_loss)
     x = torch.randint(0, 64, (4, 8))
     for _ in range(3):
         trainer.step(x, x)
@@ -83,8 +83,8 @@ def test_disk_offload_takes_the_states_out_of_resident_memory(zero, tmp_path):
 
 
 def test_two_runs_never_share_offload_files(tmp_path):
-    trainers = [mt.Trainer(eq.gpt(), mt.Plan(zero=2, offload="disk"), optimizer=eq.adamw,
-                           offload_dir=tmp_path) for _ in range(2)]
+    trainers = [mt.Trainer(eq.gpt(), mt.Plan(zero=2, offload="disk", offload_dir=tmp_path),
+                           optimizer=eq.adamw) for _ in range(2)]
     folders = [t.data_parallel.offload.store.dir for t in trainers]
     assert folders[0] != folders[1] and all(f.parent == tmp_path for f in folders)
     for t in trainers:
@@ -107,19 +107,20 @@ def test_an_unwritable_offload_folder_is_refused(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     with pytest.raises(mt.PlanError, match=r"offload='disk' cannot write to .*a-file"):
-        mt.Trainer(eq.gpt(), mt.Plan(zero=1, offload="disk"), optimizer=eq.sgd,
-                   offload_dir=blocker / "sub")
+        mt.Trainer(eq.gpt(), mt.Plan(zero=1, offload="disk", offload_dir=blocker / "sub"),
+                   optimizer=eq.sgd)
 
 
 def test_a_full_offload_disk_is_refused(tmp_path, monkeypatch):
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
     with pytest.raises(mt.PlanError, match=r"offload='disk' needs .* MiB in .* but 0.0 MiB are free"):
-        mt.Trainer(eq.gpt(), mt.Plan(zero=1, offload="disk"), optimizer=eq.sgd,
-                   offload_dir=tmp_path)
+        mt.Trainer(eq.gpt(), mt.Plan(zero=1, offload="disk", offload_dir=tmp_path),
+                   optimizer=eq.sgd)
     assert list(tmp_path.iterdir()) == []   # nothing left behind
 
 
 def test_an_offload_folder_without_disk_offload_is_refused(tmp_path):
-    with pytest.raises(mt.PlanError, match="offload_dir is where offload='disk' writes"):
-        mt.Trainer(eq.gpt(), mt.Plan(zero=1), optimizer=eq.sgd, offload_dir=tmp_path)
+    with pytest.raises(mt.PlanError, match=r"offload_dir \(--offload-dir\) is where "
+                                           "offload='disk' writes"):
+        mt.Trainer(eq.gpt(), mt.Plan(zero=1, offload_dir=tmp_path), optimizer=eq.sgd)

@@ -43,8 +43,9 @@ def peaks() -> dict:
         for m in (4, 8):
             torch.manual_seed(0)
             trainer = mt.Trainer(eq.gpt_pipe(), mt.Plan(pp=dist.get_world_size(),
-                                                        schedule=schedule, microbatches=m),
-                                 optimizer=eq.sgd, measure_activations=True)
+                                                        schedule=schedule, microbatches=m,
+                                                        measure_activations=True),
+                                 optimizer=eq.sgd)
             trainer.step(*eq.batches("gpt_pipe", 1)[0])
             trace = trainer.driver.trace
             out[(schedule, m)] = {

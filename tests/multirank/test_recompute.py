@@ -88,8 +88,8 @@ def test_a_whole_step_keeps_what_the_planner_predicts(precision):
     for mode in ("none", "full"):
         torch.manual_seed(0)
         plan = {"precision": precision, "recompute": mode}
-        trainer = mt.Trainer(GPT(RATIO_CONFIG), mt.Plan(**plan), optimizer=eq.sgd,
-                             measure_activations=True)
+        trainer = mt.Trainer(GPT(RATIO_CONFIG), mt.Plan(**plan, measure_activations=True),
+                             optimizer=eq.sgd)
         batch = torch.randint(0, RATIO_CONFIG.vocab_size, (2, 2, RATIO_CONFIG.seq_len))
         trainer.step(batch[0], batch[1])
         kept[mode] = trainer.activations.last_bytes

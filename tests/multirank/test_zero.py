@@ -236,7 +236,7 @@ def test_bad_zero_plans_are_refused(kwargs, message):
 @pytest.mark.parametrize("value", [0, -1.0, float("nan"), "1", True])
 def test_a_bad_max_grad_norm_is_refused_before_anything_is_built(value):
     with pytest.raises(mt.PlanError, match=r"max_grad_norm=.*must be a positive number"):
-        mt.Trainer(eq.gpt(), mt.Plan(zero=1), optimizer=eq.sgd, max_grad_norm=value)
+        mt.Trainer(eq.gpt(), mt.Plan(zero=1, max_grad_norm=value), optimizer=eq.sgd)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -147,13 +147,13 @@ def test_zero3_checkpoints_load_under_other_plans(tmp_path):
 def test_a_wrapping_unit_that_names_no_module_is_refused():
     with pytest.raises(mt.PlanError, match=r"ZeRO-3 wrapping units \['blocks.7'\] name no "
                                            r"module of GPT"):
-        mt.Trainer(eq.gpt(), mt.Plan(zero=3), optimizer=eq.sgd, zero3_units=["embed", "blocks.7"])
+        mt.Trainer(eq.gpt(), mt.Plan(zero=3, zero3_units=["embed", "blocks.7"]), optimizer=eq.sgd)
 
 
 def test_wrapping_units_without_zero3_are_refused():
     with pytest.raises(mt.PlanError, match="zero3_units names ZeRO-3's wrapping units, but "
                                            "Plan.zero=2"):
-        mt.Trainer(eq.gpt(), mt.Plan(zero=2), optimizer=eq.sgd, zero3_units=["embed"])
+        mt.Trainer(eq.gpt(), mt.Plan(zero=2, zero3_units=["embed"]), optimizer=eq.sgd)
 
 
 def test_zero3_with_pipeline_stages_is_refused():
@@ -163,8 +163,9 @@ def test_zero3_with_pipeline_stages_is_refused():
 
 def named_units_train() -> list[float]:
     torch.manual_seed(0)
-    trainer = mt.Trainer(eq.gpt(), mt.Plan(dp=eq.world_size(), zero=3), optimizer=eq.sgd,
-                         zero3_units=["blocks.0", "blocks.1"])   # the rest: the root
+    trainer = mt.Trainer(eq.gpt(), mt.Plan(dp=eq.world_size(), zero=3,
+                                           zero3_units=["blocks.0", "blocks.1"]),  # rest: root
+                         optimizer=eq.sgd)
     names = [u.name for u in trainer.data_parallel.units]
     losses = [trainer.step(x, y) for x, y in
               eq.batches("gpt", 4, trainer.dp_rank, trainer.dp_size)]

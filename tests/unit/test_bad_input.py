@@ -43,7 +43,7 @@ CASES = [
     ("train --zero 4", "invalid choice: 4"),
     ("train --precision fp8", "invalid choice: 'fp8'"),
     ("train --offload cpu", "offload='cpu' needs ZeRO"),
-    ("train --offload-dir somewhere", "--offload-dir is where --offload disk writes"),
+    ("train --offload-dir somewhere", "offload_dir (--offload-dir) is where offload='disk' writes"),
     ("train --sequence-parallel", "sequence_parallel=True splits activations over the tp axis"),
     ("train --dp-mode nonsense", "invalid choice: 'nonsense'"),
     ("train --schedule nonsense", "schedule='nonsense': choose one of"),

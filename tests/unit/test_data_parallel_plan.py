@@ -33,17 +33,16 @@ def test_bad_plans_are_refused(kwargs, message):
 def test_async_refuses_gradient_clipping():
     import torch
     with pytest.raises(PlanError, match="max_grad_norm with dp_mode='ps-async'"):
-        mt.Trainer(torch.nn.Linear(2, 2), mt.Plan(dp_mode="ps-async"),
-                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss_fn=lambda o, t: o.sum(),
-                   max_grad_norm=1.0)
+        mt.Trainer(torch.nn.Linear(2, 2), mt.Plan(dp_mode="ps-async", max_grad_norm=1.0),
+                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss_fn=lambda o, t: o.sum())
 
 
 def test_unbuilt_combinations_are_named():
-    from meshtrain.train.trainer import refuse_unbuilt
+    from meshtrain.core.admit import check_plan
     with pytest.raises(PlanError, match="dp_mode='ps-sync' with pp=1, tp=2"):
-        refuse_unbuilt(mt.Plan(dp=2, tp=2, dp_mode="ps-sync"))
+        check_plan(mt.Plan(dp=2, tp=2, dp_mode="ps-sync"))
     with pytest.raises(PlanError, match="precision='bf16'"):
-        refuse_unbuilt(mt.Plan(dp=2, dp_mode="dp", precision="bf16"))
+        check_plan(mt.Plan(dp=2, dp_mode="dp", precision="bf16"))
 
 
 # ---- DiLoCo and local SGD (issue 30) ----------------------------------------------------
@@ -68,6 +67,5 @@ def test_bad_diloco_plans_refused(fields, message):
 
 def test_diloco_refuses_clipping_before_any_rank():
     with pytest.raises(PlanError, match="max_grad_norm with dp_mode='diloco' is not built"):
-        mt.Trainer(torch.nn.Linear(2, 2), mt.Plan(dp=2, dp_mode="diloco"),
-                   optimizer=torch.optim.AdamW, loss_fn=torch.nn.functional.mse_loss,
-                   max_grad_norm=1.0)
+        mt.Trainer(torch.nn.Linear(2, 2), mt.Plan(dp=2, dp_mode="diloco", max_grad_norm=1.0),
+                   optimizer=torch.optim.AdamW, loss_fn=torch.nn.functional.mse_loss)

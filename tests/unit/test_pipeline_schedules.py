@@ -192,8 +192,8 @@ def test_gpt_stages_split_its_layers():
 
 
 # ---- bad input: refused with a clear message before any process group ---------------------
-def _trainer(model, plan, **kw):
-    return mt.Trainer(model, plan, optimizer=eq.sgd, loss_fn=eq.token_loss, **kw)
+def _trainer(model, plan):
+    return mt.Trainer(model, plan, optimizer=eq.sgd, loss_fn=eq.token_loss)
 
 
 def test_more_stages_than_layers():
@@ -240,7 +240,7 @@ def test_microbatches_that_do_not_divide_the_batch():
 
 def test_stage_cuts_without_pipeline():
     with pytest.raises(PlanError, match="stage_cuts is given but Plan.pp=1"):
-        _trainer(eq.tied_pipe(), mt.Plan(), stage_cuts=[2])
+        _trainer(eq.tied_pipe(), mt.Plan(stage_cuts=[2]))
 
 
 def test_compute_orders_never_mention_a_chunk_beyond_v():

@@ -164,5 +164,5 @@ def test_a_tied_weight_must_be_sharded_wherever_it_is_used():
 
 def test_tp_plan_with_one_rank_is_refused():
     with pytest.raises(PlanError, match="tp_plan is given but Plan.tp=1"):
-        mt.Trainer(mlp(), mt.Plan(), optimizer=torch.optim.SGD, loss_fn=nn.MSELoss(),
-                   tp_plan={"1": "column"})
+        mt.Trainer(mlp(), mt.Plan(tp_plan={"1": "column"}), optimizer=torch.optim.SGD,
+                   loss_fn=nn.MSELoss())

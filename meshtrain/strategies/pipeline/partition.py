@@ -75,10 +75,7 @@ def stage_bounds(model: nn.Module, plan: Plan, cuts: list[int] | None = None) ->
 def check(model: nn.Module, plan: Plan, cuts: list[int] | None = None) -> None:
     """Every refusal that needs no process group: a model without layers, more stages
     than layers, bad cut points, parameters that no layer holds."""
-    if plan.pp == 1:
-        if cuts is not None:
-            raise PlanError("stage_cuts is given but Plan.pp=1: set pp > 1 to cut stages, "
-                            "or drop stage_cuts")
+    if plan.pp == 1:   # stage_cuts without pp: core/admit.check_plan refuses them
         return
     stage_bounds(model, plan, cuts)
     in_layers = {id(p) for layer in model_layers(model) for p in layer.parameters()}

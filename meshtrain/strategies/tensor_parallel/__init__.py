@@ -44,7 +44,7 @@ def check(model: nn.Module, plan: Plan, tp_plan: dict | None) -> None:
     else:
         raise PlanError(f"tensor parallel shards meshtrain's GPT natively; for a "
                         f"{type(model).__name__} pass tp_plan={{'module-name pattern': "
-                        f"'column' | 'row' | 'qkv' | 'vocab', ...}} to the Trainer")
+                        f"'column' | 'row' | 'qkv' | 'vocab', ...}} in the Plan")
 
 
 def shard(model: nn.Module, plan: Plan, comm: Comm, tp_plan: dict | None) -> TensorParallel:

@@ -1,6 +1,6 @@
 """Tensor parallel for any model: a tp_plan maps module-name patterns to styles.
 
-    Trainer(model, Plan(tp=2), ..., tp_plan={"transformer.h.*.mlp.c_fc": "column", ...})
+    Trainer(model, Plan(tp=2, tp_plan={"transformer.h.*.mlp.c_fc": "column", ...}), ...)
 
 Patterns are fnmatch patterns over `model.named_modules()` names ("*" also crosses dots).
 Each matched module must be an nn.Linear, transformers' Conv1D or an nn.Embedding:

@@ -55,13 +55,13 @@ class DiskStore:
             self.dir = Path(tempfile.mkdtemp(prefix=f"meshtrain-offload-rank{rank}-", dir=base))
         except OSError as exc:
             raise PlanError(f"offload='disk' cannot write to {base} ({exc.strerror}); give a "
-                            "writable folder (Trainer(offload_dir=...), --offload-dir)") from None
+                            "writable folder (Plan(offload_dir=...), --offload-dir)") from None
         free = shutil.disk_usage(self.dir).free
         if free < needed_bytes:
             shutil.rmtree(self.dir, ignore_errors=True)
             raise PlanError(f"offload='disk' needs {needed_bytes / 2**20:,.1f} MiB in {base} "
                             f"but {free / 2**20:,.1f} MiB are free; free some space or give "
-                            "another folder (Trainer(offload_dir=...), --offload-dir)")
+                            "another folder (Plan(offload_dir=...), --offload-dir)")
         self._maps: list[mmap.mmap] = []
         self._count = 0
         self._cleanup = weakref.finalize(self, _remove, self.dir, self._maps)

@@ -1,0 +1,137 @@
+"""Whether a Plan can run: the one function every entry point asks before building anything.
+
+    check_plan(plan)                          what the plan alone says (the planner's ranking)
+    check_plan(plan, world_size=4)            and that it covers the world (the command line)
+    check_plan(plan, model, world_size)       and what the model's layers allow (the Trainer)
+
+Each refusal is a PlanError naming the problem and the fix. `Plan.__post_init__` keeps only
+the checks of one field's own value range and the mesh's own structure; everything about
+combining knobs, strategies not built yet, the model and the world is here. What needs a
+strategy's own objects (process groups, shards, a model's modules matched by a tp_plan) stays
+in that strategy's `check`.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+from meshtrain.core.plan import LOCAL_STEP_MODES, Plan, PlanError
+
+
+def check_plan(plan: Plan, model=None, world_size: int | None = None) -> None:
+    """Raise PlanError for the first reason `plan` cannot run (on `model`, over
+    `world_size` ranks, where given)."""
+    _refuse_unbuilt(plan)
+    _check_max_grad_norm(plan)
+    _check_offload_dir(plan)
+    _check_zero3_units(plan)
+    _check_stage_cuts(plan, _layer_count(model) if model is not None else None)
+    _check_tp_plan(plan)
+    if not isinstance(plan.measure_activations, bool):
+        raise PlanError(f"Plan.measure_activations={plan.measure_activations!r}: must be True "
+                        "or False")
+    if world_size is not None:
+        plan.check_world_size(world_size)
+
+
+def _refuse_unbuilt(plan: Plan) -> None:
+    """Name the first strategy in `plan` that meshtrain cannot run yet."""
+    unbuilt = [
+        (plan.dp_mode not in ("ddp", *LOCAL_STEP_MODES) and (plan.pp > 1 or plan.tp > 1),
+         f"dp_mode={plan.dp_mode!r} with pp={plan.pp}, tp={plan.tp}: DP and the parameter "
+         "server run with pp = tp = 1 for now"),
+        (plan.dp_mode in LOCAL_STEP_MODES and plan.precision != "fp32",
+         f"dp_mode={plan.dp_mode!r} with precision={plan.precision!r}: DiLoCo and local SGD "
+         "run in fp32 for now"),
+        (plan.dp_mode != "ddp" and plan.precision != "fp32",
+         f"dp_mode={plan.dp_mode!r} with precision={plan.precision!r}: DP and the parameter "
+         "server run in fp32 for now"),
+    ]
+    for applies, message in unbuilt:
+        if applies:
+            raise PlanError(f"{message}; use a data-parallel plan such as Plan(dp=N)")
+
+
+def _check_max_grad_norm(plan: Plan) -> None:
+    norm = plan.max_grad_norm
+    if norm is None:
+        return
+    if (isinstance(norm, bool) or not isinstance(norm, (int, float))
+            or not math.isfinite(norm) or norm <= 0):
+        raise PlanError(f"max_grad_norm={norm!r}: must be a positive number (the largest "
+                        "global gradient norm), or None for no clipping")
+    if plan.dp_mode == "ps-async":
+        raise PlanError("max_grad_norm with dp_mode='ps-async': clipping needs every "
+                        "step's global gradient norm, which asynchronous workers never "
+                        "wait for; use ps-sync, or drop max_grad_norm")
+    if plan.dp_mode in LOCAL_STEP_MODES:
+        raise PlanError(f"max_grad_norm with dp_mode={plan.dp_mode!r} is not built: each "
+                        "worker would clip by its own norm; drop max_grad_norm")
+
+
+def _check_offload_dir(plan: Plan) -> None:
+    if plan.offload_dir is None:
+        return
+    if not isinstance(plan.offload_dir, str) or not plan.offload_dir:
+        raise PlanError(f"Plan.offload_dir={plan.offload_dir!r}: give a folder path")
+    if plan.offload != "disk":
+        raise PlanError(f"offload_dir (--offload-dir) is where offload='disk' writes, but "
+                        f"Plan.offload={plan.offload!r}; set offload='disk' (--offload disk) "
+                        "or drop offload_dir")
+
+
+def _check_zero3_units(plan: Plan) -> None:
+    units = plan.zero3_units
+    if units is None:
+        return
+    if (not isinstance(units, tuple) or not units
+            or not all(isinstance(u, str) and u for u in units)):
+        raise PlanError(f"Plan.zero3_units={units!r}: give a non-empty list of module names "
+                        "(as model.named_modules() names them)")
+    if plan.zero != 3:
+        raise PlanError(f"zero3_units names ZeRO-3's wrapping units, but Plan.zero="
+                        f"{plan.zero}; set zero=3 or drop zero3_units")
+
+
+def _check_stage_cuts(plan: Plan, layers: int | None) -> None:
+    cuts = plan.stage_cuts
+    if cuts is None:
+        return
+    if plan.pp == 1:
+        raise PlanError("stage_cuts is given but Plan.pp=1: set pp > 1 to cut stages, "
+                        "or drop stage_cuts")
+    stages = plan.pp * plan.virtual_stages
+    top = "the last layer's index" if layers is None else str(layers - 1)
+    whole = isinstance(cuts, tuple) and all(
+        isinstance(c, int) and not isinstance(c, bool) for c in cuts)
+    bounds = [0, *cuts, layers if layers is not None else math.inf] if whole else []
+    if (not whole or len(cuts) != stages - 1
+            or any(a >= b for a, b in zip(bounds, bounds[1:]))):
+        raise PlanError(f"stage_cuts={cuts!r}: give {stages - 1} increasing layer indices "
+                        f"between 1 and {top} (where stages 1..{stages - 1} start)")
+
+
+def _check_tp_plan(plan: Plan) -> None:
+    tp_plan = plan.tp_plan
+    if tp_plan is None:
+        return
+    pairs = isinstance(tp_plan, tuple) and tp_plan and all(
+        isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+        and isinstance(pair[1], str) for pair in tp_plan)
+    if not pairs:
+        raise PlanError(f"tp_plan={tp_plan!r}: must be a non-empty dict of module-name pattern "
+                        "-> style ('column', 'row', 'qkv' or 'vocab')")
+    if plan.tp == 1:
+        raise PlanError("tp_plan is given but Plan.tp=1: set tp > 1 to shard layers, or "
+                        "drop tp_plan")
+
+
+def _layer_count(model) -> int | None:
+    """The model's pipeline layers, duck-typed (a `layers()` method, or an nn.Sequential's
+    length); None where only the pipeline strategy knows how to find them."""
+    layers = getattr(model, "layers", None)
+    if inspect.ismethod(layers):   # not a ModuleList attribute, which is callable too
+        return len(list(layers()))
+    if type(model).__name__ == "Sequential" and hasattr(model, "__len__"):
+        return len(model)
+    return None
