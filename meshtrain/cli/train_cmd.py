@@ -30,6 +30,21 @@ def add_parser(sub) -> None:
                    help="where the ranks run (default: $MESHTRAIN_DEVICE, else auto: CUDA "
                         "when a GPU is visible, one rank per GPU, else the CPU; with "
                         "--resume, the run's own)")
+    _add_run_options(p)
+    _add_plan_options(p.add_argument_group("plan (default: DDP over all ranks)"))
+    p.add_argument("--link", metavar="AXIS=BW[,LAT]",
+                   help="emulate a slow link: sleep each collective's modelled time on that "
+                        "axis, e.g. dp=1Gb/s,5ms (several joined by ';'); labelled as emulation")
+    p.add_argument("--straggler", metavar="RANK:SECONDS",
+                   help="delay this rank by SECONDS every step (to measure asynchrony)")
+    p.set_defaults(run=run)
+
+
+TRAIN_RANK = ("meshtrain.train.run", "train_rank")   # the function every rank runs
+
+
+def _add_run_options(p) -> None:
+    """The model, the data, the schedule of steps and the run folder."""
     p.add_argument("--model", default="tiny",
                    help="a GPT preset (tiny, small, gpt2-124m, ...), your own model as "
                         "package.module:function (returns an nn.Module reading token ids), or "
@@ -79,7 +94,10 @@ def add_parser(sub) -> None:
     p.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files into RUN_DIR/tensorboard "
                         "(needs pip install -e \".[tb]\")")
-    plan = p.add_argument_group("plan (default: DDP over all ranks)")
+
+
+def _add_plan_options(plan) -> None:
+    """The Plan's fields as flags."""
     plan.add_argument("--dp", type=int, help="data-parallel ranks (default: all ranks)")
     plan.add_argument("--pp", type=int, default=1)
     plan.add_argument("--tp", type=int, default=1,
@@ -115,11 +133,6 @@ def add_parser(sub) -> None:
                            "pseudo-gradient")
     plan.add_argument("--outer-momentum", type=float, default=Plan().outer_momentum,
                       help="diloco: the outer SGD's Nesterov momentum, in [0, 1)")
-    p.add_argument("--link", metavar="AXIS=BW[,LAT]",
-                   help="emulate a slow link: sleep each collective's modelled time on that "
-                        "axis, e.g. dp=1Gb/s,5ms (several joined by ';'); labelled as emulation")
-    p.add_argument("--straggler", metavar="RANK:SECONDS",
-                   help="delay this rank by SECONDS every step (to measure asynchrony)")
     plan.add_argument("--microbatches", type=int, default=1)
     plan.add_argument("--schedule", default="1f1b",
                       help="pipeline schedule with --pp > 1: naive | gpipe | 1f1b | "
@@ -127,10 +140,6 @@ def add_parser(sub) -> None:
     plan.add_argument("--virtual-stages", type=int, default=1,
                       help="model chunks per pipeline rank (with --schedule interleaved)")
     plan.add_argument("--bucket-mb", type=float, default=Plan().bucket_mb)
-    p.set_defaults(run=run)
-
-
-TRAIN_RANK = ("meshtrain.train.run", "train_rank")   # the function every rank runs
 
 
 def _under_torchrun() -> bool:

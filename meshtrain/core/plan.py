@@ -182,10 +182,12 @@ class Plan:
         return cls(**data)
 
     def describe(self) -> str:
-        """Short human form, listing only what differs from the defaults."""
+        """Short human form, listing only what differs from the defaults (measuring the
+        activations changes no number of the run, so it is left out)."""
         default = Plan()
         parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
-                 if getattr(self, f.name) != getattr(default, f.name)]
+                 if getattr(self, f.name) != getattr(default, f.name)
+                 and f.name != "measure_activations"]
         return f"Plan({', '.join(parts)})"
 
 

@@ -25,6 +25,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -56,15 +57,7 @@ def train_rank(config: RunConfig) -> dict:
     seq_len = built.seq_len
     flops_tok = model_flops_per_token(built.module, seq_len)   # before any sharding
     check_fits(corpus, seq_len)
-    if plan.offload == "disk" and plan.offload_dir is None:   # the run folder's, wherever it is
-        plan = dataclasses.replace(plan, offload_dir=str(Path(config.run_dir) / "offload"))
-    trainer = Trainer(built.module, plan, optimizer=lambda ps: default_adamw(
-        ps, lr=config.lr, weight_decay=config.weight_decay),
-        loss_fn=token_cross_entropy if config.loss == "cross-entropy" else built.loss)
-    emulated = None
-    if config.link:   # sleeps the modelled time of each accounted call: emulation, labelled
-        trainer.comm.link = LinkModel.from_spec(config.link)
-        emulated = trainer.comm.link.describe()
+    trainer, emulated = _build_trainer(config, plan, built)
     sampler = BatchSampler(corpus.train, config.batch_size, seq_len, config.seed,
                            trainer.dp_rank, trainer.dp_size)
     val = eval_batches(corpus.val, max(1, config.batch_size // 2), seq_len, config.eval_batches)
@@ -72,29 +65,54 @@ def train_rank(config: RunConfig) -> dict:
     metrics = _Metrics(Path(config.run_dir) / "metrics.jsonl", enabled=is_main,
                        tensorboard=config.tensorboard)
 
-    start, first = 0, {}
-    restarted = faults.attempt() > 0   # the elastic agent restarted the group after a failure
-    ckpt = latest_checkpoint(config.run_dir) if config.resume or restarted else None
-    if ckpt is not None:
-        extra = trainer.load(ckpt)
-        start, first = trainer.steps_done, extra.get("first", {})
-    if ckpt is not None or restarted:   # steps past the checkpoint are redone
-        metrics.truncate_after(start if ckpt is not None else -1)
-    if is_main:   # only now: a refused checkpoint leaves the run folder as it was
-        config.save()
-    if not first:
-        first = {"val_loss": trainer.evaluate(val)}
-        metrics.write({"step": 0, "val_loss": first["val_loss"]})
+    start, first = _start_point(trainer, config, metrics, val)
 
     tokens_per_step = config.batch_size * seq_len
-    clock = DeviceClock(trainer.mesh.device)   # times the device's work, not its launches
     peak = run_peak(trainer.mesh.device, plan.precision)
 
     def util(tok_s: float) -> float:   # MFU over every rank's device
         return mfu(tok_s, flops_tok, peak.flops, trainer.mesh.world_size)
 
-    bar = _progress(start, config.steps, enabled=is_main and config.progress)
-    loss, t_start, first_step_s = float("nan"), time.perf_counter(), float("nan")
+    t_start = time.perf_counter()
+    loss, step_times, step_bytes, first_step_s = _train_steps(
+        trainer, config, sampler, val, metrics, start, first, util, emulated)
+    if config.trace and plan.pp > 1:
+        _save_trace(trainer, plan, config)
+
+    final_val = trainer.evaluate(val)
+    metrics.write({"step": config.steps, "val_loss": final_val})
+    memory = trainer.comm.gather_objects(trainer.memory_report().to_dict(), tag="report")
+    metrics.close(memory, config.steps)
+    trainer.close()   # offload's files go with the run
+    median = _median_step(step_times)
+    summary = {
+        "run_dir": str(Path(config.run_dir).resolve()), "plan": plan.describe(),
+        "steps": config.steps, "resumed_from": start, "restarts": faults.attempt(),
+        "train_loss_start": first.get("train_loss"), "train_loss_end": loss,
+        "val_loss_start": first["val_loss"], "val_loss_end": final_val,
+        "median_step_s": median, "tokens_per_s": tokens_per_step / median,
+        "mfu": util(tokens_per_step / median), "flops_per_token": flops_tok,
+        "peak_flops": peak.flops, "peak_source": peak.source,
+        "first_step_after_s": first_step_s,
+        "bytes_sent_per_step": sum(step_bytes) / max(1, len(step_bytes)), "memory_per_rank": memory,
+        "wall_s": time.perf_counter() - t_start,
+        "checkpoint": str(latest_checkpoint(Path(config.run_dir).resolve())),
+        "link_emulation": emulated,
+    }
+    if is_main:
+        (Path(config.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _train_steps(trainer: Trainer, config: RunConfig, sampler: BatchSampler, val, metrics,
+                 start: int, first: dict, util: Callable[[float], float], emulated: str | None):
+    """Steps `start`..config.steps, each recorded in metrics.jsonl, with the run's evaluations
+    and checkpoints; returns the last loss, each step's seconds and bytes sent, and how long
+    after the command started the first step was done."""
+    bar = _progress(start, config.steps, enabled=trainer.mesh.rank == 0 and config.progress)
+    loss, first_step_s = float("nan"), float("nan")
+    tokens_per_step = config.batch_size * sampler.seq_len
+    clock = DeviceClock(trainer.mesh.device)   # times the device's work, not its launches
     step_times, step_bytes = [], []
     for step in range(start, config.steps):
         faults.maybe_kill(trainer.mesh.rank, step, "step")
@@ -132,33 +150,46 @@ def train_rank(config: RunConfig) -> dict:
         if done % config.ckpt_every == 0 or done == config.steps:
             _checkpoint(trainer, config, done, first)
     bar.close()
-    if config.trace and plan.pp > 1:
-        _save_trace(trainer, plan, config)
+    return loss, step_times, step_bytes, first_step_s
 
-    final_val = trainer.evaluate(val)
-    metrics.write({"step": config.steps, "val_loss": final_val})
-    memory = trainer.comm.gather_objects(trainer.memory_report().to_dict(), tag="report")
-    metrics.close(memory, config.steps)
-    trainer.close()   # offload's files go with the run
+
+def _build_trainer(config: RunConfig, plan: Plan, built) -> tuple[Trainer, str | None]:
+    """The run's Trainer (AdamW at the run's learning rate), and the emulated link's label
+    where the run emulates one."""
+    if plan.offload == "disk" and plan.offload_dir is None:   # the run folder's, wherever it is
+        plan = dataclasses.replace(plan, offload_dir=str(Path(config.run_dir) / "offload"))
+    trainer = Trainer(built.module, plan, optimizer=lambda ps: default_adamw(
+        ps, lr=config.lr, weight_decay=config.weight_decay),
+        loss_fn=token_cross_entropy if config.loss == "cross-entropy" else built.loss)
+    if not config.link:
+        return trainer, None
+    # sleeps the modelled time of each accounted call: emulation, labelled in every output
+    trainer.comm.link = LinkModel.from_spec(config.link)
+    return trainer, trainer.comm.link.describe()
+
+
+def _start_point(trainer: Trainer, config: RunConfig, metrics, val) -> tuple[int, dict]:
+    """The step to start from and the run's first figures: a checkpoint's when resuming or
+    restarted after a failure, else step 0 with the untrained validation loss."""
+    start, first = 0, {}
+    restarted = faults.attempt() > 0   # the elastic agent restarted the group after a failure
+    ckpt = latest_checkpoint(config.run_dir) if config.resume or restarted else None
+    if ckpt is not None:
+        extra = trainer.load(ckpt)
+        start, first = trainer.steps_done, extra.get("first", {})
+    if ckpt is not None or restarted:   # steps past the checkpoint are redone
+        metrics.truncate_after(start if ckpt is not None else -1)
+    if trainer.mesh.rank == 0:   # only now: a refused checkpoint leaves the run folder as it was
+        config.save()
+    if not first:
+        first = {"val_loss": trainer.evaluate(val)}
+        metrics.write({"step": 0, "val_loss": first["val_loss"]})
+    return start, first
+
+
+def _median_step(step_times: list[float]) -> float:
     timed = step_times[min(3, len(step_times) // 2):]  # skip warm-up steps
-    median = sorted(timed)[len(timed) // 2] if timed else float("nan")
-    summary = {
-        "run_dir": str(Path(config.run_dir).resolve()), "plan": plan.describe(),
-        "steps": config.steps, "resumed_from": start, "restarts": faults.attempt(),
-        "train_loss_start": first.get("train_loss"), "train_loss_end": loss,
-        "val_loss_start": first["val_loss"], "val_loss_end": final_val,
-        "median_step_s": median, "tokens_per_s": tokens_per_step / median,
-        "mfu": util(tokens_per_step / median), "flops_per_token": flops_tok,
-        "peak_flops": peak.flops, "peak_source": peak.source,
-        "first_step_after_s": first_step_s,
-        "bytes_sent_per_step": sum(step_bytes) / max(1, len(step_bytes)), "memory_per_rank": memory,
-        "wall_s": time.perf_counter() - t_start,
-        "checkpoint": str(latest_checkpoint(Path(config.run_dir).resolve())),
-        "link_emulation": emulated,
-    }
-    if is_main:
-        (Path(config.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
+    return sorted(timed)[len(timed) // 2] if timed else float("nan")
 
 
 def _save_trace(trainer: Trainer, plan: Plan, config: RunConfig) -> None:
