@@ -102,3 +102,24 @@ def slow_link_note(advice) -> str | None:
             return (f"for {ev.cand.label()}, {note} (the top plan, {top.cand.label()}, "
                     f"{top.time.total * 1e3:.4g} ms/step)")
     return None
+
+
+def matrix_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
+    """The model's weight matrices (rows, cols) from its spec: q, k, v, o and the MLP's per
+    block (q, k, v apart: a fused qkv module compresses as one h x (h + 2 kv) matrix),
+    the token and position embeddings, and the head if untied."""
+    h, f, kv = spec.hidden, spec.ffn_hidden, spec.kv_dim
+    block = [(h, h), (h, kv), (h, kv), (h, h)] + [(h, f)] * (3 if spec.mlp == "swiglu" else 2)
+    rest = [(spec.vocab, h)] + ([(spec.seq, h)] if spec.learned_pos else [])
+    return block * spec.layers + rest + ([] if spec.tied else [(spec.vocab, h)])
+
+
+def powersgd_dp_bytes(spec: ModelSpec, setup: Setup, dp: int, rank: int) -> float:
+    """Bytes one rank sends per step under PowerSGD (Vogels et al. 2019, Alg. 1) at `rank`:
+    each M x N gradient matrix all-reduces P (M x r) and Q (N x r), (M + N) r numbers,
+    unless that is no smaller than M N; vectors (biases, norms) go uncompressed. Ring share
+    2(dp-1)/dp as DDP's (axis_bytes)."""
+    shapes = matrix_shapes(spec)
+    sent = sum(min((m + n) * rank, m * n) for m, n in shapes)
+    vectors = spec.num_params - sum(m * n for m, n in shapes)
+    return 2 * (dp - 1) / dp * (sent + vectors) * setup.grad_bytes

@@ -73,3 +73,22 @@ def test_plan_words_carry_the_slow_link_advice():
         text = report.words(advise(SPEC, SETUP, cluster))
         assert ("dp_mode='diloco', sync_every=32" in text) == said, text
         assert ("Slow link: for dp" in text) == said
+
+
+def test_powersgd_bytes_from_the_layer_shapes():
+    from meshtrain.planner import from_description
+    from meshtrain.planner.slowlink import matrix_shapes, powersgd_dp_bytes
+    spec = from_description(layers=2, hidden=64, heads=4, vocab=100, seq=32)
+    shapes = matrix_shapes(spec)
+    assert sum(m * n for m, n in shapes) == spec.num_params - spec.layers * (
+        spec.layer_params - spec.layer_matmul_params) - spec.norm_params
+    # rank 4: per block q, k, v, o (64+64)4 each and the MLP's two (64+256)4; embeddings
+    # (100+64)4 and (32+64)4; the rest (biases, norms) whole
+    compressed = 2 * (4 * 128 * 4 + 2 * 320 * 4) + 164 * 4 + 96 * 4
+    vectors = spec.num_params - sum(m * n for m, n in shapes)
+    assert powersgd_dp_bytes(spec, SETUP, 4, 4) == pytest.approx(
+        1.5 * (compressed + vectors) * SETUP.grad_bytes)
+    # a rank past a matrix's size sends it whole: DDP's bytes
+    ddp = Candidate(Plan(dp=4), micro_batch=1)
+    assert powersgd_dp_bytes(spec, SETUP, 4, 10**6) == pytest.approx(
+        axis_bytes(spec, ddp, SETUP)["dp"])
