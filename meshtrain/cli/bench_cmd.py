@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a strategy against PyTorch's own "
                                      "implementation, or meshtrain's own machinery")
     p.add_argument("strategy", choices=["ddp", "zero", "tp", "hybrid", "collectives", "dp",
-                                        "pp", "harness", "startup", "survival"],
+                                        "pp", "harness", "startup", "survival", "slowlink"],
                    help="ddp: our DDP vs torch DDP; zero: our DDP, ZeRO-1/2/3 vs torch's "
                         "ZeroRedundancyOptimizer and FSDP2; tp: vs DTensor tensor parallel; "
                         "hybrid: every 8-rank dp x pp x tp plan vs FSDP2 + DTensor TP; "
@@ -27,7 +27,9 @@ def add_parser(sub) -> None:
                         "torch.distributed.pipelining's schedules (world = pp); "
                         "harness: how fast the test harness starts N ranks; "
                         "startup: time to first step of `meshtrain train`; "
-                        "survival: kill -9 a rank under every plan, restart, end bit-equal")
+                        "survival: kill -9 a rank under every plan, restart, end bit-equal; "
+                        "slowlink: DDP vs DiLoCo H=8, 32 and local SGD H=8 over an EMULATED "
+                        "slow dp link (--link, on max --world ranks)")
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8],
                    help="pp: micro-batch counts (4 8)")
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (2 4)")
@@ -45,6 +47,11 @@ def add_parser(sub) -> None:
                    help="startup: another installation's meshtrain command, run alternately")
     p.add_argument("--train-args", default="",
                    help="startup: more `meshtrain train` arguments, as one string")
+    p.add_argument("--link", default="dp=1Gb/s,5ms", help="slowlink: the emulated dp link")
+    p.add_argument("--train-steps", type=int, default=128,
+                   help="slowlink: training steps per method (128)")
+    p.add_argument("--out", default="slowlink_bench",
+                   help="slowlink: folder for the runs and slowlink.png")
     p.add_argument("--json", metavar="FILE", help="also write the full result as JSON")
     p.set_defaults(run=run)
 
@@ -64,7 +71,12 @@ def run(args) -> int:
             return 2
     progress = lambda msg: print(msg, file=sys.stderr)
     ok = True   # False: a benchmark that checks its outcome found it wrong (survival)
-    if args.strategy in ("harness", "startup", "survival"):
+    if args.strategy == "slowlink":
+        from meshtrain.bench import slowlink
+        result = slowlink.run(args.out, nproc=max(args.world), link=args.link,
+                              steps=args.train_steps, batch=args.batch, progress=progress)
+        print(slowlink.format_report(result))
+    elif args.strategy in ("harness", "startup", "survival"):
         result, report, ok = run_machinery(args, progress)
         print(report)
     elif args.strategy == "dp":
@@ -145,6 +157,15 @@ def check_bench_args(args) -> str | None:
         return f"--bucket-mb {args.bucket_mb:g}: give a positive size in MiB"
     if args.runs < 1:
         return f"--runs {args.runs}: give a whole number >= 1"
+    if args.strategy == "slowlink":
+        from meshtrain.core.link import LinkSpecError, parse_link_spec
+        if args.train_steps < 1:
+            return f"--train-steps {args.train_steps}: give a whole number >= 1"
+        try:
+            if "dp" not in parse_link_spec(args.link):
+                return f"--link {args.link!r}: slowlink slows the dp axis; e.g. 'dp=1Gb/s,5ms'"
+        except LinkSpecError as e:
+            return str(e)
     if args.against and shutil.which(args.against) is None:
         return (f"--against {args.against}: no such command; give the path of another "
                 f"installation's meshtrain (e.g. OTHER_VENV/bin/meshtrain)")

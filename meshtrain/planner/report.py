@@ -7,6 +7,7 @@ from meshtrain.planner import data_parallel_family
 from meshtrain.planner.advisor import Advice
 from meshtrain.planner.guide import verdict
 from meshtrain.planner.memory import role_memories
+from meshtrain.planner.slowlink import slow_link_note
 from meshtrain.core.units import fmt_rate
 
 
@@ -53,6 +54,9 @@ def words(advice: Advice) -> str:
                    f"tensor-parallel {t.tp_comm:.3g} s, pipeline p2p {t.pp_comm:.3g} s, data-"
                    f"parallel {t.dp_comm:.3g} s of which {t.dp_exposed:.3g} s exposed, offload "
                    f"{t.offload:.3g} s.")
+        note = slow_link_note(advice)
+        if note:
+            out.append(f"Slow link: {note}.")
         roles = _roles(advice, advice.ranked[0])
         if len(roles) > 1:   # ranks that differ: each one's own memory, never one number
             out.append("Its memory per rank: " + ", ".join(
@@ -83,6 +87,7 @@ def to_json(advice: Advice, top: int = 10) -> str:
         "considered": advice.considered, "fitting": len(advice.ranked),
         "rejected": len(advice.rejected),
         "guide": v.to_dict(),
+        "slow_link": slow_link_note(advice),
         "plans": [{**ev.to_dict(), "memory_per_role": {
             role: m.to_dict() for role, m in _roles(advice, ev).items()}}
             for ev in advice.ranked[:top]],

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from meshtrain.core.plan import LOCAL_STEP_MODES
 from meshtrain.planner.hardware import Cluster, nearest
 from meshtrain.planner.states import model_states, stage_params
 from meshtrain.planner.model_spec import ModelSpec
@@ -265,6 +266,10 @@ def dp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluste
         last = coll("all_gather", unit) + coll("reduce_scatter", last_bucket)
     if p.dp_mode.startswith("ps-") or p.dp_mode == "dp":
         t_dp, last = family_exchange(psi, setup, p, cluster), 0.0
+    if p.dp_mode in LOCAL_STEP_MODES:   # one parameter all-reduce every H steps (DiLoCo
+        # §2), amortised per step, latency included; the loss all-reduce every step
+        t_dp, last = coll("all_reduce", param_bytes) / p.sync_every, 0.0
+        return t_dp, last, coll("all_reduce", 4)
     stats = 0.0
     if p.dp > 1 and (p.zero >= 1 or p.dp_mode.startswith("ps-")):
         stats = coll("all_reduce", stats_bytes)   # one small all-reduce behind the gradients
@@ -377,6 +382,8 @@ def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None
             # a worker pushes the shards it does not serve; a server also sends its shard's
             # update to every other worker
             out["dp"] = (grads * (k - 1) / k + (p.dp - 1) * params / k) if server else grads
+        elif p.dp_mode in LOCAL_STEP_MODES:   # the parameters, every sync_every steps
+            out["dp"] = 2 * share * params / p.sync_every
         elif p.zero == 0:
             out["dp"] = 2 * share * grads
         elif p.zero == 1:

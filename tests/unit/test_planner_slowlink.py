@@ -1,0 +1,94 @@
+"""DiLoCo / local SGD in the time model, the DDP crossover bandwidth, and the slow-link advice."""
+import math
+
+import pytest
+
+from meshtrain.core.plan import Plan
+from meshtrain.planner import Setup, make_cluster, preset
+from meshtrain.planner.setup import Candidate
+from meshtrain.planner.slowlink import (QUALITY_CAVEAT, CrossoverError, crossover_bandwidth,
+                                        slow_link_advice)
+from meshtrain.planner.states import stage_params
+from meshtrain.planner.time_model import axis_bytes, dp_comm_time, step_time
+
+SPEC = preset("gpt2-124m")
+SETUP = Setup(global_batch=64)
+
+
+def _cands(dp=16, h=8, mode="diloco"):
+    ddp = Candidate(Plan(dp=dp), micro_batch=64 // dp)
+    local = Candidate(Plan(dp=dp, dp_mode=mode, sync_every=h), micro_batch=64 // dp)
+    return ddp, local
+
+
+@pytest.mark.parametrize("mode,h", [("diloco", 8), ("diloco", 32), ("local-sgd", 8)])
+def test_local_step_bytes_and_time_are_ddps_over_h(mode, h):
+    ddp, local = _cands(h=h, mode=mode)
+    psi = stage_params(SPEC, 1, 1)
+    share = 15 / 16
+    assert axis_bytes(SPEC, ddp, SETUP)["dp"] == pytest.approx(2 * share * psi * SETUP.grad_bytes)
+    assert axis_bytes(SPEC, local, SETUP)["dp"] == pytest.approx(
+        2 * share * psi * SETUP.param_bytes / h)
+    cluster = make_cluster("A100-80GB", nodes=2, gpus_per_node=8, inter_bw="1Gb/s")
+    t_dp, last, stats = dp_comm_time(SPEC, local, SETUP, cluster, psi)
+    whole = cluster.collective_time("all_reduce", psi * SETUP.param_bytes, 16, 16)
+    assert t_dp == pytest.approx(whole / h) and last == 0.0
+    assert stats == pytest.approx(cluster.collective_time("all_reduce", 4, 16, 16))
+
+
+def test_crossover_solves_equal_step_time():
+    cluster = make_cluster("A100-80GB", nodes=2, gpus_per_node=8, inter_bw="1Gb/s")
+    ddp, local = _cands(h=32)
+    bw = crossover_bandwidth(SPEC, SETUP, cluster, ddp, local)
+    assert 1e6 < bw < 1e13
+    at = lambda c, b: step_time(SPEC, c, SETUP, cluster.with_(inter_bw=b)).total
+    assert at(ddp, bw) == pytest.approx(at(local, bw), rel=1e-6)
+    assert at(local, bw / 2) < at(ddp, bw / 2) and at(local, bw * 2) > at(ddp, bw * 2)
+    # syncing less often moves the crossover up
+    assert crossover_bandwidth(SPEC, SETUP, cluster, ddp, _cands(h=8)[1]) < bw
+
+
+def test_crossover_refuses_a_dp_axis_inside_one_node():
+    cluster = make_cluster("A100-80GB", nodes=1, gpus_per_node=8)
+    ddp, local = _cands(dp=8)
+    with pytest.raises(CrossoverError, match="inside one node"):
+        crossover_bandwidth(SPEC, SETUP, cluster, ddp, local)
+
+
+def test_advice_proposes_diloco_over_1gbps_not_over_fast_links():
+    ddp, _ = _cands()
+    slow = make_cluster("A100-80GB", nodes=2, gpus_per_node=8, inter_bw="1Gb/s")
+    text = slow_link_advice(SPEC, SETUP, slow, ddp)
+    assert text and "dp_mode='diloco', sync_every=32" in text and QUALITY_CAVEAT in text
+    for fast in ("ib-ndr", "nvlink4"):
+        cluster = make_cluster("A100-80GB", nodes=2, gpus_per_node=8, inter_bw=fast)
+        assert slow_link_advice(SPEC, SETUP, cluster, ddp) is None
+    assert math.isfinite(crossover_bandwidth(SPEC, SETUP, slow, ddp, _cands()[1]))
+
+
+def test_plan_words_carry_the_slow_link_advice():
+    from meshtrain.planner import advise, report
+    for inter, said in (("1Gb/s", True), ("ib-ndr", False)):
+        cluster = make_cluster("A100-80GB", nodes=2, gpus_per_node=8, inter_bw=inter)
+        text = report.words(advise(SPEC, SETUP, cluster))
+        assert ("dp_mode='diloco', sync_every=32" in text) == said, text
+        assert ("Slow link: for dp" in text) == said
+
+
+def test_powersgd_bytes_from_the_layer_shapes():
+    from meshtrain.planner import from_description
+    from meshtrain.planner.slowlink import matrix_shapes, powersgd_dp_bytes
+    spec = from_description(layers=2, hidden=64, heads=4, vocab=100, seq=32)
+    shapes = matrix_shapes(spec)
+    assert sum(m * n for m, n in shapes) == spec.num_params - spec.layers * (
+        spec.layer_params - spec.layer_matmul_params) - spec.norm_params
+    # rank 4: per block q, k, v, o (64+64)4 each and the MLP's two (64+256)4; embeddings
+    # (100+64)4 and (32+64)4; the rest (biases, norms) whole
+    compressed = 2 * (4 * 128 * 4 + 2 * 320 * 4) + 164 * 4 + 96 * 4
+    vectors = spec.num_params - sum(m * n for m, n in shapes)
+    assert powersgd_dp_bytes(spec, SETUP, 4, 4) == pytest.approx(
+        1.5 * (compressed + vectors) * SETUP.grad_bytes)
+    # a rank past a matrix's size sends it whole: DDP's bytes
+    ddp = Candidate(Plan(dp=4), micro_batch=1)
+    assert powersgd_dp_bytes(spec, SETUP, 4, 10**6) == pytest.approx(
+        axis_bytes(spec, ddp, SETUP)["dp"])
