@@ -127,6 +127,11 @@ def add_parser(sub) -> None:
     plan.add_argument("--virtual-stages", type=int, default=1,
                       help="model chunks per pipeline rank (with --schedule interleaved)")
     plan.add_argument("--bucket-mb", type=float, default=Plan().bucket_mb)
+    plan.add_argument("--compression", default="none", choices=["none", "powersgd"],
+                      help="DDP's gradient sync: powersgd sends large gradients as low-rank "
+                           "factors (error feedback, warm start)")
+    plan.add_argument("--compression-rank", type=int, default=Plan().compression_rank,
+                      metavar="R", help="powersgd: the factors' rank")
     p.set_defaults(run=run)
 
 
@@ -175,7 +180,8 @@ def build_config(args):
                 schedule=args.schedule, virtual_stages=args.virtual_stages,
                 bucket_mb=args.bucket_mb, precision=args.precision,
                 offload=args.offload, recompute=args.recompute,
-                sequence_parallel=args.sequence_parallel)
+                sequence_parallel=args.sequence_parallel, compression=args.compression,
+                compression_rank=args.compression_rank)
     if not _under_torchrun():   # one GPU per rank: refused here, before any rank starts
         check_ranks_fit(device, plan.world_size)
     plan.check_world_size(world)

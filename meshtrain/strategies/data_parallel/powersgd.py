@@ -114,13 +114,6 @@ class PowerSGD(DDP):
                         out=f.residual)
             torch.mm(f.p, f.q.t(), out=m)  # the gradient: P Q^T of the summed factors
 
-    def compressed_elements(self) -> tuple[int, int, int]:
-        """Elements per step in the P all-reduce, the Q all-reduce and the flat one (the
-        uncompressed gradients and the statistics)."""
-        p = sum(f.rows * f.r for f in self.factors.values())
-        q = sum(f.cols * f.r for f in self.factors.values())
-        return p, q, sum(x.numel() for x in self.plain) + 1 + len(self.params)
-
     def memory(self) -> dict[str, int]:
         out = super().memory()
         out["gradients"] += sum(f.nbytes for f in self.factors.values())
