@@ -1,5 +1,5 @@
-"""PowerSGD: at full rank it reproduces one process (and so DDP) to round-off; at rank 1 it
-still trains; its bytes per collective are (M + N) r per compressed matrix plus the rest."""
+"""PowerSGD: at full rank it reproduces one process (and so DDP) to round-off, with
+micro-batches and clipping too; at rank 1 it still trains; its bytes per collective are (M + N) r per compressed matrix plus the rest."""
 import torch
 import torch.distributed as dist
 
@@ -29,8 +29,10 @@ def expected_elements(model: torch.nn.Module, rank: int, min_rate: float) -> tup
 
 def powersgd_rank():
     world, me = dist.get_world_size(), dist.get_rank()
-    full = eq.train(mt.Plan(dp=world, compression="powersgd", compression_rank=1000,
-                            compression_min_rate=0.0), steps=STEPS)
+    exact = dict(dp=world, compression="powersgd", compression_rank=1000,
+                 compression_min_rate=0.0)
+    full = [eq.train(mt.Plan(**exact), steps=STEPS),
+            eq.train(mt.Plan(**exact, microbatches=2), steps=STEPS, max_grad_norm=0.5)]
     # rank 1, fitting one fixed batch (the data are random tokens: only memorising them
     # lowers the loss); the default min rate leaves the small matrices whole; count bytes
     torch.manual_seed(0)
@@ -52,9 +54,10 @@ def powersgd_rank():
 
 
 def test_powersgd_full_rank_equals_one_process_and_rank_one_trains_with_formula_bytes():
-    ref = eq.reference(steps=STEPS)
+    refs = [eq.reference(steps=STEPS), eq.reference(steps=STEPS, max_grad_norm=0.5)]
     for full, losses, sizes, traffic, sent in run_ranks(2, powersgd_rank):
-        eq.assert_equivalent(full, ref, what="powersgd full rank")
+        for result, ref, what in zip(full, refs, ("", " 2 micro-batches, clipped")):
+            eq.assert_equivalent(result, ref, what="powersgd full rank" + what)
         assert losses[-1] < 0.95 * losses[0], losses   # measured 4.163 -> 3.894
         p, q, plain = sizes
         assert p > 0 and q > 0 and plain > 0, sizes   # the test model exercises both paths
