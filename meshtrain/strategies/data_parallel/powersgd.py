@@ -47,7 +47,6 @@ class PowerSGD(DDP):
                  buffers: list[torch.Tensor], comm: Comm, bucket_mb: float, rank: int,
                  min_rate: float = 2.0, axis: str = "dp") -> None:
         super().__init__(named_params, buffers, comm, bucket_mb, precision="fp32", axis=axis)
-        self.rank = rank
         generator = None
         self.factors: dict[int, _Factors] = {}   # id(param) -> its compression state
         for p in self.params:
@@ -67,8 +66,8 @@ class PowerSGD(DDP):
         """Compress and all-reduce every gradient; return the global mean loss."""
         stats = torch.cat([local_loss.reshape(1).float(), self.grads.used_flags()])
         self.grads.flush()
-        grads = {id(p): self.grads.slot(p)[0].grad_view(self.grads.slot(p)[1])
-                 for p in self.params}
+        grads = {id(p): bucket.grad_view(i)
+                 for p, (bucket, i) in ((p, self.grads.slot(p)) for p in self.params)}
         plain = torch.cat([grads[id(p)].reshape(-1) for p in self.plain] + [stats])
         work = self.comm.all_reduce(plain, self.axis, tag="grad", async_op=True)
         compressed = [(self.factors[id(p)], grads[id(p)]) for p in self.params
@@ -95,24 +94,24 @@ class PowerSGD(DDP):
             mats.append(m)
         ps = torch.cat([(m @ f.q).reshape(-1) for (f, _), m in zip(compressed, mats)])
         self.comm.all_reduce(ps, self.axis, tag="powersgd_p")
-        qs, offset = [], 0
+        qs, orth, offset = [], [], 0
         for (f, _), m in zip(compressed, mats):
             p = ps[offset:offset + f.rows * f.r].view(f.rows, f.r)
             offset += f.rows * f.r
-            f.p = torch.linalg.qr(p).Q    # identical on every rank: same summed P
-            qs.append((m.t() @ f.p).reshape(-1))
+            orth.append(torch.linalg.qr(p).Q)   # identical on every rank: same summed P
+            qs.append((m.t() @ orth[-1]).reshape(-1))
         local_q = torch.cat(qs)
         qflat = local_q.clone()
         self.comm.all_reduce(qflat, self.axis, tag="powersgd_q")
         offset = 0
-        for (f, _), m in zip(compressed, mats):
+        for (f, _), m, p in zip(compressed, mats, orth):
             span = slice(offset, offset + f.cols * f.r)
             offset += f.cols * f.r
             f.q.copy_(qflat[span].view(f.cols, f.r))
             # error feedback: what this rank's own gradient lost, P (M^T P)^T short of M
-            torch.addmm(m, f.p, local_q[span].view(f.cols, f.r).t(), alpha=-1.0,
+            torch.addmm(m, p, local_q[span].view(f.cols, f.r).t(), alpha=-1.0,
                         out=f.residual)
-            torch.mm(f.p, f.q.t(), out=m)  # the gradient: P Q^T of the summed factors
+            torch.mm(p, f.q.t(), out=m)  # the gradient: P Q^T of the summed factors
 
     def memory(self) -> dict[str, int]:
         out = super().memory()
@@ -134,7 +133,6 @@ class _Factors:
         self.rows, self.cols, self.r = rows, cols, r
         self.q = torch.randn(cols, r, generator=generator, device=p.device, dtype=p.dtype)
         self.residual = torch.zeros(rows, cols, device=p.device, dtype=p.dtype)
-        self.p: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
