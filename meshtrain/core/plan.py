@@ -75,7 +75,7 @@ class Plan:
     compression_rank: int = 4
     """powersgd only: the factors' rank r (min(M, N) where r is larger: exact)."""
     compression_min_rate: float = 2.0
-    """powersgd only: an M x N gradient is compressed where MN / ((M+N) r) reaches this."""
+    """powersgd only: an M x N gradient is compressed where MN / ((M+N) r) exceeds this."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "microbatches", "virtual_stages", "ps_shards"):

@@ -20,7 +20,7 @@ def expected_elements(model: torch.nn.Module, rank: int, min_rate: float) -> tup
         rows = t.shape[0]
         cols = t.numel() // rows
         r = min(rank, rows, cols)
-        if t.dim() >= 2 and rows * cols >= min_rate * (rows + cols) * r:
+        if t.dim() >= 2 and rows * cols > min_rate * (rows + cols) * r:
             p, q = p + rows * r, q + cols * r
         else:
             plain += t.numel()

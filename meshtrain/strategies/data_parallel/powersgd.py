@@ -11,7 +11,7 @@ factors of the averaged gradient (the buckets hold each gradient pre-divided by 
 - Warm start: each matrix's Q is kept from step to step (one power iteration per step then
   tracks the gradient's top subspace). The first Q comes from a generator seeded identically
   on every rank, on the gradient's device.
-- A matrix whose compression rate M N / ((M + N) r) is below `min_rate` (torch's
+- A matrix whose compression rate M N / ((M + N) r) does not exceed `min_rate` (torch's
   `min_compression_rate`, 2 by default) gains too little: it travels uncompressed, with every
   1-D gradient, in one flat all-reduce that also carries the step's statistics (the loss and
   the used flags, as DDP's last bucket does). A rank above min(M, N) means min(M, N): the
@@ -52,7 +52,7 @@ class PowerSGD(DDP):
         for p in self.params:
             rows, cols = _matrix_shape(p)
             r = min(rank, rows, cols)
-            if p.dim() >= 2 and rows * cols >= min_rate * (rows + cols) * r:
+            if p.dim() >= 2 and rows * cols > min_rate * (rows + cols) * r:
                 if generator is None:
                     generator = torch.Generator(device=p.device).manual_seed(SEED)
                 self.factors[id(p)] = _Factors(rows, cols, r, p, generator)
