@@ -140,6 +140,11 @@ def _add_plan_options(plan) -> None:
     plan.add_argument("--virtual-stages", type=int, default=1,
                       help="model chunks per pipeline rank (with --schedule interleaved)")
     plan.add_argument("--bucket-mb", type=float, default=Plan().bucket_mb)
+    plan.add_argument("--compression", default="none", choices=["none", "powersgd"],
+                      help="DDP's gradient sync: powersgd sends large gradients as low-rank "
+                           "factors (error feedback, warm start)")
+    plan.add_argument("--compression-rank", type=int, default=Plan().compression_rank,
+                      metavar="R", help="powersgd: the factors' rank")
 
 
 def _under_torchrun() -> bool:
@@ -188,7 +193,8 @@ def build_config(args):
                 bucket_mb=args.bucket_mb, precision=args.precision,
                 offload=args.offload, recompute=args.recompute,
                 sequence_parallel=args.sequence_parallel, max_grad_norm=args.max_grad_norm,
-                offload_dir=args.offload_dir, measure_activations=True)
+                offload_dir=args.offload_dir, measure_activations=True,
+                compression=args.compression, compression_rank=args.compression_rank)
     if not _under_torchrun():   # one GPU per rank: refused here, before any rank starts
         check_ranks_fit(device, plan.world_size)
     check_plan(plan, world_size=world)   # before any rank starts

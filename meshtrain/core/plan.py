@@ -15,6 +15,7 @@ OFFLOADS = ("none", "cpu", "disk")
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTES = ("none", "full", "selective")
+COMPRESSIONS = ("none", "powersgd")
 
 
 class PlanError(ValueError):
@@ -69,6 +70,13 @@ class Plan:
     """With tp > 1: split the LayerNorm and residual regions along the sequence over the tp
     ranks (Korthikanti et al. 2022), each all-reduce becoming a reduce-scatter plus an
     all-gather; their activation memory falls by tp."""
+    compression: str = "none"
+    """DDP's gradient sync: "none" | "powersgd" (each large gradient sent as rank
+    `compression_rank` factors, with error feedback; Vogels et al. 2019)."""
+    compression_rank: int = 4
+    """powersgd only: the factors' rank r (min(M, N) where r is larger: exact)."""
+    compression_min_rate: float = 2.0
+    """powersgd only: an M x N gradient is compressed where MN / ((M+N) r) exceeds this."""
     # ---- knobs that shape a run beyond the mesh (checked by core/admit.check_plan) ------
     max_grad_norm: float | None = None
     """Clip gradients to this global norm over every axis (None: no clipping)."""
@@ -135,6 +143,7 @@ class Plan:
                             "and needs tp > 1 (got tp=1); set tp=2 or more (e.g. "
                             "Plan(tp=2, sequence_parallel=True)), or drop sequence_parallel")
         _check_local_steps(self)
+        _check_compression(self)
         if self.zero and self.dp_mode != "ddp":
             raise PlanError(f"Plan.zero={self.zero} shards over data-parallel ranks and needs "
                             f"dp_mode='ddp' (got {self.dp_mode!r})")
@@ -240,6 +249,26 @@ def _freeze_knobs(plan: Plan) -> None:
             put(name, tuple(getattr(plan, name)))
     if isinstance(plan.offload_dir, os.PathLike):
         put("offload_dir", os.fspath(plan.offload_dir))
+
+
+def _check_compression(plan: Plan) -> None:
+    _choose("compression", plan.compression, COMPRESSIONS)
+    r = plan.compression_rank
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise PlanError(f"Plan.compression_rank={r!r}: must be a whole number >= 1 (e.g. 4)")
+    rate = plan.compression_min_rate
+    if not (isinstance(rate, (int, float)) and rate >= 0):
+        raise PlanError(f"Plan.compression_min_rate={rate!r}: must be a number >= 0 (e.g. 2)")
+    if plan.compression == "none":
+        return
+    refused = [f"{name}={getattr(plan, name)!r}" for name, ok in (
+        ("dp_mode", plan.dp_mode == "ddp"), ("zero", plan.zero == 0), ("pp", plan.pp == 1),
+        ("tp", plan.tp == 1), ("precision", plan.precision == "fp32")) if not ok]
+    if refused:
+        raise PlanError(f"Plan(compression={plan.compression!r}) with {', '.join(refused)}: "
+                        "PowerSGD is built for DDP's gradient sync only (dp_mode='ddp', "
+                        "zero=0, pp=1, tp=1, precision='fp32'); change those, or set "
+                        "compression='none'")
 
 
 def _choose(name: str, value: object, allowed: tuple[str, ...]) -> None:

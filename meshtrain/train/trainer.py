@@ -33,6 +33,7 @@ from meshtrain.strategies.data_parallel.ddp import DDP
 from meshtrain.strategies.data_parallel.diloco import DiLoCo
 from meshtrain.strategies.data_parallel.master_dp import MasterDP
 from meshtrain.strategies.data_parallel.parameter_server import ParameterServer
+from meshtrain.strategies.data_parallel.powersgd import PowerSGD
 from meshtrain.strategies.data_parallel.ps_async import AsyncParameterServer
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.zero.sharded import ZeRO
@@ -83,6 +84,9 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm) -> GradientSync:
     if plan.zero in (1, 2):
         return ZeRO(params, buffers, comm, plan, shared=list(stages.shared),
                     offload_dir=plan.offload_dir)
+    if plan.compression == "powersgd":
+        return PowerSGD(params, buffers, comm, plan.bucket_mb, plan.compression_rank,
+                        plan.compression_min_rate)
     return DDP(params, buffers, comm, bucket_mb=plan.bucket_mb, precision=plan.precision)
 
 
