@@ -1,4 +1,4 @@
-"""DDP against DiLoCo / local SGD over an emulated slow dp link (`meshtrain bench slowlink`).
+"""DDP against DiLoCo, local SGD and PowerSGD over an emulated slow dp link (`meshtrain bench slowlink`).
 
 Each method is one `meshtrain train` run (same model, data, seed, steps and global batch, so
 the same tokens) with `--link`; the figures come from its metrics.jsonl: the median step
@@ -22,7 +22,9 @@ from meshtrain.core.link import parse_link_spec
 
 METHODS = {"ddp": [], "diloco H=8": ["--dp-mode", "diloco", "--sync-every", "8"],
            "diloco H=32": ["--dp-mode", "diloco", "--sync-every", "32"],
-           "local-sgd H=8": ["--dp-mode", "local-sgd", "--sync-every", "8"]}
+           "local-sgd H=8": ["--dp-mode", "local-sgd", "--sync-every", "8"],
+           "powersgd r=1": ["--compression", "powersgd", "--compression-rank", "1"],
+           "powersgd r=4": ["--compression", "powersgd", "--compression-rank", "4"]}
 LABEL = "EMULATED LINK"
 
 
