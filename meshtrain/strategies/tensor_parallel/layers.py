@@ -53,7 +53,8 @@ class Enter:
     def __repr__(self) -> str:
         if self.sequence_dim is None:
             return "copy_to_tp (all-reduce in backward)"
-        return f"gather_from_sequence(dim={self.sequence_dim}) (reduce-scatter in backward)"
+        return (f"gather_from_sequence(dim={self.sequence_dim}) (reduce-scatter in backward; "
+                "its slice saved, gathered again in backward)")
 
 
 class Exit:
