@@ -14,7 +14,7 @@ from meshtrain.planner.setup import Candidate, Setup
 
 def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int = 1,
                            sp: bool = False, recompute: str = "none",
-                           elem_bytes: int = 2, gathered_inputs: bool = False) -> float:
+                           elem_bytes: int = 2) -> float:
     """Activation bytes one transformer layer keeps for backward (Korthikanti 2022, Table 2).
 
     In 16-bit with dropout and multi-head attention the paper's counts are:
@@ -28,10 +28,9 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
     two 1-byte dropout masks (2sbh); the 24 TP divides are Q, K, V and the projection input
     (8sbh) and the MLP's two 4h-wide tensors (16sbh); the scores are softmax output (2),
     dropout mask (1) and dropout output (2) per a s^2 b. Other element sizes scale the
-    2-byte terms; masks stay 1 byte.
-    `gathered_inputs`: under sequence parallel, the attention and MLP inputs are saved as
-    all-gathered (whole sequence: meshtrain's runtime), not as this rank's slice re-gathered
-    in backward (Megatron-LM, the paper's 34/t).
+    2-byte terms; masks stay 1 byte. Under sequence parallel the attention's and the MLP's
+    inputs are kept as this rank's sequence slice and all-gathered again in backward (§4.2.2;
+    meshtrain's runtime does so: strategies/tensor_parallel/sequence.py), so all 10 divide.
     """
     s, b, h, a, e = seq, micro_batch, spec.hidden, spec.heads, elem_bytes
     sbh = s * b * h
@@ -39,8 +38,6 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
         return e * sbh / (tp if sp else 1)
     masks = 2 if spec.dropout else 0
     kept = (4 * e + masks) / (tp if sp else 1)
-    if sp and gathered_inputs:   # the LayerNorm inputs and masks split, those two whole
-        kept = (2 * e + masks) / tp + 2 * e
     attn = e * (2 + 2 * spec.kv_dim / h)
     mlp = e * (4 if spec.mlp == "swiglu" else 2) * spec.ffn_hidden / h
     divided = attn + mlp
@@ -103,21 +100,19 @@ def transient_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
 
 def output_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     """The output layer's activations for one micro-batch, on the last stage: the final
-    norm's and the projection's inputs (2 s b h elements; under sequence parallel the
-    norm's a slice, the projection's too where it is re-gathered in backward) and the fp32
-    logits."""
+    norm's and the projection's inputs (2 s b h elements; under sequence parallel both a
+    slice, the projection's gathered again in backward) and the fp32 logits."""
     p = cand.plan
     sbh = setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden
     split = p.tp if cand.sp else 1
-    projection = sbh / (split if setup.sp_saves_slices else 1)
-    return sbh / split + projection + logits_bytes(spec, spec.seq, cand.micro_batch, p.tp)
+    return 2 * sbh / split + logits_bytes(spec, spec.seq, cand.micro_batch, p.tp)
 
 
 def full_layer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     """Everything one layer's forward makes for one micro-batch, saved or not (nothing
     recomputed): what a recomputed layer holds again, and the heap's unit."""
     return layer_activation_bytes(spec, spec.seq, cand.micro_batch, cand.plan.tp, cand.sp,
-                                  "none", setup.act_bytes, not setup.sp_saves_slices)
+                                  "none", setup.act_bytes)
 
 
 def forward_traffic(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int

@@ -121,7 +121,7 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     elif p.dp_mode == "dp":
         states = master_states(psi, setup, p.dp)
     per_layer = layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
-                                       cand.recompute, setup.act_bytes, not setup.sp_saves_slices)
+                                       cand.recompute, setup.act_bytes)
     layers_here = math.ceil(spec.layers / p.pp)
     inflight = inflight_microbatches(p.schedule, p.pp, p.microbatches, p.virtual_stages, stage)
     acts = per_layer * layers_here * inflight
@@ -149,10 +149,10 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     absorb = setup.grad_bytes * spec.largest_tensor_params / p.tp
     block = 1.5 * spec.ffn_hidden / p.tp * spec.seq * cand.micro_batch * setup.act_bytes
     transient = transient_bytes(spec, cand, setup) if last else absorb + block
-    if cand.sp and not setup.sp_saves_slices:   # meshtrain's sequence-parallel backward: an
-        # all-gather's output and its reshaped copy, a reduce-scatter's contiguous copy,
-        # each a whole activation (measured: 3-12 of them above the saved tensors, varying
-        # with when gloo's threads free theirs)
+    if cand.sp:   # meshtrain's sequence-parallel backward: an all-gather's output and its
+        # reshaped copy (the regathered input of a column layer), a reduce-scatter's
+        # contiguous copy, each a whole activation (measured: 3-12 of them above the saved
+        # tensors, varying with when gloo's threads free theirs)
         transient += 3 * setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden
     if cand.recompute == "full":  # backward re-runs one layer's forward: its full set is
         # live, and its backward's ffn-wide gradients beside it

@@ -33,10 +33,6 @@ class Setup:
     """"none" | "selective" | "full"; "" lets the planner choose the cheapest that fits."""
     sequence_parallel: bool = True
     """Shard LayerNorm/dropout activations along the sequence beside tensor parallelism."""
-    sp_saves_slices: bool = False
-    """Sequence parallel as Megatron-LM runs it (Korthikanti et al. 2022 §4.2.2): a
-    column-parallel layer saves only its input's sequence slice and all-gathers it again in
-    backward (the paper's 34/t). meshtrain's runtime saves the all-gathered input (False)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.global_batch, int) or self.global_batch < 1:

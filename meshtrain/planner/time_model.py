@@ -183,11 +183,16 @@ def tp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluste
                  b: float) -> float:
     """Tensor parallel per micro-batch: 4 collectives of b s h per layer (2 forward, 2
     backward; Megatron 2019 §3), 6 with full recomputation (its forward runs twice); ring
-    all-reduce volume."""
+    all-reduce volume. Sequence parallel adds the 2 all-gathers per layer that rebuild the
+    column layers' inputs in backward (Korthikanti 2022 §4.2.2), counted whole: on CPU
+    ranks they do not hide behind the matmul they overlap."""
     p = cand.plan
     act = b * spec.seq * spec.hidden * setup.act_bytes
-    n_tp = (6 if cand.recompute == "full" else 4) * math.ceil(spec.layers / p.pp)
+    layers = math.ceil(spec.layers / p.pp)
+    n_tp = (6 if cand.recompute == "full" else 4) * layers
     t_tp = n_tp * cluster.collective_time("all_reduce", act, p.tp, p.tp)
+    if cand.sp:
+        t_tp += 2 * layers * cluster.collective_time("all_gather", act, p.tp, p.tp)
     if p.pp > 1:   # beside the other stages' work (calibrated on CPU ranks; 1 on presets)
         t_tp *= cluster.pp_tp_scale
     return t_tp
@@ -358,11 +363,14 @@ def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None
             per_micro = (per_block * layers_here + first + last) * act + last * 3 * b * s * 4
             if not cand.sp:
                 return m * ring * per_micro
-            # sequence parallel: the embedding's split all-gathers in backward ((t-1)/t each
-            # way), and the replicated parameters' gradients, which saw only a slice of the
-            # sequence, are all-reduced once a step (the norms and the row-parallel biases)
+            # sequence parallel: the embedding's split all-gathers in backward, and so do
+            # the column layers' inputs, saved as slices (2 per block, the head's on the
+            # last stage), (t-1)/t each; the replicated parameters' gradients, which saw only
+            # a slice of the sequence, are all-reduced once a step (the norms and the
+            # row-parallel biases)
+            gathers = first + 2 * layers_here + last
             partial = (layers_here * spec.layer_replicated_params + last * spec.norm_params)
-            return (m * (ring * per_micro + first * act * (p.tp - 1) / p.tp)
+            return (m * (ring * per_micro + gathers * act * (p.tp - 1) / p.tp)
                     + ring * partial * setup.grad_bytes)
 
         out["tp"] = max(tp_sent(st) for st in stages)

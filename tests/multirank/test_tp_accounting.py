@@ -1,6 +1,8 @@
 """Tensor parallel against theory, from the counters and the tensors themselves: the
 collectives of one step (Megatron 2021: 2 all-reduces of b·s·h forward and 2 backward per
-block; sequence parallel the same bytes as reduce-scatters and all-gathers), the LayerNorm
+block; sequence parallel the same bytes as reduce-scatters and all-gathers, and one more
+all-gather per region in backward that rebuilds the input its column layers saved as a
+slice), the LayerNorm
 regions' activation bytes divided by T under sequence parallel, and checkpoints that move
 between one process and a tp plan both ways."""
 import copy
@@ -55,6 +57,7 @@ def expected(tp: int, rank: int, sp: bool, partial_numel: int) -> dict:
                     add("reduce_scatter", f"{region}:forward", bsh, True)
                     add("reduce_scatter", f"{region}:backward", bsh, True)
                     add("all_gather", f"{region}:backward", bsh, True)
+                    add("all_gather", f"{region}:regather", bsh, True)   # q, k, v share one
                 else:
                     add("all_reduce", f"{region}:forward", bsh, False)
                     add("all_reduce", f"{region}:backward", bsh, False)
@@ -63,6 +66,7 @@ def expected(tp: int, rank: int, sp: bool, partial_numel: int) -> dict:
             add("all_gather", "embed:backward", bsh, True)           # the split's adjoint
             add("all_gather", "head.lm_head:forward", bsh, True)
             add("reduce_scatter", "head.lm_head:backward", bsh, True)
+            add("all_gather", "head.lm_head:regather", bsh, True)
         else:
             add("all_reduce", "head.lm_head:backward", bsh, False)
         add("all_reduce", "loss:forward", B * S, False)              # the row maxima

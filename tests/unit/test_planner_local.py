@@ -257,13 +257,16 @@ def test_bytes_sent_by_pipeline_stages_and_tensor_parallel_ranks():
     assert first == pytest.approx((4 * blocks + 1) * act)          # ring share 2(t-1)/t = 1
     assert last == pytest.approx((4 * blocks + 1) * act + 3 * 2 * SPEC.seq * 4)
     # sequence parallel: the same bytes per block (reduce-scatter + all-gather for each
-    # all-reduce), the embedding split's all-gather in backward, and the gradients of what
-    # saw a slice of the sequence (norms, row-parallel biases) all-reduced once a step
+    # all-reduce), the embedding split's all-gather in backward, the all-gathers that
+    # rebuild the column layers' inputs in backward (2 per block, the head's on the last
+    # stage; (t-1)/t = 1/2 each), and the gradients of what saw a slice of the sequence
+    # (norms, row-parallel biases) all-reduced once a step
     sp = Candidate(Plan(tp=2, pp=2, microbatches=1), 2, "none", sequence_parallel=True)
     partial = blocks * SPEC.layer_replicated_params * 4
     sp_first, sp_last = (axis_bytes(SPEC, sp, FP32, st)["tp"] for st in (0, 1))
-    assert sp_first == pytest.approx(first + act / 2 + partial)
-    assert sp_last == pytest.approx(last + partial + SPEC.norm_params * 4)
+    assert sp_first == pytest.approx(first + act / 2 + 2 * blocks * act / 2 + partial)
+    assert sp_last == pytest.approx(last + (2 * blocks + 1) * act / 2 + partial
+                                    + SPEC.norm_params * 4)
 
 
 def test_the_activations_heap_is_one_micro_batchs_whatever_is_in_flight():
@@ -342,7 +345,6 @@ def test_an_interleaved_stage_heaps_each_chunks_first_layer():
 def test_sequence_parallels_backward_holds_three_whole_activations_more():
     plan = Plan(tp=2, sequence_parallel=True)
     act = 4 * SPEC.seq * 8 * SPEC.hidden
-    ours = mm.memory(SPEC, Candidate(plan, 8, "none", True), FP32)
-    from dataclasses import replace
-    megatron = mm.memory(SPEC, Candidate(plan, 8, "none", True), replace(FP32, sp_saves_slices=True))
-    assert ours.transient - megatron.transient == pytest.approx(3 * act)
+    sp = mm.memory(SPEC, Candidate(plan, 8, "none", True), FP32)
+    tp = mm.memory(SPEC, Candidate(plan, 8, "none", False), FP32)
+    assert sp.transient - tp.transient == pytest.approx(3 * act)

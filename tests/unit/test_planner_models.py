@@ -44,42 +44,66 @@ def test_offload_moves_states_to_host():
     assert off.host == on_device.optim + on_device.grads
 
 
-# --- Korthikanti et al. 2022, Table 2, GPT-3 175B: s=2048, h=12288, a=96, b=1, t=8 --------
-S, H, A, B, T = 2048, 12288, 96, 1, 8
-SBH = S * B * H
+# --- Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+# Models", arXiv:2205.05198): Table 2, activation bytes per transformer layer (16-bit, with
+# dropout), for the four models of its Table 3 (heads, hidden, layers; s = 2048, t = 8),
+# each cell at micro-batch 1 ----------------------------------------------------------------
+S, T = 2048, 8
+TABLE3 = {"22B": (64, 6144, 48), "175B": (96, 12288, 96), "530B": (128, 20480, 105),
+          "1T": (160, 25600, 128)}
+TABLE2 = {   # (tp, sp, recompute) -> bytes per s b h, from a, s, h, t
+    (1, False, "none"): lambda a, h: 34 + 5 * a * S / h,
+    (T, False, "none"): lambda a, h: 10 + 24 / T + 5 * a * S / (h * T),
+    (T, True, "none"): lambda a, h: 34 / T + 5 * a * S / (h * T),
+    (T, False, "selective"): lambda a, h: 10 + 24 / T,
+    (T, True, "selective"): lambda a, h: 34 / T,
+    (1, False, "full"): lambda a, h: 2,
+}
 GPT3 = PRESETS["gpt3-175b"]
 
 
-@pytest.mark.parametrize("tp, sp, recompute, expected", [
-    (1, False, "none", SBH * (34 + 5 * A * S / H)),
-    (T, False, "none", SBH * (10 + 24 / T + 5 * A * S / (H * T))),
-    (T, True, "none", SBH * (34 / T + 5 * A * S / (H * T))),
-    (T, False, "selective", SBH * (10 + 24 / T)),
-    (T, True, "selective", SBH * 34 / T),
-    (1, False, "full", 2 * SBH),
-])
-def test_korthikanti_table2(tp, sp, recompute, expected):
-    got = am.layer_activation_bytes(GPT3, S, B, tp=tp, sp=sp, recompute=recompute)
+def table3_spec(name: str):
+    heads, hidden, layers = TABLE3[name]
+    return from_description(layers, hidden, heads, vocab=51200, seq=S)
+
+
+@pytest.mark.parametrize("model", TABLE3)
+@pytest.mark.parametrize("tp, sp, recompute", TABLE2)
+def test_korthikanti_table2(model, tp, sp, recompute):
+    spec = table3_spec(model)
+    expected = S * spec.hidden * TABLE2[tp, sp, recompute](spec.heads, spec.hidden)
+    got = am.layer_activation_bytes(spec, S, 1, tp=tp, sp=sp, recompute=recompute)
     assert got == pytest.approx(expected, rel=1e-12)
 
 
-def test_meshtrain_sequence_parallel_keeps_the_gathered_inputs():
-    """meshtrain's column-parallel layers save their all-gathered input (the attention's and
-    the MLP's: 2 x 2sbh, whole), where Megatron-LM saves the slice and gathers it again in
-    backward: 4sbh (1 - 1/t) more per layer than Table 2's 34/t (the LayerNorm inputs and
-    masks still split); the memory model counts meshtrain's unless the setup says
-    Megatron's."""
-    got = am.layer_activation_bytes(GPT3, S, B, tp=T, sp=True, gathered_inputs=True)
-    assert got == pytest.approx(SBH * (6 / T + 4 + 24 / T + 5 * A * S / (H * T)), rel=1e-12)
-    cand = Candidate(Plan(tp=T), B, "none", True)
-    ours = mm.memory(GPT3, cand, MIXED_ADAM).activations
-    megatron = mm.memory(GPT3, cand, replace(MIXED_ADAM, sp_saves_slices=True)).activations
-    assert ours - megatron == pytest.approx((GPT3.layers * 4 + 2) * SBH * (1 - 1 / T), rel=1e-9)
+def test_sequence_parallel_per_layer_for_the_22b_model():
+    """The 22B model at t = 8 and micro-batch 4 (Table 3's global batch on its 8 GPUs): 885 MB
+    per layer with sequence parallel, 214 MB with selective recomputation too (issue 29's
+    figures from Table 2); saving the gathered attention and MLP inputs whole, as meshtrain
+    did before, would add 2 x 2sbh (1 - 1/t): 1.06 GB and 390 MB."""
+    spec, b = table3_spec("22B"), 4
+    sp = am.layer_activation_bytes(spec, S, b, tp=T, sp=True)
+    selective = am.layer_activation_bytes(spec, S, b, tp=T, sp=True, recompute="selective")
+    assert (round(sp / 1e6), round(selective / 1e6)) == (885, 214)
+    gathered = 4 * S * b * spec.hidden * (1 - 1 / T)
+    assert (round((sp + gathered) / 1e7), round((selective + gathered) / 1e6)) == (106, 390)
+
+
+def test_the_memory_model_keeps_34_over_t_per_layer_under_sequence_parallel():
+    """The whole plan's activations: every layer at Table 2's 34/t (+ scores) and the output
+    layer's two inputs as slices beside its fp32 logits."""
+    b = 1
+    cand = Candidate(Plan(tp=T), b, "none", True)
+    sbh = S * b * GPT3.hidden
+    per_layer = sbh * (34 / T + 5 * GPT3.heads * S / (GPT3.hidden * T))
+    output = 2 * 2 * sbh / T + am.logits_bytes(GPT3, S, b, T)
+    assert mm.memory(GPT3, cand, MIXED_ADAM).activations == \
+        pytest.approx(GPT3.layers * per_layer + output, rel=1e-12)
 
 
 def test_korthikanti_none_is_34_plus_5as_over_h():
     # the headline number: 114 s b h bytes per layer for GPT-3 without parallelism
-    assert am.layer_activation_bytes(GPT3, S, B) == SBH * 114
+    assert am.layer_activation_bytes(GPT3, S, 1) == S * GPT3.hidden * 114
 
 
 # --- Megatron 2021 Table 1: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12lh)), V=51200, s=2048 -----

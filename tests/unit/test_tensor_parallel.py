@@ -166,3 +166,30 @@ def test_tp_plan_with_one_rank_is_refused():
     with pytest.raises(PlanError, match="tp_plan is given but Plan.tp=1"):
         mt.Trainer(mlp(), mt.Plan(tp_plan={"1": "column"}), optimizer=torch.optim.SGD,
                    loss_fn=nn.MSELoss())
+
+
+@pytest.mark.parametrize("conv1d", [False, True])
+def test_a_linear_on_the_gathered_sequence_has_the_linears_gradients(conv1d):
+    """sequence.py's matmul (here over a tp group of one, whose gather is the identity)
+    against autograd's, in nn.Linear's (out, in) layout and Conv1D's (in, out); what it
+    saves for backward is the slice it is given, and its weight gradient reads the
+    regathered input."""
+    from meshtrain.strategies.tensor_parallel.layers import _matmul
+    from meshtrain.strategies.tensor_parallel.sequence import Regather, linear_on_gathered
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 5, requires_grad=True)
+    w = torch.randn(5, 7) if conv1d else torch.randn(7, 5)
+    w.requires_grad_()
+    b = torch.randn(7, requires_grad=True)
+    g = torch.randn(2, 6, 7)
+    grads = torch.autograd.grad(_matmul(x, w, b, conv1d), (x, w, b), g)
+    regather = Regather(rank_comm(0, 1), dim=1, tag="t")
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = linear_on_gathered(x, x.detach(), regather, w, b, conv1d)
+    assert [s.data_ptr() for s in saved] == [x.data_ptr(), w.data_ptr()]
+    torch.testing.assert_close(y, _matmul(x, w, b, conv1d))
+    for got, want in zip(torch.autograd.grad(y, (x, w, b), g), grads):
+        torch.testing.assert_close(got, want)
+    assert regather.readers == 0

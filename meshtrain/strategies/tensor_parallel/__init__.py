@@ -3,6 +3,7 @@
     communications.py  the collectives as autograd functions (copy_to / reduce_from / scatter /
                        gather, and the sequence-parallel all-gather / reduce-scatter)
     layers.py          ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    sequence.py        sequence parallel's column matmul: saves the input's slice, regathers it
     cross_entropy.py   the vocab-parallel cross-entropy (never the full logits on one rank)
     sharder.py         swaps a model's layers for those, in place, from the whole weights
     sharding.py        TensorParallel: the LayerSharding slot (full / local / counts / ...)

@@ -41,15 +41,26 @@ def _split(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
 
 def _all_gather(x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
     """Every rank's `x` concatenated along `dim`, in tp-rank order."""
-    n = comm.mesh.size(AXIS)
-    if n == 1:
+    if comm.mesh.size(AXIS) == 1:
         return x
-    x, dim = x.contiguous(), dim % x.dim()
-    flat = x.reshape(-1)
-    out = torch.empty(n * flat.numel(), dtype=x.dtype, device=x.device)
-    comm.all_gather(out, flat, AXIS, tag=tag)
-    out = out.view(n, *x.shape).movedim(0, dim)                                           # (.., n, x[dim], ..)
-    return out.reshape(*x.shape[:dim], n * x.shape[dim], *x.shape[dim + 1:])
+    gathered, work = start_all_gather(x, comm, tag)
+    work.wait()
+    return arrange_gathered(gathered, x.shape, dim, comm.mesh.size(AXIS))
+
+
+def start_all_gather(x: torch.Tensor, comm: Comm, tag: str):
+    """Launch the all-gather of `x` over tp: (its flat output, in rank order; its handle).
+    `arrange_gathered` makes the whole tensor of it once the handle has been waited."""
+    flat = x.contiguous().reshape(-1)
+    out = torch.empty(comm.mesh.size(AXIS) * flat.numel(), dtype=x.dtype, device=x.device)
+    return out, comm.all_gather(out, flat, AXIS, tag=tag, async_op=True)
+
+
+def arrange_gathered(out: torch.Tensor, shape: torch.Size, dim: int, n: int) -> torch.Tensor:
+    """The n gathered pieces of `shape` laid side by side along `dim`."""
+    dim = dim % len(shape)
+    out = out.view(n, *shape).movedim(0, dim)                                 # (.., n, x[dim], ..)
+    return out.reshape(*shape[:dim], n * shape[dim], *shape[dim + 1:])
 
 
 def _reduce_scatter(x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:

@@ -16,30 +16,45 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from meshtrain.core.comm import Comm
 from meshtrain.strategies.tensor_parallel.communications import (copy_to_tp, gather_from_sequence,
                                                                   reduce_from_tp,
                                                                   reduce_scatter_to_sequence)
+from meshtrain.strategies.tensor_parallel.sequence import Regather, linear_on_gathered
 
 
 class Enter:
     """How a replicated input enters a tensor-parallel region: `copy_to_tp` (identity
     forward, all-reduce backward), or, under sequence parallel, `gather_from_sequence` (the
-    input arrives split along `sequence_dim`: all-gather forward, reduce-scatter backward)."""
+    input arrives split along `sequence_dim`: all-gather forward, reduce-scatter backward).
+
+    Under sequence parallel it remembers, for as long as each gathered whole lives, the
+    slice it came from: the column-parallel layers reading the whole save that slice
+    instead (`gathered_slice`, sequence.py)."""
 
     def __init__(self, comm: Comm, tag: str, sequence_dim: int | None = None) -> None:
         self.comm, self.tag, self.sequence_dim = comm, tag, sequence_dim
+        self._slices = WeakIdKeyDictionary()   # whole -> (its slice, its Regather)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_dim is None:
             return copy_to_tp(x, self.comm, self.tag)
-        return gather_from_sequence(x, self.comm, self.sequence_dim, self.tag)
+        whole = gather_from_sequence(x, self.comm, self.sequence_dim, self.tag)
+        if whole is not x:   # tp > 1
+            self._slices[whole] = (x.detach(), Regather(self.comm, self.sequence_dim, self.tag))
+        return whole
+
+    def gathered_slice(self, whole: torch.Tensor) -> tuple | None:
+        """(slice, Regather) when `whole` is what this entry gathered, else None."""
+        return self._slices.get(whole)
 
     def __repr__(self) -> str:
         if self.sequence_dim is None:
             return "copy_to_tp (all-reduce in backward)"
-        return f"gather_from_sequence(dim={self.sequence_dim}) (reduce-scatter in backward)"
+        return (f"gather_from_sequence(dim={self.sequence_dim}) (reduce-scatter in backward; "
+                "its slice saved, gathered again in backward)")
 
 
 class Exit:
@@ -103,7 +118,9 @@ class ColumnParallelLinear(_Sharded):
     forward. X is replicated (each rank needs all of it), so dL/dX = Σ_i dL/dY_i·A_iᵀ is a sum
     over ranks: `enter` all-reduces it in backward (under sequence parallel X arrives split
     along the sequence, and `enter` all-gathers it, reduce-scattering the gradient). `enter`
-    is None where the region was entered before this layer (q, k and v share one entry).
+    is None where the region was entered before this layer (q, k and v share one entry):
+    `reads` is then that entry. Under sequence parallel the layer saves only X's sequence
+    slice for backward and gathers it again there (sequence.py).
 
     `blocks` > 1: a fused projection whose outputs are `blocks` equal parts (q, k, v): each
     part is split separately, so rank i holds [q_i, k_i, v_i]. `valid` < out_features: the
@@ -111,15 +128,21 @@ class ColumnParallelLinear(_Sharded):
     """
 
     def __init__(self, weight, bias, *, conv1d: bool, full_in: int, full_out: int, rank: int,
-                 size: int, enter: Enter | None, blocks: int = 1, valid: int | None = None):
+                 size: int, enter: Enter | None, blocks: int = 1, valid: int | None = None,
+                 reads: Enter | None = None):
         super().__init__(weight, bias, conv1d, full_in, full_out, rank, size)
         self.enter, self.blocks = enter, blocks
+        self.reads = enter if enter is not None else reads
         self.valid = valid if valid is not None and valid < self.out_features else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter is not None:
             x = self.enter(x)
-        y = _matmul(x, self.weight, self.bias, self.conv1d)
+        gathered = self.reads.gathered_slice(x) if self.reads is not None else None
+        if gathered is not None:
+            y = linear_on_gathered(x, *gathered, self.weight, self.bias, self.conv1d)
+        else:
+            y = _matmul(x, self.weight, self.bias, self.conv1d)
         if self.valid is not None:   # vocabulary padding: never a probability
             y = torch.cat([y[..., :self.valid],
                            y.new_full((*y.shape[:-1], self.out_features - self.valid),

@@ -49,10 +49,11 @@ class Sharder:
         self.vocab: int | None = None
 
     # ---- the three kinds of layer --------------------------------------------------------
-    def column(self, name: str, enter: Enter | None, blocks: int = 1,
-               vocab: bool = False) -> ColumnParallelLinear:
+    def column(self, name: str, enter: Enter | None, blocks: int = 1, vocab: bool = False,
+               reads: Enter | None = None) -> ColumnParallelLinear:
         """Split the output features (`vocab`: they are a vocabulary, padded to a multiple
-        of tp, and the layer's outputs are the logits a vocab-parallel loss takes)."""
+        of tp, and the layer's outputs are the logits a vocab-parallel loss takes). `reads`:
+        the entry, made before this layer, whose output it takes (enter=None)."""
         old = self.model.get_submodule(name)
         conv1d = is_conv1d(old)
         full_in, full_out = linear_sizes(old)
@@ -69,7 +70,7 @@ class Sharder:
             self._set_output(name, start, full_out)
         new = ColumnParallelLinear(weight, bias, conv1d=conv1d, full_in=full_in,
                                    full_out=full_out, rank=self.rank, size=self.size,
-                                   enter=enter, blocks=blocks, valid=valid)
+                                   enter=enter, blocks=blocks, valid=valid, reads=reads)
         return self._swap(name, old, new)
 
     def row(self, name: str, exit: Exit) -> RowParallelLinear:
