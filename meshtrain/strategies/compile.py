@@ -12,8 +12,9 @@ Each block's `forward` is replaced by its compiled version; the module stays whe
 - Gradient hooks (DDP's, ZeRO's buckets) fire on each parameter's gradient accumulation,
   after the compiled backward has produced the gradient: outside as well.
 - Collectives (tensor parallel's autograd functions, sequence parallel's gathers) are never
-  traced: `Comm` runs them eagerly, accounted, and a block under tp compiles as the graphs
-  between them (core/comm.py, `eager_collective`).
+  traced: each region function is a graph break that runs eagerly through the accounted
+  `Comm`, and a block under tp compiles as the graphs between them
+  ([Note: collectives are never compiled], tensor_parallel/communications.py).
 - Recomputation (applied after this) wraps the compiled forward in `checkpoint`: backward
   runs the same compiled graph again; nothing of checkpoint is traced.
 - Pipeline stages keep the block modules, compiled forward and all.
