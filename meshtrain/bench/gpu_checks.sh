@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # meshtrain on a GPU machine, in one call: install, the README's command, GPT-2 124M in bf16,
-# the GPU memory of offload and recompute, and the CUDA test tier. Every step's log and the
+# the GPU memory of offload and recompute, one GPU's eager and compiled speed against plain
+# PyTorch (`meshtrain bench single`), and the CUDA test tier. Every step's log and the
 # runs' summaries go to $OUT (default ./gpu-checks); $OUT/results.txt lists each step's exit
 # status and $OUT/figures.json each run's GPU memory (allocated, peak) and step time.
 #
 #     bash meshtrain/bench/gpu_checks.sh                 # every step, from the repository root
 #     bash meshtrain/bench/gpu_checks.sh env tier        # only these steps
 #
-# Steps: install env default gpt2 offload recompute tier. A step that fails is recorded and
-# the next one runs. Runs train in a scratch folder (checkpoints stay out of $OUT).
+# Steps: install env default gpt2 offload recompute single tier. A step that fails is
+# recorded and the next one runs. Runs train in a scratch folder (checkpoints stay out of $OUT).
 set -u
 cd "$(dirname "$0")/../.."   # the repository root (this file is meshtrain/bench/gpu_checks.sh)
-ALL="install env default gpt2 offload recompute tier"
+ALL="install env default gpt2 offload recompute single tier"
 STEPS=${*:-$ALL}
 for s in $STEPS; do
     case " $ALL " in *" $s "*) ;; *) echo "unknown step $s (steps: $ALL)" >&2; exit 2 ;; esac
@@ -66,6 +67,11 @@ torch.cuda.nccl.version() if torch.cuda.is_available() else None)'" ;;
             train "recompute-$r" --model gpt2-124m --precision bf16 --steps 5 --batch 8 \
                 --nproc 1 --recompute "$r" --eval-every 1000
         done ;;
+    single)   # GPT-2 124M, B=8, bf16, one GPU: torch and meshtrain, eager and compiled
+        step bench-single "$PY" -m meshtrain bench single --device cuda --model gpt2-124m \
+            --batch 8 --precision bf16 --steps 5 --reps 6 --warmup 3 \
+            --json "$OUT/bench-single.json"
+        train gpt2-bf16-compile --model gpt2-124m --precision bf16 --steps 50 --compile ;;
     tier) step tier "$PY" -m pytest -m cuda tests/gpu -v -rs -p no:cacheprovider \
             --junitxml "$OUT/tier.xml" ;;
     esac

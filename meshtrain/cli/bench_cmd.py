@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a strategy against PyTorch's own "
                                      "implementation, or meshtrain's own machinery")
     p.add_argument("strategy", choices=["ddp", "zero", "tp", "hybrid", "collectives", "dp",
-                                        "pp", "harness", "startup", "survival", "slowlink"],
+                                        "pp", "harness", "startup", "survival", "slowlink",
+                                        "single"],
                    help="ddp: our DDP vs torch DDP; zero: our DDP, ZeRO-1/2/3 vs torch's "
                         "ZeroRedundancyOptimizer and FSDP2; tp: vs DTensor tensor parallel; "
                         "hybrid: every 8-rank dp x pp x tp plan vs FSDP2 + DTensor TP; "
@@ -29,12 +30,15 @@ def add_parser(sub) -> None:
                         "startup: time to first step of `meshtrain train`; "
                         "survival: kill -9 a rank under every plan, restart, end bit-equal; "
                         "slowlink: DDP vs DiLoCo H=8, 32 and local SGD H=8 over an EMULATED "
-                        "slow dp link (--link, on max --world ranks)")
+                        "slow dp link (--link, on max --world ranks); single: one device, "
+                        "plain PyTorch eager and compiled vs meshtrain Plan() eager and "
+                        "compiled (--device)")
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8],
                    help="pp: micro-batch counts (4 8)")
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (2 4)")
-    p.add_argument("--model", default="small",
-                   help="GPT preset (small: 4 layers, d_model 256, seq 128)")
+    p.add_argument("--model", default=None,
+                   help="GPT preset (default small: 4 layers, d_model 256, seq 128; single: "
+                        "gpt2-124m on CUDA, tiny on CPU)")
     p.add_argument("--batch", type=int, default=16, help="global batch")
     p.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
     p.add_argument("--reps", type=int, default=10, help="repetitions, alternating")
@@ -52,6 +56,12 @@ def add_parser(sub) -> None:
                    help="slowlink: training steps per method (128)")
     p.add_argument("--out", default="slowlink_bench",
                    help="slowlink: folder for the runs and slowlink.png")
+    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
+                   help="single: where to run (default auto: CUDA when a GPU is visible)")
+    p.add_argument("--precision", choices=["fp32", "bf16"],
+                   help="single: compute precision (default bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager"],
+                   help="single: torch.compile's backend for the compiled contenders")
     p.add_argument("--json", metavar="FILE", help="also write the full result as JSON")
     p.set_defaults(run=run)
 
@@ -63,7 +73,8 @@ def run(args) -> int:
     if problem:
         print(f"meshtrain bench: {problem}", file=sys.stderr)
         return 2
-    for world in ([] if args.strategy in ("hybrid", "startup", "survival") else args.world):
+    for world in ([] if args.strategy in ("hybrid", "startup", "survival", "single")
+                  else args.world):
         if world < 2 or (args.strategy not in NO_MODEL and args.batch % world):
             split = ("" if args.strategy in NO_MODEL
                      else f" and divide the global batch {args.batch}")
@@ -71,7 +82,12 @@ def run(args) -> int:
             return 2
     progress = lambda msg: print(msg, file=sys.stderr)
     ok = True   # False: a benchmark that checks its outcome found it wrong (survival)
-    if args.strategy == "slowlink":
+    if args.strategy == "single":
+        from meshtrain.bench import single
+        result = single.run(args.device, args.model, args.batch, args.precision,
+                            args.compile_backend, args.steps, args.reps, args.warmup, progress)
+        print(single.format_report(result))
+    elif args.strategy == "slowlink":
         from meshtrain.bench import slowlink
         result = slowlink.run(args.out, nproc=max(args.world), link=args.link,
                               steps=args.train_steps, batch=args.batch, progress=progress)
@@ -169,6 +185,15 @@ def check_bench_args(args) -> str | None:
     if args.against and shutil.which(args.against) is None:
         return (f"--against {args.against}: no such command; give the path of another "
                 f"installation's meshtrain (e.g. OTHER_VENV/bin/meshtrain)")
+    if args.strategy == "single":
+        from meshtrain.bench.single import default_model
+        from meshtrain.core.device import DeviceError, resolve_device
+        try:
+            args.device = resolve_device(args.device)
+        except DeviceError as e:
+            return str(e)
+        args.model = args.model or default_model(args.device)
+    args.model = args.model or "small"
     if args.strategy not in NO_MODEL and args.model not in PRESETS:
         return f"--model {args.model!r}: the benchmarks run a GPT preset ({', '.join(PRESETS)})"
     return None

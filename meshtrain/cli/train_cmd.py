@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from meshtrain.cli.summary import print_summary
-from meshtrain.core.plan import Plan, PlanError
+from meshtrain.core.plan import COMPILE_BACKENDS, Plan, PlanError
 
 
 def add_parser(sub) -> None:
@@ -114,6 +114,10 @@ def _add_plan_options(plan) -> None:
                                             "folder's offload/)")
     plan.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
                       help="recompute activations in backward: every layer, or attention only")
+    plan.add_argument("--compile", nargs="?", const=True, default=False,
+                      choices=list(COMPILE_BACKENDS), metavar="BACKEND",
+                      help="torch.compile each transformer block (default backend inductor; "
+                           "aot_eager traces without generating code)")
     plan.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                       help="bf16: bf16 compute and gradients, fp32 master weights")
     plan.add_argument("--dp-mode", default="ddp",
@@ -194,7 +198,8 @@ def build_config(args):
                 offload=args.offload, recompute=args.recompute,
                 sequence_parallel=args.sequence_parallel, max_grad_norm=args.max_grad_norm,
                 offload_dir=args.offload_dir, measure_activations=True,
-                compression=args.compression, compression_rank=args.compression_rank)
+                compression=args.compression, compression_rank=args.compression_rank,
+                compile=args.compile)
     if not _under_torchrun():   # one GPU per rank: refused here, before any rank starts
         check_ranks_fit(device, plan.world_size)
     check_plan(plan, world_size=world)   # before any rank starts

@@ -16,6 +16,7 @@ SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTES = ("none", "full", "selective")
 COMPRESSIONS = ("none", "powersgd")
+COMPILE_BACKENDS = ("inductor", "aot_eager")   # compile=True is "inductor"
 
 
 class PlanError(ValueError):
@@ -77,6 +78,10 @@ class Plan:
     """powersgd only: the factors' rank r (min(M, N) where r is larger: exact)."""
     compression_min_rate: float = 2.0
     """powersgd only: an M x N gradient is compressed where MN / ((M+N) r) exceeds this."""
+    compile: bool | str = False
+    """torch.compile each transformer block (True: the "inductor" backend; "aot_eager"
+    traces and partitions the same graphs without generating code, for debugging). Module
+    hooks, gradient hooks and collectives stay outside the compiled regions."""
     # ---- knobs that shape a run beyond the mesh (checked by core/admit.check_plan) ------
     max_grad_norm: float | None = None
     """Clip gradients to this global norm over every axis (None: no clipping)."""
@@ -144,6 +149,9 @@ class Plan:
                             "Plan(tp=2, sequence_parallel=True)), or drop sequence_parallel")
         _check_local_steps(self)
         _check_compression(self)
+        if not (isinstance(self.compile, bool) or self.compile in COMPILE_BACKENDS):
+            raise PlanError(f"Plan.compile={self.compile!r}: choose True (inductor), False, "
+                            f"or a backend name: {', '.join(map(repr, COMPILE_BACKENDS))}")
         if self.zero and self.dp_mode != "ddp":
             raise PlanError(f"Plan.zero={self.zero} shards over data-parallel ranks and needs "
                             f"dp_mode='ddp' (got {self.dp_mode!r})")
@@ -153,6 +161,13 @@ class Plan:
         """Ranks along the mesh's dp axis: dp, except under dp_mode="dp", whose replicas are
         threads of one process (ARCHITECTURE.md: DP is the one-process exception)."""
         return 1 if self.dp_mode == "dp" else self.dp
+
+    @property
+    def compile_backend(self) -> str | None:
+        """The torch.compile backend the blocks are compiled with; None: run eagerly."""
+        if self.compile is False:
+            return None
+        return "inductor" if self.compile is True else self.compile
 
     @property
     def world_size(self) -> int:

@@ -35,6 +35,7 @@ from meshtrain.strategies.data_parallel.master_dp import MasterDP
 from meshtrain.strategies.data_parallel.parameter_server import ParameterServer
 from meshtrain.strategies.data_parallel.powersgd import PowerSGD
 from meshtrain.strategies.data_parallel.ps_async import AsyncParameterServer
+from meshtrain.strategies.compile import apply_compile
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.strategies.zero.zero3 import ZeRO3
@@ -131,6 +132,9 @@ class Trainer:
         self.loss_fn = self.sharding.wrap_loss(self.loss_fn)   # vocab-parallel where split
         self.activations = (ActivationMeter(self.model.parameters())
                             if plan.measure_activations else None)
+        # compiled blocks after tensor parallel (they trace the sharded layers) and before
+        # recomputation, whose checkpoint then wraps the compiled forward (strategies/compile.py)
+        self.compiled = apply_compile(self.model, plan.compile_backend)
         # recomputation after tensor parallel, before stages and data parallel (torchtitan's
         # order): it wraps the layers as they will run
         self.recomputed = apply_recompute(self.model, plan.recompute,

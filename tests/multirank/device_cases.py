@@ -65,6 +65,11 @@ CASES = {
                            model="gpt_pipe"),
     "3d": Case(8, dict(PIPE, dp=2, tp=2, zero=1, sequence_parallel=True),
                clip=0.25),
+    # compiled blocks (inductor: triton kernels on the GPU)
+    "compile-world1": Case(1, dict(dp=1, compile=True), clip=0.3),
+    "compile-zero3": Case(2, dict(dp=2, zero=3, compile=True)),
+    "compile-tp-sp": Case(2, dict(tp=2, sequence_parallel=True, compile=True), model="gpt_tp",
+                          clip=0.2),
 }
 
 

@@ -31,6 +31,12 @@ REFUSALS = [
      "set tp > 1"),
     (dict(tp=2, tp_plan={}), None, None, "tp_plan=(): must be a non-empty dict", "pattern"),
     (dict(dp=2), None, 3, "needs dp*pp*tp = 2 ranks but the world has 3", "--nproc 2"),
+    (dict(pp=2, microbatches=2, schedule="zb-h1", compile=True), None, None,
+     "compile with schedule='zb-h1'", "use schedule='1f1b'"),
+    (dict(dp=2, dp_mode="dp", compile=True), None, None,
+     "compile with dp_mode='dp' is not built (DP with a master", "use dp_mode='ddp'"),
+    (dict(dp=2, dp_mode="diloco", compile="aot_eager"), None, None,
+     "compile with dp_mode='diloco' is not built", "or drop compile"),
 ]
 
 
@@ -47,7 +53,7 @@ def test_the_whole_plan_round_trips_and_runs_checks():
     plan = Plan(dp=2, zero=3, offload="disk", offload_dir="/tmp/o", zero3_units=["a", "b"],
                 max_grad_norm=1.0, measure_activations=True)
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
-    piped = Plan(pp=2, tp=2, stage_cuts=[2], tp_plan={"x.*": "column"})
+    piped = Plan(pp=2, tp=2, stage_cuts=[2], tp_plan={"x.*": "column"}, compile="aot_eager")
     assert Plan.from_dict(json.loads(json.dumps(piped.to_dict()))) == piped
     check_plan(plan, world_size=2)
     check_plan(piped, nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)]), 4)
@@ -91,7 +97,8 @@ def test_run_dir_that_cannot_be_made_is_one_line(monkeypatch, capsys):
     Plan(dp=2, zero=3, offload="disk", offload_dir="OFFLOAD", zero3_units=["blocks.0"],
          max_grad_norm=0.5, measure_activations=True),
     Plan(pp=2, stage_cuts=[2], measure_activations=True),
-], ids=["zero3-offload-units", "stage-cuts"])
+    Plan(dp=2, compile=True, measure_activations=True),
+], ids=["zero3-offload-units", "stage-cuts", "compile"])
 def test_resume_reads_the_whole_plan_from_config(plan, tmp_path, monkeypatch):
     from meshtrain.train.config import RunConfig
 
@@ -104,3 +111,14 @@ def test_resume_reads_the_whole_plan_from_config(plan, tmp_path, monkeypatch):
     assert main(["train", "--resume", str(run), "--no-progress"]) == 0
     (config,) = launched[0]["args"]
     assert Plan.from_dict(config.plan) == plan
+
+
+@pytest.mark.parametrize("flag, value", [([], False), (["--compile"], True),
+                                         (["--compile", "aot_eager"], "aot_eager")])
+def test_cli_compile_flag_reaches_the_plan(flag, value, tmp_path, monkeypatch):
+    launched = _no_launch(monkeypatch)
+    assert main(["train", "--nproc", "2", "--run-dir", str(tmp_path / "run"), *flag]) == 0
+    (config,) = launched[0]["args"]
+    plan = Plan.from_dict(config.plan)
+    assert plan.compile == value
+    assert plan.compile_backend == {False: None, True: "inductor"}.get(value, value)

@@ -115,6 +115,7 @@ CASES = [
     ("bench survival --runs 0", "--runs 0: give a whole number >= 1"),
     ("bench harness --world 1", "world 1 needs to be >= 2"),
     ("bench startup --against nowhere/bin/meshtrain", "--against nowhere/bin/meshtrain: no such"),
+    ("bench single --device cuda", "--device cuda: no CUDA GPU is visible"),
     # schedule
     ("schedule --pp 0 --microbatches 4", "--pp 0: a pipeline needs at least 2 ranks"),
     ("schedule --pp 4 --microbatches 0", "microbatches=0: must be a whole number >= 1"),

@@ -117,3 +117,10 @@ def test_from_dict_still_validates_values():
 def test_describe_lists_only_non_defaults():
     assert Plan().describe() == "Plan()"
     assert Plan(dp=2, schedule="gpipe").describe() == "Plan(dp=2, schedule='gpipe')"
+
+
+@pytest.mark.parametrize("value", ["fast", 1, None, "eager"])
+def test_compile_names_its_choices(value):
+    with pytest.raises(PlanError, match=rf"Plan\.compile={value!r}: choose True \(inductor\), "
+                                        "False, or a backend name: 'inductor', 'aot_eager'"):
+        Plan(compile=value)

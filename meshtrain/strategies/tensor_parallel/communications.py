@@ -17,6 +17,12 @@ serves and the direction, e.g. "blocks.0.mlp:forward"); a tp group of one short-
 `reduce_from_tp` sums the row-parallel matmul's fresh output in place, and `copy_to_tp`
 sums in place the gradient that the following matmul(s) produced for it; neither tensor is
 seen by anyone else, so no copy is made.
+
+[Note: collectives are never compiled]
+The six region functions below are `torch.compiler.disable`d: inside a compiled block
+(strategies/compile.py) each is a graph break, so the collective runs eagerly through the
+accounted Comm (counters, watchdog log) and its autograd function is recorded as it is in
+eager mode; the compiled graphs are the matmuls and element-wise work between them.
 """
 from __future__ import annotations
 
@@ -167,31 +173,37 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 
 # ---- the functions layers call ------------------------------------------------------------
+@torch.compiler.disable
 def copy_to_tp(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
     """Identity forward, all-reduce backward: enter a tensor-parallel region replicated."""
     return x if comm.mesh.size(AXIS) == 1 else _CopyToTP.apply(x, comm, tag)
 
 
+@torch.compiler.disable
 def reduce_from_tp(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
     """All-reduce forward, identity backward: leave a region by summing partial outputs."""
     return x if comm.mesh.size(AXIS) == 1 else _ReduceFromTP.apply(x, comm, tag)
 
 
+@torch.compiler.disable
 def gather_from_tp(x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
     """All-gather along `dim` forward, split backward."""
     return x if comm.mesh.size(AXIS) == 1 else _GatherFromTP.apply(x, comm, dim, tag)
 
 
+@torch.compiler.disable
 def scatter_to_tp(x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
     """Split along `dim` forward, all-gather backward."""
     return x if comm.mesh.size(AXIS) == 1 else _ScatterToTP.apply(x, comm, dim, tag)
 
 
+@torch.compiler.disable
 def gather_from_sequence(x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
     """All-gather along the sequence forward, reduce-scatter backward."""
     return x if comm.mesh.size(AXIS) == 1 else _GatherFromSequence.apply(x, comm, dim, tag)
 
 
+@torch.compiler.disable
 def reduce_scatter_to_sequence(x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
     """Reduce-scatter along the sequence forward, all-gather backward."""
     if comm.mesh.size(AXIS) == 1:

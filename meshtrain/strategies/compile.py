@@ -1,0 +1,55 @@
+"""Compiled blocks (`Plan(compile=True)`): torch.compile applied to each transformer block,
+as torchtitan's `apply_compile` does, with the model's own structure and names kept.
+
+Each block's `forward` is replaced by its compiled version; the module stays where it is
+(no `_orig_mod.` in any name, state dicts unchanged). Where the other strategies meet it:
+
+- Module hooks run in `Module.__call__`, around `forward`: ZeRO-3's gather before a unit
+  and free after it stay outside the compiled region; the compiled graph takes the gathered
+  parameters as inputs at every call (parameters are graph inputs, not constants), and the
+  tensors it saves for backward are views of the unit's one storage, which ZeRO-3 resizes
+  back before the unit's backward ([Note: one storage per unit], zero/zero3.py).
+- Gradient hooks (DDP's, ZeRO's buckets) fire on each parameter's gradient accumulation,
+  after the compiled backward has produced the gradient: outside as well.
+- Collectives (tensor parallel's autograd functions, sequence parallel's gathers) are never
+  traced: each region function is a graph break that runs eagerly through the accounted
+  `Comm`, and a block under tp compiles as the graphs between them
+  ([Note: collectives are never compiled], tensor_parallel/communications.py).
+- Recomputation (applied after this) wraps the compiled forward in `checkpoint`: backward
+  runs the same compiled graph again; nothing of checkpoint is traced.
+- Pipeline stages keep the block modules, compiled forward and all.
+- Zero bubble (zb-h1) is refused (core/admit.py): a compiled backward is one graph that
+  computes input and weight gradients together.
+
+Graphs are static (`dynamic=False`): one per input shape, grad mode and parameter layout;
+blocks of one class share them, since parameters are inputs.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+from meshtrain.models.structure import units_of
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """What is compiled: the units recomputation and ZeRO-3 use (a transformers causal LM's
+    decoder layers, the GPT's `layers()`, or the children), those of a class that repeats
+    (the GPT's blocks, without its embedding and head); all of them where none repeats."""
+    units = [u for u in units_of(model) if any(True for _ in u.parameters())]
+    repeats = Counter(type(u) for u in units)
+    return [u for u in units if repeats[type(u)] > 1] or units
+
+
+def apply_compile(model: nn.Module, backend: str | None) -> list[str]:
+    """Compile each block's forward in place with `backend`; returns the blocks' names
+    (none where `backend` is None)."""
+    if backend is None:
+        return []
+    names = {id(m): n for n, m in model.named_modules()}
+    blocks = blocks_of(model)
+    for block in blocks:
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=False)
+    return [names[id(b)] for b in blocks]
