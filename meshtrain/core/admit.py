@@ -23,6 +23,7 @@ def check_plan(plan: Plan, model=None, world_size: int | None = None) -> None:
     `world_size` ranks, where given)."""
     _refuse_unbuilt(plan)
     _check_max_grad_norm(plan)
+    _check_sync_warmup(plan)
     _check_offload_dir(plan)
     _check_zero3_units(plan)
     _check_stage_cuts(plan, _layer_count(model) if model is not None else None)
@@ -67,6 +68,18 @@ def _check_max_grad_norm(plan: Plan) -> None:
     if plan.dp_mode in LOCAL_STEP_MODES:
         raise PlanError(f"max_grad_norm with dp_mode={plan.dp_mode!r} is not built: each "
                         "worker would clip by its own norm; drop max_grad_norm")
+
+
+def _check_sync_warmup(plan: Plan) -> None:
+    k = plan.sync_warmup_steps
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise PlanError(f"Plan.sync_warmup_steps={k!r}: must be a whole number >= 0 (steps "
+                        "of plain DDP before the slow-link method starts, e.g. 32)")
+    if k and plan.dp_mode not in LOCAL_STEP_MODES and plan.compression == "none":
+        raise PlanError(f"Plan.sync_warmup_steps={k} delays a slow-link method (dp_mode="
+                        f"'diloco' or 'local-sgd', or compression='powersgd'), but the plan "
+                        f"has dp_mode={plan.dp_mode!r} and no compression; choose one, or "
+                        "drop sync_warmup_steps")
 
 
 def _check_offload_dir(plan: Plan) -> None:

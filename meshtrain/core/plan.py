@@ -77,6 +77,13 @@ class Plan:
     """powersgd only: the factors' rank r (min(M, N) where r is larger: exact)."""
     compression_min_rate: float = 2.0
     """powersgd only: an M x N gradient is compressed where MN / ((M+N) r) exceeds this."""
+    sync_warmup_steps: int = 0
+    """diloco / local-sgd / powersgd: the first K steps all-reduce whole gradients every
+    step, as DDP does; the slow-link method starts at step K (DiLoCo's anchor is the
+    parameters there). Early training is the most sensitive to inexact updates: Douillard et
+    al. 2023 start DiLoCo from a DDP-trained model, torch's PowerSGD hook runs plain
+    all-reduce for its first `start_powerSGD_iter` steps. 0: the method from the first step
+    (a good K depends on the run's length, so none is assumed)."""
     # ---- knobs that shape a run beyond the mesh (checked by core/admit.check_plan) ------
     max_grad_norm: float | None = None
     """Clip gradients to this global norm over every axis (None: no clipping)."""

@@ -11,6 +11,7 @@ from meshtrain.testing import run_ranks
 from tests.multirank import equivalence as eq
 
 H = 2
+K = 3   # warm-up steps
 DILOCO = dict(dp_mode="diloco", sync_every=H, outer_lr=0.7, outer_momentum=0.9)
 
 
@@ -58,6 +59,14 @@ def world2_cases(folder: str) -> dict:
     # from a DDP checkpoint: every worker starts from its parameters and optimizer state
     out["ddp-saved"] = _run(mt.Plan(**dp2), "adamw", range(H), save=f"{folder}/ddp")
     out["from-ddp"] = _run(mt.Plan(**dp2, **DILOCO), "adamw", range(H, H), load=f"{folder}/ddp")
+    # a warm-up of K DDP steps, then DiLoCo; resumed from a checkpoint inside the warm-up
+    warm = mt.Plan(**dp2, **DILOCO, sync_warmup_steps=K)
+    out["ddp-K"] = _run(mt.Plan(**dp2), "adamw", range(K))
+    out["warm-K"] = _run(warm, "adamw", range(K))
+    out["warm-whole"] = _run(warm, "adamw", range(K + 2 * H + 1))
+    _run(warm, "adamw", range(K - 1), save=f"{folder}/warm")
+    out["warm-resumed"] = _run(warm, "adamw", range(K - 1, K + 2 * H + 1),
+                               load=f"{folder}/warm")
     return out
 
 
@@ -105,7 +114,7 @@ def test_special_cases_equal_ddp(world2):
 def test_bytes_per_h_steps(world2):
     """Over 2H steps the dp axis carries two parameter-sized all-reduces (DDP's gradient
     bytes of one step, less the per-step statistics DDP's last bucket carries) and one loss
-    scalar per step."""
+    scalar per sync (between syncs a step returns its worker's own loss)."""
     for rank in world2:
         ddp, local = rank["ddp-1step"], rank["local-sgd-2H"]
         ring = lambda numel: ring_all_reduce_elements(numel, 2, rank["ddp"]["dp_rank"]) * 4
@@ -113,8 +122,26 @@ def test_bytes_per_h_steps(world2):
         for run in (local, rank["diloco-m1"]):
             assert run["traffic"]["pseudo-grad"] == 2 * ring(ddp["numel"]) > 0
             assert run["traffic"]["grad"] == 0
-        assert local["traffic"]["loss"] == 2 * H * ring(1)
-        assert rank["diloco-m1"]["traffic"]["loss"] == (2 * H + 1) * ring(1)
+        assert local["traffic"]["loss"] == 2 * ring(1)
+        assert rank["diloco-m1"]["traffic"]["loss"] == 2 * ring(1)   # 2H + 1 steps: 2 syncs
+
+
+def test_sync_warmup_is_ddp_then_diloco(world2):
+    """sync_warmup_steps=K: the first K steps are DDP's (AdamW, 1e-6, DDP's bytes to the
+    byte), then two rounds of H; a checkpoint inside the warm-up resumes bit for bit."""
+    for rank in world2:
+        ddp, warm, whole = rank["ddp-K"], rank["warm-K"], rank["warm-whole"]
+        _assert_same(warm, ddp, 1e-6, "warm-up")
+        torch.testing.assert_close(torch.tensor(whole["losses"][:K]),
+                                   torch.tensor(ddp["losses"]), rtol=0, atol=1e-6)
+        assert warm["traffic"] == ddp["traffic"]
+        ring = lambda numel: ring_all_reduce_elements(numel, 2, whole["dp_rank"]) * 4
+        assert whole["traffic"] == {"grad": ddp["traffic"]["grad"], "loss": 2 * ring(1),
+                                    "pseudo-grad": 2 * ring(whole["numel"])}
+        resumed = rank["warm-resumed"]
+        assert resumed["losses"] == whole["losses"][K - 1:]
+        for name, value in whole["state"].items():
+            assert torch.equal(resumed["state"][name], value), name
 
 
 def test_resume_is_exact(world2):

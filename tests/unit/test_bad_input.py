@@ -74,6 +74,8 @@ CASES = [
     ("train --nproc 2 --compression powersgd --compression-rank 0",
      "compression_rank=0: must be a whole number >= 1"),
     ("train --nproc 2 --compression topk", "invalid choice: 'topk'"),
+    ("train --nproc 2 --sync-warmup-steps 8", "delays a slow-link method"),
+    ("train --nproc 2 --dp-mode diloco --sync-warmup-steps -1", "sync_warmup_steps=-1"),
     ("train --nproc 2 --compression powersgd --zero 1",
      "Plan(compression='powersgd') with zero=1"),
     ("train --nproc 2 --dp-mode local-sgd --max-grad-norm 1",
