@@ -19,7 +19,8 @@ def _run(plan: mt.Plan, optimizer: str, steps: range, load=None, save=None) -> d
     """Train the eq GPT under `plan` on `steps` of the shared batches (from a checkpoint at
     `load`, saving to `save`); the losses, the state and this rank's dp bytes by tag."""
     torch.manual_seed(0)
-    trainer = mt.Trainer(eq.gpt(), plan, optimizer=eq.OPTIMIZERS[optimizer])
+    factory = eq.OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
+    trainer = mt.Trainer(eq.gpt(), plan, optimizer=factory)
     if load:
         trainer.load(load)
     trainer.comm.stats.reset()
@@ -37,6 +38,12 @@ def _run(plan: mt.Plan, optimizer: str, steps: range, load=None, save=None) -> d
                        "dp_rank": trainer.dp_rank})
 
 
+def nesterov(params):
+    """What DiLoCo with H = 1, inner plain SGD (lr 0.5) and outer Nesterov SGD (lr 0.5,
+    momentum 0.9) is: the outer step sees Δ = 0.5 g, so its buffer is 0.5 times this one's."""
+    return torch.optim.SGD(params, lr=0.25, momentum=0.9, nesterov=True)
+
+
 def world2_cases(folder: str) -> dict:
     dp2 = dict(dp=2)
     out = {"ddp": _run(mt.Plan(**dp2), "plain-sgd", range(6)),
@@ -44,6 +51,10 @@ def world2_cases(folder: str) -> dict:
            "diloco-1": _run(mt.Plan(**dp2, dp_mode="diloco", outer_lr=1.0, outer_momentum=0.0),
                             "plain-sgd", range(6)),
            "ddp-1step": _run(mt.Plan(**dp2), "adamw", range(1)),
+           # H = 1, inner SGD lr a, outer Nesterov (lr b, m): DDP with Nesterov SGD (ab, m)
+           "diloco-nesterov": _run(mt.Plan(**dp2, dp_mode="diloco", outer_lr=0.5),
+                                   "plain-sgd", range(6)),
+           "ddp-nesterov": _run(mt.Plan(**dp2), nesterov, range(6)),
            "local-sgd-2H": _run(mt.Plan(**dp2, dp_mode="local-sgd", sync_every=H), "adamw",
                                 range(2 * H))}
     out["diloco-m1"] = _run(mt.Plan(**dp2, **DILOCO), "adamw", range(2 * H + 1))
@@ -104,11 +115,14 @@ def _assert_same(result: dict, ref: dict, atol: float, what: str) -> None:
 
 def test_special_cases_equal_ddp(world2):
     """H = 1 with inner SGD without momentum: local SGD, and DiLoCo with outer lr 1 and no
-    momentum, train as DDP does (1e-6 on losses and parameters)."""
+    momentum, train as DDP does (1e-6 on losses and parameters); with outer lr b and
+    Nesterov momentum m, as DDP with Nesterov SGD at lr a*b and momentum m (1e-5)."""
     for rank in world2:
         for mode in ("local-sgd", "diloco-1"):
             _assert_same(rank[mode], rank["ddp"], 1e-6, mode)
         assert rank["ddp"]["losses"][-1] < rank["ddp"]["losses"][0]   # it did train
+        # the outer momentum, its sign and the anchor: Nesterov SGD at lr 0.5 x 0.5
+        _assert_same(rank["diloco-nesterov"], rank["ddp-nesterov"], 1e-5, "nesterov")
 
 
 def test_bytes_per_h_steps(world2):
