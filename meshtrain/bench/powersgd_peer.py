@@ -58,14 +58,14 @@ def train(steps: int, rank: int, start_iter: int, batch: int = 32, seed: int = 0
 
 
 def main() -> None:
-    import meshtrain as mt
+    from meshtrain.launch import launch
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--start-iter", type=int, default=2)
     a = p.parse_args()
-    losses = mt.launch(train, nproc=a.nproc, args=(a.steps, a.rank, a.start_iter),
+    losses = launch(train, nproc=a.nproc, args=(a.steps, a.rank, a.start_iter),
                        timeout_s=3600)
     print(f"torch powerSGD_hook rank {a.rank}, start_powerSGD_iter {a.start_iter}, "
           f"{a.steps} steps, {a.nproc} ranks: val loss {losses[0]:.4f}")

@@ -99,3 +99,13 @@ def test_powersgd_bytes_from_the_layer_shapes():
     ddp = Candidate(Plan(dp=4), micro_batch=1)
     assert powersgd_dp_bytes(spec, SETUP, 4, 10**6) == pytest.approx(
         axis_bytes(spec, ddp, SETUP)["dp"])
+
+
+def test_memory_counts_diloco_anchor_momentum_and_sync_buffer():
+    """A DiLoCo worker holds DDP's states plus three fp32 parameter-sized buffers (the
+    anchor, the outer momentum, the pseudo-gradient's buffer: diloco.py's memory())."""
+    from meshtrain.planner.memory import memory
+    ddp, local = _cands(h=8)
+    psi = stage_params(SPEC, 1, 1)
+    extra = memory(SPEC, local, SETUP).optim - memory(SPEC, ddp, SETUP).optim
+    assert extra == pytest.approx(3 * psi * 4)
