@@ -70,7 +70,7 @@ def slow_link_advice(spec: ModelSpec, setup: Setup, cluster: Cluster, best: Cand
     takes WORTH times the local-step mode's, and the fastest plan (`top_time` seconds) is
     slower than that too; None otherwise."""
     p = best.plan
-    if mode not in LOCAL_STEP_MODES or p.dp_mode != "ddp" or p.zero or p.pp > 1:
+    if mode not in LOCAL_STEP_MODES or p.dp_mode != "ddp" or p.zero or p.pp > 1 or p.dp < 2:
         return None
     if p.dp * p.tp <= cluster.gpus_per_node or cluster.curves:
         return None

@@ -61,8 +61,9 @@ def test_unbuilt_combinations_are_named():
     (dict(dp=2, dp_mode="local-sgd", outer_momentum=0.5), "use dp_mode='diloco' to set"),
 ])
 def test_bad_diloco_plans_refused(fields, message):
+    from meshtrain.core.admit import check_plan
     with pytest.raises(PlanError, match=message):
-        mt.Plan(**fields)
+        check_plan(mt.Plan(**fields))   # a field's value in Plan, combinations in check_plan
 
 
 def test_diloco_refuses_clipping_before_any_rank():
