@@ -30,13 +30,26 @@ METHODS = {"ddp": [], "diloco H=8": ["--dp-mode", "diloco", "--sync-every", "8"]
 LABEL = "EMULATED LINK"
 
 
+def pick(names: list[str] | None) -> dict | None:
+    """The methods named (all where None); an unknown name is refused with the known ones."""
+    if names is None:
+        return None
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown slowlink method(s) {unknown}; choose from {list(METHODS)}")
+    return {n: METHODS[n] for n in names}
+
+
 def run(out: str, nproc: int = 4, link: str = "dp=1Gb/s,5ms", steps: int = 128,
         eval_every: int = 16, batch: int = 16, model: str = "tiny",
-        methods: dict | None = None, progress=print) -> dict:
-    """Train each method once; returns {"link", "methods": {name: row}, "png"}."""
+        methods: dict | None = None, sync_warmup: int = 0, progress=print) -> dict:
+    """Train each method once (every one but DDP after `sync_warmup` DDP steps); returns
+    {"link", "methods": {name: row}, "png"}."""
     dp_link = parse_link_spec(link)["dp"]   # refuses a bad spec before any run
     bw = dp_link.bandwidth
-    methods = methods or METHODS
+    warm = ["--sync-warmup-steps", str(sync_warmup)] if sync_warmup else []
+    methods = {name: flags + (warm if flags else [])
+               for name, flags in (methods or METHODS).items()}
     rows = {}
     for name, flags in methods.items():
         run_dir = Path(out) / name.replace(" ", "_").replace("=", "")
@@ -51,7 +64,7 @@ def run(out: str, nproc: int = 4, link: str = "dp=1Gb/s,5ms", steps: int = 128,
                                  latency=dp_link.latency))
     png = _plot(rows, Path(out) / "slowlink.png", link)
     return {"link": link, "emulated": LABEL, "nproc": nproc, "steps": steps, "batch": batch,
-            "methods": rows, "png": png}
+            "sync_warmup": sync_warmup, "methods": rows, "png": png}
 
 
 def _row(run_dir: Path, bw: float) -> dict:
@@ -124,7 +137,8 @@ def format_report(result: dict) -> str:
     head = ("method", "step ms (median)", "bytes/step", "val loss", "common loss",
             "s to it (method / DDP)", "speed-up", "crossover measured", "crossover planner")
     lines = [f"{LABEL} {result['link']} ({result['nproc']} ranks, {result['steps']} steps, "
-             f"batch {result['batch']}): all times include the link's modelled sleeps",
+             f"batch {result['batch']}, {result.get('sync_warmup', 0)} DDP warm-up steps "
+             "before each other method): all times include the link's modelled sleeps",
              " | ".join(head)]
     for name, r in result["methods"].items():
         reached = ("-" if r["target_loss"] is None else "not reached"

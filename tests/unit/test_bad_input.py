@@ -112,6 +112,8 @@ CASES = [
     ("bench zero --world 1", "world 1 needs to be >= 2"),
     ("bench ddp --world 3", "world 3 needs to be >= 2 and divide the global batch 16"),
     ("bench ddp --reps 0", "--reps 0"),
+    ("bench slowlink --methods ddp nosuch", "unknown slowlink method(s) ['nosuch']"),
+    ("bench slowlink --sync-warmup-steps 128", "--sync-warmup-steps 128: give 0 or more"),
     ("bench pp --microbatches 0", "--microbatches 0: each must be >= 1"),
     ("bench tp --model nosuch", "--model 'nosuch': the benchmarks run a GPT preset"),
     ("bench survival --runs 0", "--runs 0: give a whole number >= 1"),
