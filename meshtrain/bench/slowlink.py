@@ -22,8 +22,10 @@ from pathlib import Path
 from meshtrain.bench import slowlink_crossover as xover
 from meshtrain.core.link import parse_link_spec
 
-METHODS = {"ddp": [], "diloco H=8": ["--dp-mode", "diloco", "--sync-every", "8"],
-           "diloco H=32": ["--dp-mode", "diloco", "--sync-every", "32"],
+# outer momentum 0.5, not the paper's 0.9: at these few outer steps 0.9's amplification
+# (about 7x a round's delta) costs more than it gains (docs/diloco.md)
+DILOCO = ["--dp-mode", "diloco", "--outer-momentum", "0.5", "--sync-every"]
+METHODS = {"ddp": [], "diloco H=8": DILOCO + ["8"], "diloco H=32": DILOCO + ["32"],
            "local-sgd H=8": ["--dp-mode", "local-sgd", "--sync-every", "8"],
            "powersgd r=1": ["--compression", "powersgd", "--compression-rank", "1"],
            "powersgd r=4": ["--compression", "powersgd", "--compression-rank", "4"]}

@@ -49,6 +49,9 @@ def plan_of(flags: list[str], nproc: int) -> Plan:
     kw = dict(dp=nproc, dp_mode=mode, sync_warmup_steps=int(opts.get("--sync-warmup-steps", 0)))
     if mode != "ddp":
         kw["sync_every"] = int(opts["--sync-every"])
+    for flag, field in (("--outer-lr", "outer_lr"), ("--outer-momentum", "outer_momentum")):
+        if flag in opts:
+            kw[field] = float(opts[flag])
     if "--compression" in opts:
         kw.update(compression=opts["--compression"],
                   compression_rank=int(opts["--compression-rank"]))
