@@ -34,7 +34,9 @@ def train(steps: int, rank: int, start_iter: int, batch: int = 32, seed: int = 0
     torch.manual_seed(config.seed)
     built = build_model(config.model, config.model_overrides, config.seq_len)
     net, seq = built.module, built.seq_len
-    ddp = DistributedDataParallel(net)
+    # one bucket (as meshtrain's 25 MiB holds this model): gloo needs every rank to issue
+    # the hook's P and Q all-reduces in one order, which concurrent buckets do not keep
+    ddp = DistributedDataParallel(net, bucket_cap_mb=64)
     state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                start_powerSGD_iter=start_iter, random_seed=0)
     ddp.register_comm_hook(state, psgd.powerSGD_hook)

@@ -109,9 +109,11 @@ def _compare(rows: dict, methods: dict, link: dict) -> None:
         plan = xover.plan_of(methods[name], link["nproc"])
         k = plan.sync_warmup_steps
         if theirs[0] > k:
+            step_s = lambda records: sum(c + b / link["bandwidth"]
+                                         for c, b in records) / len(records)
             row["planner_crossover_Bps"] = xover.planner_crossover(
-                ddp_step_s=ddp["train_s"] / len(ddp["records"]), plan=plan,
-                gain=(mine[0] - k) / (theirs[0] - k), **link)
+                ddp_step_s=step_s(ddp["records"]), method_step_s=step_s(row["records"][k:]),
+                plan=plan, gain=(mine[0] - k) / (theirs[0] - k), **link)
 
 
 def _plot(rows: dict, path: Path, link: str) -> str:

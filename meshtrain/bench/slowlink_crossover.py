@@ -9,8 +9,11 @@ own per-step records. DDP and a method take equal time to the target at
 
 The planner answers the same question with its time model: `crossover_bandwidth` with
 gain = (N - K) / (N_ddp - K) (K: the method's warm-up steps, which are DDP's), on a cluster
-of one rank per node whose link is the emulated one and whose compute is DDP's measured
-step less the link time the planner itself predicts for it (no FLOP model involved).
+of one rank per node whose link is the emulated one; each plan's compute is its own measured
+mean step (the method's after its warm-up) less the link time the planner itself predicts
+for it (no FLOP model involved). So both sides share the measured compute, and what is
+compared is the planner's link model (bytes, latency steps, one sync per H) against the
+emulated link's charges.
 """
 from __future__ import annotations
 
@@ -59,10 +62,11 @@ def plan_of(flags: list[str], nproc: int) -> Plan:
 
 
 def planner_crossover(model: str, nproc: int, batch: int, bandwidth: float, latency: float,
-                      ddp_step_s: float, plan: Plan, gain: float) -> float | None:
-    """The planner's crossover for `plan` against DDP at `gain`, its compute anchored on
-    DDP's measured mean step `ddp_step_s`; None where the planner does not price `plan`
-    (PowerSGD is not in its time model)."""
+                      ddp_step_s: float, method_step_s: float, plan: Plan,
+                      gain: float) -> float | None:
+    """The planner's crossover for `plan` against DDP at `gain`, each plan's compute
+    anchored on its measured mean step at `bandwidth`; None where the planner does not
+    price `plan` (PowerSGD is not in its time model)."""
     if plan.compression != "none" or gain <= 0:
         return None
     spec = preset(model)
@@ -74,9 +78,10 @@ def planner_crossover(model: str, nproc: int, batch: int, bandwidth: float, late
     # model, the measured compute is the fixed cost of a step
     free = Cluster(nodes=nproc, gpus_per_node=1, inter_bw=bandwidth, inter_latency=latency,
                    peak_flops=1e30, mem_bw=1e30, overlap=0.0, name="emulated")
-    link_s = step_time(spec, ddp, setup, free).total
-    cluster = free.with_(step_overhead=max(0.0, ddp_step_s - link_s))
+    anchored = [free.with_(step_overhead=max(0.0, measured - step_time(
+        spec, cand, setup, free).total)) for cand, measured in ((ddp, ddp_step_s),
+                                                                (method, method_step_s))]
     try:
-        return crossover_bandwidth(spec, setup, cluster, ddp, method, gain)
+        return crossover_bandwidth(spec, setup, anchored[0], ddp, method, gain, anchored[1])
     except CrossoverError:
         return None

@@ -35,20 +35,24 @@ def _time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster, bw: 
 
 
 def crossover_bandwidth(spec: ModelSpec, setup: Setup, cluster: Cluster, cand_a: Candidate,
-                        cand_b: Candidate, gain: float = 1.0) -> float:
+                        cand_b: Candidate, gain: float = 1.0,
+                        cluster_b: Cluster | None = None) -> float:
     """Inter-node bytes/s at which `cand_a` (e.g. DDP) takes `gain` times the predicted step
     time of `cand_b` (e.g. DiLoCo, H); gain 1: equal step times. Below it `cand_b` is faster
-    by more than `gain`; 0.0 if it never is, math.inf if it always is (8 kb/s .. 800 Tb/s)."""
+    by more than `gain`; 0.0 if it never is, math.inf if it always is (8 kb/s .. 800 Tb/s).
+    `cluster_b` (default `cluster`): `cand_b`'s own calibration where it differs (a
+    benchmark's measured step of each plan)."""
+    other = cluster if cluster_b is None else cluster_b
     for c in (cand_a, cand_b):
         if c.plan.tp * c.plan.dp <= cluster.gpus_per_node:
             raise CrossoverError(
                 f"{c.label()} keeps its dp axis inside one node ({cluster.gpus_per_node} GPUs "
                 "per node): no inter-node link to vary; use more dp ranks or nodes")
-    if cluster.curves:
+    if cluster.curves or other.curves:
         raise CrossoverError("a calibrated cluster's measured collective curves replace "
                              "the link figure; compute the crossover on a preset cluster")
     diff = lambda bw: (_time(spec, cand_a, setup, cluster, bw)
-                       - gain * _time(spec, cand_b, setup, cluster, bw))
+                       - gain * _time(spec, cand_b, setup, other, bw))
     lo, hi = LOW, HIGH
     if diff(hi) > 0:
         return math.inf

@@ -28,12 +28,13 @@ def test_measured_crossover_equalises_time_to_the_target():
     assert xover.measured_crossover(ddp, (160, 0.0, 60.0, 9e9)) == 0.0
 
 
-def test_planner_crossover_is_anchored_on_ddps_measured_step():
-    nproc, batch, bw, lat, measured = 4, 16, 1.25e8, 5e-3, 0.4
+def test_planner_crossover_is_anchored_on_each_measured_step():
+    nproc, batch, bw, lat, measured, measured_dil = 4, 16, 1.25e8, 5e-3, 0.4, 0.35
     plan = xover.plan_of(["--dp-mode", "diloco", "--sync-every", "8"], nproc)
     assert plan == Plan(dp=4, dp_mode="diloco", sync_every=8)
     gain = 1.3
-    got = xover.planner_crossover("tiny", nproc, batch, bw, lat, measured, plan, gain)
+    got = xover.planner_crossover("tiny", nproc, batch, bw, lat, measured, measured_dil, plan,
+                                  gain)
     spec = preset("tiny")
     setup = Setup(global_batch=batch, micro_batch=4, precision="fp32", optimizer="adam",
                   recompute="none")
@@ -46,7 +47,10 @@ def test_planner_crossover_is_anchored_on_ddps_measured_step():
     assert link == pytest.approx(6 * lat + 1.5 * spec.num_params * 4 / bw, rel=1e-4)
     cluster = free.with_(step_overhead=measured - link)
     assert step_time(spec, ddp, setup, cluster).total == pytest.approx(measured)
-    at = lambda c: step_time(spec, c, setup, cluster.with_(inter_bw=got)).total
-    assert at(ddp) == pytest.approx(gain * at(dil), rel=1e-6)
+    mine = free.with_(step_overhead=measured_dil - step_time(spec, dil, setup, free).total)
+    assert step_time(spec, dil, setup, mine).total == pytest.approx(measured_dil)
+    at = lambda c, cl: step_time(spec, c, setup, cl.with_(inter_bw=got)).total
+    assert at(ddp, cluster) == pytest.approx(gain * at(dil, mine), rel=1e-6)
     powersgd = xover.plan_of(["--compression", "powersgd", "--compression-rank", "4"], nproc)
-    assert xover.planner_crossover("tiny", nproc, batch, bw, lat, measured, powersgd, gain) is None
+    assert xover.planner_crossover("tiny", nproc, batch, bw, lat, measured, measured_dil,
+                                   powersgd, gain) is None
