@@ -20,9 +20,10 @@ from meshtrain.planner.time_model import step_time
 # bandwidth; fewer syncs can cost quality, so advise them only for a material gain
 WORTH = 1.25
 # The quality caveat quotes docs/diloco.md (tiny GPT, 4 ranks, 256 steps, equal tokens).
-QUALITY_CAVEAT = ("fewer syncs can cost validation loss: measured +7.7% (local-sgd, H = 8) "
-                  "to +23.3% (diloco, H = 8, outer momentum 0.9) against DDP at equal tokens "
-                  "on a tiny GPT (docs/diloco.md); measure on your model before switching")
+QUALITY_CAVEAT = ("fewer syncs can cost validation loss: measured +2.4% (diloco, H = 8, "
+                  "outer momentum 0.5, after 64 DDP steps of 256) to +23.3% (outer momentum "
+                  "0.9, no DDP warm-up) against DDP at equal tokens on a tiny GPT "
+                  "(docs/diloco.md); measure on your model before switching")
 LOW, HIGH = 1e3, 1e14   # bytes/s searched: 8 kb/s to 800 Tb/s
 
 
