@@ -3,13 +3,14 @@
 Each method is one `meshtrain train` run (same model, data, seed, steps and global batch, so
 the same tokens) with `--link`; the figures come from its metrics.jsonl: the median step
 time, the bytes each step sent (the accounted counters), the validation loss at equal tokens
-and the training seconds (sum of step times, evaluations excluded) to reach DDP's final
-validation loss. Every figure is EMULATED: the link sleeps its modelled time (core/link.py).
+and, against DDP, the training seconds (sum of step times, evaluations excluded) each takes
+to reach a loss both reach (the higher of the two final validation losses). Every figure is
+EMULATED: the link sleeps its modelled time (core/link.py).
 
-Measured crossover against DDP, from one bandwidth: a step's emulated link time is
-latency terms + bytes/bandwidth, so each method's step is c + b/B with b its bytes per step
-and c the rest (measured step minus b/B); DDP and the method take equal time at
-B* = (b_ddp - b) / (c - c_ddp).
+Crossover against DDP: the bandwidth below which the method reaches that common loss
+sooner, measured from the runs' own records and predicted by the planner from the same
+inputs (DDP's measured step, the link's bandwidth and latency), side by side
+(slowlink_crossover.py).
 """
 from __future__ import annotations
 
@@ -18,23 +19,41 @@ import subprocess
 import sys
 from pathlib import Path
 
+from meshtrain.bench import slowlink_crossover as xover
 from meshtrain.core.link import parse_link_spec
 
-METHODS = {"ddp": [], "diloco H=8": ["--dp-mode", "diloco", "--sync-every", "8"],
-           "diloco H=32": ["--dp-mode", "diloco", "--sync-every", "32"],
+# outer momentum 0.5, not the paper's 0.9: at these few outer steps 0.9's amplification
+# (about 7x a round's delta) costs more than it gains (docs/diloco.md)
+DILOCO = ["--dp-mode", "diloco", "--outer-momentum", "0.5", "--sync-every"]
+METHODS = {"ddp": [], "diloco H=8": DILOCO + ["8"], "diloco H=32": DILOCO + ["32"],
            "local-sgd H=8": ["--dp-mode", "local-sgd", "--sync-every", "8"],
            "powersgd r=1": ["--compression", "powersgd", "--compression-rank", "1"],
            "powersgd r=4": ["--compression", "powersgd", "--compression-rank", "4"]}
 LABEL = "EMULATED LINK"
 
 
+def pick(names: list[str] | None) -> dict | None:
+    """The methods named (all where None); an unknown name is refused with the known ones."""
+    if names is None:
+        return None
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown slowlink method(s) {unknown}; choose from {list(METHODS)}")
+    return {n: METHODS[n] for n in names}
+
+
 def run(out: str, nproc: int = 4, link: str = "dp=1Gb/s,5ms", steps: int = 128,
         eval_every: int = 16, batch: int = 16, model: str = "tiny",
-        methods: dict | None = None, progress=print) -> dict:
-    """Train each method once; returns {"link", "methods": {name: row}, "png"}."""
-    bw = parse_link_spec(link)["dp"].bandwidth   # refuses a bad spec before any run
+        methods: dict | None = None, sync_warmup: int = 0, progress=print) -> dict:
+    """Train each method once (every one but DDP after `sync_warmup` DDP steps); returns
+    {"link", "methods": {name: row}, "png"}."""
+    dp_link = parse_link_spec(link)["dp"]   # refuses a bad spec before any run
+    bw = dp_link.bandwidth
+    warm = ["--sync-warmup-steps", str(sync_warmup)] if sync_warmup else []
+    methods = {name: flags + (warm if flags else [])
+               for name, flags in (methods or METHODS).items()}
     rows = {}
-    for name, flags in (methods or METHODS).items():
+    for name, flags in methods.items():
         run_dir = Path(out) / name.replace(" ", "_").replace("=", "")
         cmd = [sys.executable, "-m", "meshtrain", "train", "--nproc", str(nproc), "--steps",
                str(steps), "--eval-every", str(eval_every), "--batch", str(batch), "--model",
@@ -42,46 +61,59 @@ def run(out: str, nproc: int = 4, link: str = "dp=1Gb/s,5ms", steps: int = 128,
                "--run-dir", str(run_dir), *flags]
         progress(f"slowlink: {name} ({LABEL} {link})")
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        rows[name] = _row(run_dir)
-    _compare(rows, bw)
+        rows[name] = _row(run_dir, bw)
+    _compare(rows, methods, dict(model=model, nproc=nproc, batch=batch, bandwidth=bw,
+                                 latency=dp_link.latency))
     png = _plot(rows, Path(out) / "slowlink.png", link)
     return {"link": link, "emulated": LABEL, "nproc": nproc, "steps": steps, "batch": batch,
-            "methods": rows, "png": png}
+            "sync_warmup": sync_warmup, "methods": rows, "png": png}
 
 
-def _row(run_dir: Path) -> dict:
+def _row(run_dir: Path, bw: float) -> dict:
     """The run's summary (median step, bytes per step from the counters, final validation
-    loss) and its validation curve against the running sum of step times."""
+    loss), its validation curve against the running sum of step times, and per step its
+    seconds less the link's bandwidth term and its bytes (slowlink_crossover.reach)."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    steps, evals = [], []
+    records, evals, t = [], [], 0.0
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         if "step_s" in rec:
-            steps.append(rec)
+            t += rec["step_s"]
+            records.append((rec["step_s"] - rec["bytes_sent"] / bw, rec["bytes_sent"]))
         if "val_loss" in rec:
-            evals.append((rec["step"], rec["val_loss"]))
-    clock, t = {0: 0.0}, 0.0
-    for rec in steps:
-        t += rec["step_s"]
-        clock[rec["step"]] = t
+            evals.append((rec["step"], t, rec["val_loss"]))
     return {"median_step_s": summary["median_step_s"],
             "bytes_per_step": summary["bytes_sent_per_step"],
             "val_loss": summary["val_loss_end"], "train_s": t,
-            "curve": [(clock[s], v) for s, v in evals if s in clock]}
+            "curve": [(clock, v) for _, clock, v in evals], "evals": evals,
+            "records": records}
 
 
-def _compare(rows: dict, bw: float) -> None:
-    """Adds time to DDP's final validation loss and the measured crossover against DDP."""
+def _compare(rows: dict, methods: dict, link: dict) -> None:
+    """Against DDP, at the loss both reach: seconds each takes, the speed-up, and the
+    crossover bandwidth measured and predicted by the planner."""
     ddp = rows.get("ddp")
-    for row in rows.values():
-        row["s_to_ddp_loss"] = None if ddp is None else next(
-            (t for t, v in row["curve"] if v <= ddp["val_loss"]), None)
-        row["crossover_Bps"] = None
-        if ddp is not None and row is not ddp:
-            c_ddp = ddp["median_step_s"] - ddp["bytes_per_step"] / bw
-            c = row["median_step_s"] - row["bytes_per_step"] / bw
-            gap = ddp["bytes_per_step"] - row["bytes_per_step"]
-            row["crossover_Bps"] = gap / (c - c_ddp) if c > c_ddp else float("inf")
+    for name, row in rows.items():
+        row.update(target_loss=None, s_to_target=None, ddp_s_to_target=None, speedup=None,
+                   crossover_Bps=None, planner_crossover_Bps=None)
+        if ddp is None or row is ddp:
+            continue
+        target = max(ddp["val_loss"], row["val_loss"])
+        mine, theirs = xover.reach(row, target), xover.reach(ddp, target)
+        row["target_loss"] = target
+        if mine is None or theirs is None:
+            continue
+        row["s_to_target"], row["ddp_s_to_target"] = mine[1], theirs[1]
+        row["speedup"] = row["ddp_s_to_target"] / row["s_to_target"]
+        row["crossover_Bps"] = xover.measured_crossover(theirs, mine)
+        plan = xover.plan_of(methods[name], link["nproc"])
+        k = plan.sync_warmup_steps
+        if theirs[0] > k:
+            step_s = lambda records: sum(c + b / link["bandwidth"]
+                                         for c, b in records) / len(records)
+            row["planner_crossover_Bps"] = xover.planner_crossover(
+                ddp_step_s=step_s(ddp["records"]), method_step_s=step_s(row["records"][k:]),
+                plan=plan, gain=(mine[0] - k) / (theirs[0] - k), **link)
 
 
 def _plot(rows: dict, path: Path, link: str) -> str:
@@ -101,18 +133,25 @@ def _plot(rows: dict, path: Path, link: str) -> str:
     return str(path)
 
 
+def _gbps(x: float | None) -> str:
+    return "-" if x is None else f"{x * 8 / 1e9:.3g} Gb/s"
+
+
 def format_report(result: dict) -> str:
-    head = ("method", "step ms (median)", "bytes/step", "val loss", "s to DDP's loss",
-            "crossover vs DDP")
+    head = ("method", "step ms (median)", "bytes/step", "val loss", "common loss",
+            "s to it (method / DDP)", "speed-up", "crossover measured", "crossover planner")
     lines = [f"{LABEL} {result['link']} ({result['nproc']} ranks, {result['steps']} steps, "
-             f"batch {result['batch']}): all times include the link's modelled sleeps",
+             f"batch {result['batch']}, {result.get('sync_warmup', 0)} DDP warm-up steps "
+             "before each other method): all times include the link's modelled sleeps",
              " | ".join(head)]
     for name, r in result["methods"].items():
-        t = r["s_to_ddp_loss"]
-        x = r["crossover_Bps"]
-        lines.append(" | ".join((name, f"{r['median_step_s'] * 1e3:.1f}",
-                                 f"{r['bytes_per_step']:,.0f}", f"{r['val_loss']:.4f}",
-                                 "not reached" if t is None else f"{t:.2f}",
-                                 "-" if x is None else f"{x * 8 / 1e9:.3g} Gb/s")))
+        reached = ("-" if r["target_loss"] is None else "not reached"
+                   if r["s_to_target"] is None
+                   else f"{r['s_to_target']:.1f} / {r['ddp_s_to_target']:.1f}")
+        lines.append(" | ".join((
+            name, f"{r['median_step_s'] * 1e3:.1f}", f"{r['bytes_per_step']:,.0f}",
+            f"{r['val_loss']:.4f}", "-" if r["target_loss"] is None else f"{r['target_loss']:.4f}",
+            reached, "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+            _gbps(r["crossover_Bps"]), _gbps(r["planner_crossover_Bps"]))))
     lines.append(f"picture: {result['png']}")
     return "\n".join(lines)

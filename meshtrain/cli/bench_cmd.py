@@ -54,6 +54,10 @@ def add_parser(sub) -> None:
     p.add_argument("--link", default="dp=1Gb/s,5ms", help="slowlink: the emulated dp link")
     p.add_argument("--train-steps", type=int, default=128,
                    help="slowlink: training steps per method (128)")
+    p.add_argument("--sync-warmup-steps", type=int, default=0, metavar="K",
+                   help="slowlink: DDP steps before each other method starts (0)")
+    p.add_argument("--methods", nargs="+", metavar="NAME",
+                   help="slowlink: a subset of the methods, e.g. ddp 'diloco H=8' (all)")
     p.add_argument("--out", default="slowlink_bench",
                    help="slowlink: folder for the runs and slowlink.png")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
@@ -90,7 +94,9 @@ def run(args) -> int:
     elif args.strategy == "slowlink":
         from meshtrain.bench import slowlink
         result = slowlink.run(args.out, nproc=max(args.world), link=args.link,
-                              steps=args.train_steps, batch=args.batch, progress=progress)
+                              steps=args.train_steps, batch=args.batch,
+                              methods=slowlink.pick(args.methods),
+                              sync_warmup=args.sync_warmup_steps, progress=progress)
         print(slowlink.format_report(result))
     elif args.strategy in ("harness", "startup", "survival"):
         result, report, ok = run_machinery(args, progress)
@@ -175,8 +181,16 @@ def check_bench_args(args) -> str | None:
         return f"--runs {args.runs}: give a whole number >= 1"
     if args.strategy == "slowlink":
         from meshtrain.core.link import LinkSpecError, parse_link_spec
+        from meshtrain.bench.slowlink import pick
         if args.train_steps < 1:
             return f"--train-steps {args.train_steps}: give a whole number >= 1"
+        if not 0 <= args.sync_warmup_steps < args.train_steps:
+            return (f"--sync-warmup-steps {args.sync_warmup_steps}: give 0 or more DDP steps, "
+                    f"fewer than --train-steps {args.train_steps}")
+        try:
+            pick(args.methods)
+        except ValueError as e:
+            return str(e)
         try:
             if "dp" not in parse_link_spec(args.link):
                 return f"--link {args.link!r}: slowlink slows the dp axis; e.g. 'dp=1Gb/s,5ms'"

@@ -149,6 +149,9 @@ def _add_plan_options(plan) -> None:
                            "factors (error feedback, warm start)")
     plan.add_argument("--compression-rank", type=int, default=Plan().compression_rank,
                       metavar="R", help="powersgd: the factors' rank")
+    plan.add_argument("--sync-warmup-steps", type=int, default=Plan().sync_warmup_steps,
+                      metavar="K", help="diloco/local-sgd/powersgd: plain DDP for the first "
+                                        "K steps, then the method")
 
 
 def _under_torchrun() -> bool:
@@ -199,7 +202,7 @@ def build_config(args):
                 sequence_parallel=args.sequence_parallel, max_grad_norm=args.max_grad_norm,
                 offload_dir=args.offload_dir, measure_activations=True,
                 compression=args.compression, compression_rank=args.compression_rank,
-                compile=args.compile)
+                compile=args.compile, sync_warmup_steps=args.sync_warmup_steps)
     if not _under_torchrun():   # one GPU per rank: refused here, before any rank starts
         check_ranks_fit(device, plan.world_size)
     check_plan(plan, world_size=world)   # before any rank starts

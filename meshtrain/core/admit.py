@@ -23,6 +23,9 @@ def check_plan(plan: Plan, model=None, world_size: int | None = None) -> None:
     `world_size` ranks, where given)."""
     _refuse_unbuilt(plan)
     _check_max_grad_norm(plan)
+    _check_local_steps(plan)
+    _check_compression(plan)
+    _check_sync_warmup(plan)
     _check_offload_dir(plan)
     _check_zero3_units(plan)
     _check_stage_cuts(plan, _layer_count(model) if model is not None else None)
@@ -84,6 +87,53 @@ def _check_max_grad_norm(plan: Plan) -> None:
     if plan.dp_mode in LOCAL_STEP_MODES:
         raise PlanError(f"max_grad_norm with dp_mode={plan.dp_mode!r} is not built: each "
                         "worker would clip by its own norm; drop max_grad_norm")
+
+
+def _check_local_steps(plan: Plan) -> None:
+    """diloco / local-sgd's fields against the rest of the plan."""
+    default = Plan.__dataclass_fields__
+    h, lr, mom = plan.sync_every, plan.outer_lr, plan.outer_momentum
+    outer_set = (lr != default["outer_lr"].default
+                 or mom != default["outer_momentum"].default)
+    if plan.dp_mode not in LOCAL_STEP_MODES:
+        if h != 1 or outer_set:
+            raise PlanError(f"Plan(sync_every={h}, outer_lr={lr}, outer_momentum={mom}) only "
+                            f"applies to dp_mode='diloco' (or 'local-sgd' for sync_every), "
+                            f"not dp_mode={plan.dp_mode!r}; drop them or choose diloco")
+        return
+    if plan.dp_mode == "local-sgd" and outer_set:
+        raise PlanError(f"Plan(dp_mode='local-sgd', outer_lr={lr}, outer_momentum={mom}): "
+                        "local SGD averages the parameters (outer lr 1, no momentum); use "
+                        "dp_mode='diloco' to set outer_lr / outer_momentum")
+    if plan.dp == 1:
+        raise PlanError(f"Plan(dp_mode={plan.dp_mode!r}, dp=1): there are no other workers "
+                        "to sync with; set dp >= 2, or use dp_mode='ddp'")
+
+
+def _check_compression(plan: Plan) -> None:
+    """PowerSGD is built for plain fp32 DDP only: anything else is refused by name."""
+    if plan.compression == "none":
+        return
+    refused = [f"{name}={getattr(plan, name)!r}" for name, ok in (
+        ("dp_mode", plan.dp_mode == "ddp"), ("zero", plan.zero == 0), ("pp", plan.pp == 1),
+        ("tp", plan.tp == 1), ("precision", plan.precision == "fp32")) if not ok]
+    if refused:
+        raise PlanError(f"Plan(compression={plan.compression!r}) with {', '.join(refused)}: "
+                        "PowerSGD is built for DDP's gradient sync only (dp_mode='ddp', "
+                        "zero=0, pp=1, tp=1, precision='fp32'); change those, or set "
+                        "compression='none'")
+
+
+def _check_sync_warmup(plan: Plan) -> None:
+    k = plan.sync_warmup_steps
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise PlanError(f"Plan.sync_warmup_steps={k!r}: must be a whole number >= 0 (steps "
+                        "of plain DDP before the slow-link method starts, e.g. 32)")
+    if k and plan.dp_mode not in LOCAL_STEP_MODES and plan.compression == "none":
+        raise PlanError(f"Plan.sync_warmup_steps={k} delays a slow-link method (dp_mode="
+                        f"'diloco' or 'local-sgd', or compression='powersgd'), but the plan "
+                        f"has dp_mode={plan.dp_mode!r} and no compression; choose one, or "
+                        "drop sync_warmup_steps")
 
 
 def _check_offload_dir(plan: Plan) -> None:

@@ -105,6 +105,7 @@ class Cluster:
     gpu_mem: float = 80e9           # bytes per device
     intra_bw: float = 600e9         # bytes/s per GPU inside a node
     inter_bw: float = 25e9          # bytes/s per GPU across nodes
+    inter_latency: float = INTER_LATENCY   # seconds per message step across nodes
     peak_flops: float = 312e12      # dense FLOP/s per device at the training precision
     efficiency: float = 0.5         # achievable / peak for transformer matmuls
     mem_bw: float = 2.0e12          # device memory bytes/s (the optimizer step is bound by it)
@@ -186,7 +187,7 @@ class Cluster:
         the ranks it touches lie in one node, else bounded by the inter-node link."""
         if span <= self.gpus_per_node:
             return self.intra_bw, INTRA_LATENCY
-        return self.inter_bw, INTER_LATENCY
+        return self.inter_bw, self.inter_latency
 
     def collective_time(self, kind: str, nbytes: float, n: int, span: int) -> float:
         """Seconds for one collective of an `nbytes` buffer over `n` ranks spanning `span`.

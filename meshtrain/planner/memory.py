@@ -7,12 +7,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from meshtrain.core.plan import LOCAL_STEP_MODES
 from meshtrain.planner.activations import (forward_traffic, full_layer_bytes, inflight_microbatches,
                                            layer_activation_bytes, output_bytes, transient_bytes)
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
-from meshtrain.planner.states import (master_states, model_states, server_states, stage_params,
-                                      staged_buffer_bytes)
+from meshtrain.planner.states import (local_step_states, master_states, model_states,
+                                      server_states, stage_params, staged_buffer_bytes)
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
         states = server_states(psi, setup, p.ps_shards, server)
     elif p.dp_mode == "dp":
         states = master_states(psi, setup, p.dp)
+    elif p.dp_mode in LOCAL_STEP_MODES:
+        states = local_step_states(psi, setup)
     per_layer = layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
                                        cand.recompute, setup.act_bytes)
     layers_here = math.ceil(spec.layers / p.pp)

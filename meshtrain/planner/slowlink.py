@@ -20,9 +20,10 @@ from meshtrain.planner.time_model import step_time
 # bandwidth; fewer syncs can cost quality, so advise them only for a material gain
 WORTH = 1.25
 # The quality caveat quotes docs/diloco.md (tiny GPT, 4 ranks, 256 steps, equal tokens).
-QUALITY_CAVEAT = ("fewer syncs can cost validation loss: measured +7.7% (local-sgd, H = 8) "
-                  "to +23.3% (diloco, H = 8, outer momentum 0.9) against DDP at equal tokens "
-                  "on a tiny GPT (docs/diloco.md); measure on your model before switching")
+QUALITY_CAVEAT = ("fewer syncs can cost validation loss: measured +2.4% (diloco, H = 8, "
+                  "outer momentum 0.5, after 64 DDP steps of 256) to +23.3% (outer momentum "
+                  "0.9, no DDP warm-up) against DDP at equal tokens on a tiny GPT "
+                  "(docs/diloco.md); measure on your model before switching")
 LOW, HIGH = 1e3, 1e14   # bytes/s searched: 8 kb/s to 800 Tb/s
 
 
@@ -35,20 +36,24 @@ def _time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster, bw: 
 
 
 def crossover_bandwidth(spec: ModelSpec, setup: Setup, cluster: Cluster, cand_a: Candidate,
-                        cand_b: Candidate, gain: float = 1.0) -> float:
+                        cand_b: Candidate, gain: float = 1.0,
+                        cluster_b: Cluster | None = None) -> float:
     """Inter-node bytes/s at which `cand_a` (e.g. DDP) takes `gain` times the predicted step
     time of `cand_b` (e.g. DiLoCo, H); gain 1: equal step times. Below it `cand_b` is faster
-    by more than `gain`; 0.0 if it never is, math.inf if it always is (8 kb/s .. 800 Tb/s)."""
+    by more than `gain`; 0.0 if it never is, math.inf if it always is (8 kb/s .. 800 Tb/s).
+    `cluster_b` (default `cluster`): `cand_b`'s own calibration where it differs (a
+    benchmark's measured step of each plan)."""
+    other = cluster if cluster_b is None else cluster_b
     for c in (cand_a, cand_b):
         if c.plan.tp * c.plan.dp <= cluster.gpus_per_node:
             raise CrossoverError(
                 f"{c.label()} keeps its dp axis inside one node ({cluster.gpus_per_node} GPUs "
                 "per node): no inter-node link to vary; use more dp ranks or nodes")
-    if cluster.curves:
+    if cluster.curves or other.curves:
         raise CrossoverError("a calibrated cluster's measured collective curves replace "
                              "the link figure; compute the crossover on a preset cluster")
     diff = lambda bw: (_time(spec, cand_a, setup, cluster, bw)
-                       - gain * _time(spec, cand_b, setup, cluster, bw))
+                       - gain * _time(spec, cand_b, setup, other, bw))
     lo, hi = LOW, HIGH
     if diff(hi) > 0:
         return math.inf
@@ -70,7 +75,7 @@ def slow_link_advice(spec: ModelSpec, setup: Setup, cluster: Cluster, best: Cand
     takes WORTH times the local-step mode's, and the fastest plan (`top_time` seconds) is
     slower than that too; None otherwise."""
     p = best.plan
-    if mode not in LOCAL_STEP_MODES or p.dp_mode != "ddp" or p.zero or p.pp > 1:
+    if mode not in LOCAL_STEP_MODES or p.dp_mode != "ddp" or p.zero or p.pp > 1 or p.dp < 2:
         return None
     if p.dp * p.tp <= cluster.gpus_per_node or cluster.curves:
         return None

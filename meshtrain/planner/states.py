@@ -51,6 +51,14 @@ def model_states(psi: float, setup: Setup, zero: int = 0, dp: int = 1,
     return ModelStates(params if zero < 3 else 0.0, grads if zero < 2 else 0.0, 0.0, host)
 
 
+def local_step_states(psi: float, setup: Setup) -> ModelStates:
+    """A DiLoCo / local SGD worker (diloco.py): DDP's states, plus three parameter-sized
+    fp32 buffers counted with the optimizer's: the anchor, the outer momentum and the
+    pseudo-gradient's all-reduce buffer."""
+    base = model_states(psi, setup)
+    return ModelStates(base.params, base.grads, base.optim + 3 * psi * 4)
+
+
 def server_states(psi: float, setup: Setup, shards: int, server: bool) -> ModelStates:
     """A parameter server's rank (parameter_server.py): as a worker, the whole model and one
     gradient bucket, no optimizer; a server adds its shard's master copy, the sum of the

@@ -272,9 +272,9 @@ def dp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluste
     if p.dp_mode.startswith("ps-") or p.dp_mode == "dp":
         t_dp, last = family_exchange(psi, setup, p, cluster), 0.0
     if p.dp_mode in LOCAL_STEP_MODES:   # one parameter all-reduce every H steps (DiLoCo
-        # §2), amortised per step, latency included; the loss all-reduce every step
+        # §2), amortised per step, latency included; the sync step's loss all-reduce too
         t_dp, last = coll("all_reduce", param_bytes) / p.sync_every, 0.0
-        return t_dp, last, coll("all_reduce", 4)
+        return t_dp, last, coll("all_reduce", 4) / p.sync_every
     stats = 0.0
     if p.dp > 1 and (p.zero >= 1 or p.dp_mode.startswith("ps-")):
         stats = coll("all_reduce", stats_bytes)   # one small all-reduce behind the gradients

@@ -144,6 +144,10 @@ class GradientSync(ABC):
         sleep; a rank that serves others meanwhile (ps-async) overrides it."""
         time.sleep(seconds)
 
+    def resume_at(self, steps_done: int) -> None:
+        """After a checkpoint is loaded: the run has taken `steps_done` steps. Default:
+        nothing depends on it (a sync with a warm-up phase overrides it)."""
+
     def close(self) -> None:
         """Release what outlives the trainer otherwise. Default: nothing to release (ZeRO's
         offload to disk overrides it)."""

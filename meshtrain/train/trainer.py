@@ -87,7 +87,7 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm) -> GradientSync:
                     offload_dir=plan.offload_dir)
     if plan.compression == "powersgd":
         return PowerSGD(params, buffers, comm, plan.bucket_mb, plan.compression_rank,
-                        plan.compression_min_rate)
+                        plan.compression_min_rate, plan.sync_warmup_steps)
     return DDP(params, buffers, comm, bucket_mb=plan.bucket_mb, precision=plan.precision)
 
 
@@ -294,6 +294,7 @@ class Trainer:
         model_state, optimizer_state, extra = checkpoint.load(path, self.layout)
         self.load_full_state(model_state, optimizer_state)
         self.steps_done = int(extra.get("steps_done", 0))
+        self.data_parallel.resume_at(self.steps_done)
         return extra
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ from meshtrain.testing import run_ranks
 from tests.multirank import equivalence as eq
 
 H = 2
+K = 3   # warm-up steps
 DILOCO = dict(dp_mode="diloco", sync_every=H, outer_lr=0.7, outer_momentum=0.9)
 
 
@@ -18,7 +19,8 @@ def _run(plan: mt.Plan, optimizer: str, steps: range, load=None, save=None) -> d
     """Train the eq GPT under `plan` on `steps` of the shared batches (from a checkpoint at
     `load`, saving to `save`); the losses, the state and this rank's dp bytes by tag."""
     torch.manual_seed(0)
-    trainer = mt.Trainer(eq.gpt(), plan, optimizer=eq.OPTIMIZERS[optimizer])
+    factory = eq.OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
+    trainer = mt.Trainer(eq.gpt(), plan, optimizer=factory)
     if load:
         trainer.load(load)
     trainer.comm.stats.reset()
@@ -36,6 +38,12 @@ def _run(plan: mt.Plan, optimizer: str, steps: range, load=None, save=None) -> d
                        "dp_rank": trainer.dp_rank})
 
 
+def nesterov(params):
+    """What DiLoCo with H = 1, inner plain SGD (lr 0.5) and outer Nesterov SGD (lr 0.5,
+    momentum 0.9) is: the outer step sees Δ = 0.5 g, so its buffer is 0.5 times this one's."""
+    return torch.optim.SGD(params, lr=0.25, momentum=0.9, nesterov=True)
+
+
 def world2_cases(folder: str) -> dict:
     dp2 = dict(dp=2)
     out = {"ddp": _run(mt.Plan(**dp2), "plain-sgd", range(6)),
@@ -43,6 +51,10 @@ def world2_cases(folder: str) -> dict:
            "diloco-1": _run(mt.Plan(**dp2, dp_mode="diloco", outer_lr=1.0, outer_momentum=0.0),
                             "plain-sgd", range(6)),
            "ddp-1step": _run(mt.Plan(**dp2), "adamw", range(1)),
+           # H = 1, inner SGD lr a, outer Nesterov (lr b, m): DDP with Nesterov SGD (ab, m)
+           "diloco-nesterov": _run(mt.Plan(**dp2, dp_mode="diloco", outer_lr=0.5),
+                                   "plain-sgd", range(6)),
+           "ddp-nesterov": _run(mt.Plan(**dp2), nesterov, range(6)),
            "local-sgd-2H": _run(mt.Plan(**dp2, dp_mode="local-sgd", sync_every=H), "adamw",
                                 range(2 * H))}
     out["diloco-m1"] = _run(mt.Plan(**dp2, **DILOCO), "adamw", range(2 * H + 1))
@@ -58,6 +70,14 @@ def world2_cases(folder: str) -> dict:
     # from a DDP checkpoint: every worker starts from its parameters and optimizer state
     out["ddp-saved"] = _run(mt.Plan(**dp2), "adamw", range(H), save=f"{folder}/ddp")
     out["from-ddp"] = _run(mt.Plan(**dp2, **DILOCO), "adamw", range(H, H), load=f"{folder}/ddp")
+    # a warm-up of K DDP steps, then DiLoCo; resumed from a checkpoint inside the warm-up
+    warm = mt.Plan(**dp2, **DILOCO, sync_warmup_steps=K)
+    out["ddp-K"] = _run(mt.Plan(**dp2), "adamw", range(K))
+    out["warm-K"] = _run(warm, "adamw", range(K))
+    out["warm-whole"] = _run(warm, "adamw", range(K + 2 * H + 1))
+    _run(warm, "adamw", range(K - 1), save=f"{folder}/warm")
+    out["warm-resumed"] = _run(warm, "adamw", range(K - 1, K + 2 * H + 1),
+                               load=f"{folder}/warm")
     return out
 
 
@@ -95,17 +115,20 @@ def _assert_same(result: dict, ref: dict, atol: float, what: str) -> None:
 
 def test_special_cases_equal_ddp(world2):
     """H = 1 with inner SGD without momentum: local SGD, and DiLoCo with outer lr 1 and no
-    momentum, train as DDP does (1e-6 on losses and parameters)."""
+    momentum, train as DDP does (1e-6 on losses and parameters); with outer lr b and
+    Nesterov momentum m, as DDP with Nesterov SGD at lr a*b and momentum m (1e-5)."""
     for rank in world2:
         for mode in ("local-sgd", "diloco-1"):
             _assert_same(rank[mode], rank["ddp"], 1e-6, mode)
         assert rank["ddp"]["losses"][-1] < rank["ddp"]["losses"][0]   # it did train
+        # the outer momentum, its sign and the anchor: Nesterov SGD at lr 0.5 x 0.5
+        _assert_same(rank["diloco-nesterov"], rank["ddp-nesterov"], 1e-5, "nesterov")
 
 
 def test_bytes_per_h_steps(world2):
     """Over 2H steps the dp axis carries two parameter-sized all-reduces (DDP's gradient
     bytes of one step, less the per-step statistics DDP's last bucket carries) and one loss
-    scalar per step."""
+    scalar per sync (between syncs a step returns its worker's own loss)."""
     for rank in world2:
         ddp, local = rank["ddp-1step"], rank["local-sgd-2H"]
         ring = lambda numel: ring_all_reduce_elements(numel, 2, rank["ddp"]["dp_rank"]) * 4
@@ -113,8 +136,26 @@ def test_bytes_per_h_steps(world2):
         for run in (local, rank["diloco-m1"]):
             assert run["traffic"]["pseudo-grad"] == 2 * ring(ddp["numel"]) > 0
             assert run["traffic"]["grad"] == 0
-        assert local["traffic"]["loss"] == 2 * H * ring(1)
-        assert rank["diloco-m1"]["traffic"]["loss"] == (2 * H + 1) * ring(1)
+        assert local["traffic"]["loss"] == 2 * ring(1)
+        assert rank["diloco-m1"]["traffic"]["loss"] == 2 * ring(1)   # 2H + 1 steps: 2 syncs
+
+
+def test_sync_warmup_is_ddp_then_diloco(world2):
+    """sync_warmup_steps=K: the first K steps are DDP's (AdamW, 1e-6, DDP's bytes to the
+    byte), then two rounds of H; a checkpoint inside the warm-up resumes bit for bit."""
+    for rank in world2:
+        ddp, warm, whole = rank["ddp-K"], rank["warm-K"], rank["warm-whole"]
+        _assert_same(warm, ddp, 1e-6, "warm-up")
+        torch.testing.assert_close(torch.tensor(whole["losses"][:K]),
+                                   torch.tensor(ddp["losses"]), rtol=0, atol=1e-6)
+        assert warm["traffic"] == ddp["traffic"]
+        ring = lambda numel: ring_all_reduce_elements(numel, 2, whole["dp_rank"]) * 4
+        assert whole["traffic"] == {"grad": ddp["traffic"]["grad"], "loss": 2 * ring(1),
+                                    "pseudo-grad": 2 * ring(whole["numel"])}
+        resumed = rank["warm-resumed"]
+        assert resumed["losses"] == whole["losses"][K - 1:]
+        for name, value in whole["state"].items():
+            assert torch.equal(resumed["state"][name], value), name
 
 
 def test_resume_is_exact(world2):

@@ -61,11 +61,27 @@ def test_unbuilt_combinations_are_named():
     (dict(dp=2, dp_mode="local-sgd", outer_momentum=0.5), "use dp_mode='diloco' to set"),
 ])
 def test_bad_diloco_plans_refused(fields, message):
+    from meshtrain.core.admit import check_plan
     with pytest.raises(PlanError, match=message):
-        mt.Plan(**fields)
+        check_plan(mt.Plan(**fields))   # a field's value in Plan, combinations in check_plan
 
 
 def test_diloco_refuses_clipping_before_any_rank():
     with pytest.raises(PlanError, match="max_grad_norm with dp_mode='diloco' is not built"):
         mt.Trainer(torch.nn.Linear(2, 2), mt.Plan(dp=2, dp_mode="diloco", max_grad_norm=1.0),
                    optimizer=torch.optim.AdamW, loss_fn=torch.nn.functional.mse_loss)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(dp=2, dp_mode="diloco", sync_warmup_steps=-1),
+     "sync_warmup_steps=-1: must be a whole number >= 0"),
+    (dict(dp=2, compression="powersgd", sync_warmup_steps=2.5),
+     "sync_warmup_steps=2.5: must be a whole number"),
+    (dict(dp=2, sync_warmup_steps=8), r"delays a slow-link method .* dp_mode='ddp' and no "
+                                      "compression; choose one"),
+    (dict(dp=2, dp_mode="ps-sync", sync_warmup_steps=8), "dp_mode='ps-sync'"),
+])
+def test_bad_sync_warmup_refused(fields, message):
+    from meshtrain.core.admit import check_plan
+    with pytest.raises(PlanError, match=message):
+        check_plan(mt.Plan(**fields))

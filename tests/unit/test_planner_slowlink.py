@@ -33,19 +33,26 @@ def test_local_step_bytes_and_time_are_ddps_over_h(mode, h):
     t_dp, last, stats = dp_comm_time(SPEC, local, SETUP, cluster, psi)
     whole = cluster.collective_time("all_reduce", psi * SETUP.param_bytes, 16, 16)
     assert t_dp == pytest.approx(whole / h) and last == 0.0
-    assert stats == pytest.approx(cluster.collective_time("all_reduce", 4, 16, 16))
+    assert stats == pytest.approx(cluster.collective_time("all_reduce", 4, 16, 16) / h)
 
 
-def test_crossover_solves_equal_step_time():
+def test_crossover_solves_step_time_ratio():
+    """A local-step plan's step is never slower than DDP's (it sends less, and its loss
+    travels once per sync), so equal step times never cross; the crossover that matters is
+    where DDP takes `gain` times as long (gain: the extra steps the method needs to reach
+    the same loss)."""
     cluster = make_cluster("A100-80GB", nodes=2, gpus_per_node=8, inter_bw="1Gb/s")
     ddp, local = _cands(h=32)
-    bw = crossover_bandwidth(SPEC, SETUP, cluster, ddp, local)
+    assert crossover_bandwidth(SPEC, SETUP, cluster, ddp, local) == math.inf
+    gain = 1.5
+    bw = crossover_bandwidth(SPEC, SETUP, cluster, ddp, local, gain)
     assert 1e6 < bw < 1e13
     at = lambda c, b: step_time(SPEC, c, SETUP, cluster.with_(inter_bw=b)).total
-    assert at(ddp, bw) == pytest.approx(at(local, bw), rel=1e-6)
-    assert at(local, bw / 2) < at(ddp, bw / 2) and at(local, bw * 2) > at(ddp, bw * 2)
-    # syncing less often moves the crossover up
-    assert crossover_bandwidth(SPEC, SETUP, cluster, ddp, _cands(h=8)[1]) < bw
+    assert at(ddp, bw) == pytest.approx(gain * at(local, bw), rel=1e-6)
+    assert (gain * at(local, bw / 2) < at(ddp, bw / 2)
+            and gain * at(local, bw * 2) > at(ddp, bw * 2))
+    # syncing more often moves the crossover down
+    assert crossover_bandwidth(SPEC, SETUP, cluster, ddp, _cands(h=8)[1], gain) < bw
 
 
 def test_crossover_refuses_a_dp_axis_inside_one_node():
@@ -63,7 +70,7 @@ def test_advice_proposes_diloco_over_1gbps_not_over_fast_links():
     for fast in ("ib-ndr", "nvlink4"):
         cluster = make_cluster("A100-80GB", nodes=2, gpus_per_node=8, inter_bw=fast)
         assert slow_link_advice(SPEC, SETUP, cluster, ddp) is None
-    assert math.isfinite(crossover_bandwidth(SPEC, SETUP, slow, ddp, _cands()[1]))
+    assert math.isfinite(crossover_bandwidth(SPEC, SETUP, slow, ddp, _cands()[1], 1.25))
 
 
 def test_plan_words_carry_the_slow_link_advice():
@@ -92,3 +99,13 @@ def test_powersgd_bytes_from_the_layer_shapes():
     ddp = Candidate(Plan(dp=4), micro_batch=1)
     assert powersgd_dp_bytes(spec, SETUP, 4, 10**6) == pytest.approx(
         axis_bytes(spec, ddp, SETUP)["dp"])
+
+
+def test_memory_counts_diloco_anchor_momentum_and_sync_buffer():
+    """A DiLoCo worker holds DDP's states plus three fp32 parameter-sized buffers (the
+    anchor, the outer momentum, the pseudo-gradient's buffer: diloco.py's memory())."""
+    from meshtrain.planner.memory import memory
+    ddp, local = _cands(h=8)
+    psi = stage_params(SPEC, 1, 1)
+    extra = memory(SPEC, local, SETUP).optim - memory(SPEC, ddp, SETUP).optim
+    assert extra == pytest.approx(3 * psi * 4)

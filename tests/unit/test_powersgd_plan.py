@@ -2,6 +2,7 @@
 fix, before any rank starts; and the matrices it compresses (the min-rate rule)."""
 import pytest
 
+from meshtrain.core.admit import check_plan
 from meshtrain.core.plan import Plan, PlanError
 
 
@@ -36,7 +37,7 @@ def test_compression_outside_plain_ddp_refused_by_name(fields, named):
     with pytest.raises(PlanError, match=rf"Plan\(compression='powersgd'\) with {named}: "
                                         r"PowerSGD is built for DDP's gradient sync only .*"
                                         r"or set compression='none'"):
-        Plan(dp=2, compression="powersgd", **fields)
+        check_plan(Plan(dp=2, compression="powersgd", **fields))
 
 
 def test_defaults_leave_plans_uncompressed_and_round_trip():

@@ -8,8 +8,14 @@ AdamW) on its own data, reaching θ_i. Then the workers average their pseudo-gra
 
 and an outer SGD with Nesterov momentum steps the anchor with Δ as its gradient:
 θ ← OuterSGD(θ, Δ; outer_lr, outer_momentum). Every worker starts the next round from it.
-The dp axis carries DDP's per-step gradient bytes once per H steps (plus the loss, one
-scalar per step, so that every step returns the global mean loss).
+The dp axis carries DDP's per-step gradient bytes once per H steps, plus the loss of the
+sync step (one scalar): between syncs a step returns this worker's own loss, since a round
+trip per step is what a slow link cannot afford (and the workers' models differ then).
+
+Warm-up (`Plan.sync_warmup_steps` = K): the first K steps average whole gradients every
+step, as DDP does (one all-reduce of the gradients, the loss and the used flags), and the
+first round starts from the parameters at step K, as the paper starts from a DDP-trained
+model.
 
 Local SGD (periodic model averaging) is the case outer_lr = 1, no momentum: θ ← mean θ_i.
 With H = 1, outer_lr = 1 and no momentum, both are DDP exactly (up to fp32 round-off).
@@ -61,14 +67,17 @@ class DiLoCo(GradientSync):
         self.outer_lr = 1.0 if local_sgd else float(plan.outer_lr)
         self.outer_momentum = 0.0 if local_sgd else float(plan.outer_momentum)
         self.since_sync = 0
+        self.warmup_steps, self.steps = plan.sync_warmup_steps, 0
         with torch.no_grad():
             self.anchors = [p.detach().clone() for p in self.params]
         # the outer optimizer steps the anchors; Nesterov where there is momentum
         self.outer = torch.optim.SGD(self.anchors, lr=self.outer_lr,
                                      momentum=self.outer_momentum,
                                      nesterov=self.outer_momentum > 0)
-        numel = sum(p.numel() for p in self.params)
-        self.flat = torch.empty(numel, dtype=self.params[0].dtype, device=self.params[0].device)
+        self.numel = sum(p.numel() for p in self.params)
+        # the pseudo-gradient; in the warm-up, the gradients, the loss and the used flags
+        self.flat = torch.empty(self.numel + 1 + len(self.params), dtype=self.params[0].dtype,
+                                device=self.params[0].device)
 
     # ---- the step -----------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -79,11 +88,37 @@ class DiLoCo(GradientSync):
         return nullcontext()   # inner steps never communicate gradients
 
     def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
-        """No gradient leaves the worker; only the loss is averaged (the global mean loss
-        every step returns)."""
-        loss = local_loss.detach().reshape(1).float().clone()
+        """No gradient leaves the worker (but in the warm-up); the loss is averaged over
+        dp at a sync step only: between syncs, this worker's own loss."""
+        loss = local_loss.detach().reshape(1).float()
+        if self.steps < self.warmup_steps:
+            return self._average_gradients(loss)
+        if self.since_sync + 1 < self.sync_every:
+            return loss.item()
+        loss = loss.clone()
         self.comm.all_reduce(loss, self.axis, tag="loss")
         return loss.item() / self.comm.mesh.size(self.axis)
+
+    @torch.no_grad()
+    def _average_gradients(self, loss: torch.Tensor) -> float:
+        """A warm-up step: DDP's mean gradient, the global mean loss, and `.grad = None`
+        for a parameter no rank used (as DDP leaves it), in one all-reduce."""
+        n = self.comm.mesh.size(self.axis)
+        views = self.flat[:self.numel].split([p.numel() for p in self.params])
+        for view, p in zip(views, self.params):
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+        self.flat[self.numel] = loss
+        self.flat[self.numel + 1:] = torch.tensor([p.grad is not None for p in self.params],
+                                                  dtype=torch.float32, device=self.flat.device)
+        self.flat[:self.numel].div_(n)
+        self.comm.all_reduce(self.flat, self.axis, tag="grad")
+        total, *users = self.flat[self.numel:].tolist()   # one host sync
+        for view, p, used_by in zip(views, self.params, users):
+            p.grad = view.view_as(p) if used_by else None
+        return total / n
 
     def build_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
                         ) -> torch.optim.Optimizer:
@@ -92,8 +127,16 @@ class DiLoCo(GradientSync):
         return self.optimizer
 
     def step(self) -> None:
-        """The inner step; every `sync_every`-th, the outer step after it."""
+        """The inner step; every `sync_every`-th, the outer step after it (after the
+        warm-up, whose last step sets the anchors)."""
         self.optimizer.step()
+        self.steps += 1
+        if self.steps <= self.warmup_steps:
+            if self.steps == self.warmup_steps:
+                with torch.no_grad():
+                    for anchor, p in zip(self.anchors, self.params):
+                        anchor.copy_(p)
+            return
         self.since_sync += 1
         if self.since_sync == self.sync_every:
             self._outer_step()
@@ -104,17 +147,21 @@ class DiLoCo(GradientSync):
         """Δ = mean over workers of (anchor − θ_i), one all-reduce; the outer SGD steps the
         anchors with Δ; every worker continues from them."""
         n = self.comm.mesh.size(self.axis)
-        views = self.flat.split([p.numel() for p in self.params])
+        flat = self.flat[:self.numel]
+        views = flat.split([p.numel() for p in self.params])
         for view, anchor, p in zip(views, self.anchors, self.params):
             torch.sub(anchor.reshape(-1), p.reshape(-1), out=view)
-        self.flat.div_(n)
-        self.comm.all_reduce(self.flat, self.axis, tag="pseudo-grad")
+        flat.div_(n)
+        self.comm.all_reduce(flat, self.axis, tag="pseudo-grad")
         for view, anchor in zip(views, self.anchors):
             anchor.grad = view.view_as(anchor)
         self.outer.step()
         for anchor, p in zip(self.anchors, self.params):
             anchor.grad = None
             p.copy_(anchor)
+
+    def resume_at(self, steps_done: int) -> None:
+        self.steps = steps_done   # the round's position came back with the state
 
     # ---- after the inner backward: other axes, clipping ------------------------------------
     def reduced_gradient(self, name: str) -> torch.Tensor | None:

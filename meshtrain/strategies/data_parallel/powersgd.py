@@ -17,6 +17,10 @@ factors of the averaged gradient (the buckets hold each gradient pre-divided by 
   the used flags, as DDP's last bucket does). A rank above min(M, N) means min(M, N): the
   factors are then exact and PowerSGD reproduces DDP to round-off.
 
+- Warm-up: the first `warmup_steps` steps are plain DDP (buckets all-reduced during
+  backward), as torch's `start_powerSGD_iter`: early gradients are the most sensitive to
+  approximation. Compression starts at step `warmup_steps` with zero residuals.
+
 Gradients still land in DDP's buckets during backward (one copy in memory), but nothing is
 launched before `finish_gradient_sync`: P needs the whole gradient.
 
@@ -45,8 +49,9 @@ class PowerSGD(DDP):
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, bucket_mb: float, rank: int,
-                 min_rate: float = 2.0, axis: str = "dp") -> None:
+                 min_rate: float = 2.0, warmup_steps: int = 0, axis: str = "dp") -> None:
         super().__init__(named_params, buffers, comm, bucket_mb, precision="fp32", axis=axis)
+        self.warmup_steps, self.steps = warmup_steps, 0
         generator = None
         self.factors: dict[int, _Factors] = {}   # id(param) -> its compression state
         for p in self.params:
@@ -58,12 +63,26 @@ class PowerSGD(DDP):
                 self.factors[id(p)] = _Factors(rows, cols, r, p, generator)
         self.plain = [p for p in self.params if id(p) not in self.factors]
 
+    def _warming_up(self) -> bool:
+        return self.steps < self.warmup_steps
+
     def _launch(self, bucket: Bucket):
+        if self._warming_up():
+            return super()._launch(bucket)
         return None   # nothing leaves before the step's end: see the module's docstring
+
+    def resume_at(self, steps_done: int) -> None:
+        self.steps = steps_done
 
     @torch.no_grad()
     def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
-        """Compress and all-reduce every gradient; return the global mean loss."""
+        """Compress and all-reduce every gradient (plain DDP during the warm-up); return
+        the global mean loss."""
+        if self._warming_up():   # counted after: the flush still launches DDP's last bucket
+            loss = super().finish_gradient_sync(local_loss)
+            self.steps += 1
+            return loss
+        self.steps += 1
         stats = torch.cat([local_loss.reshape(1).float(), self.grads.used_flags()])
         self.grads.flush()
         grads = {id(p): bucket.grad_view(i)
