@@ -244,12 +244,17 @@ class Trainer:
 
     @contextmanager
     def _watched(self):
+        if self.watchdog is not None:   # a stall counts only inside a step (NCCL's case)
+            self.watchdog.busy = True
         try:
             yield
         except RuntimeError as exc:
             if self.watchdog is None or not is_communication_error(exc):
                 raise
             raise CollectiveFailure(self.watchdog.diagnose(exc)) from exc
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.busy = False
 
     # ---- state --------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
