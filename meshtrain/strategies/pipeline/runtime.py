@@ -127,7 +127,8 @@ class PipelineSchedule:
                             default=-1)
         clock = Stopwatch(self.comm.mesh.device)
         blocks, waits = [], []   # (kind, micro-batch, chunk, begin mark, end mark)
-        clock.start()
+        if sync is not None:   # a training step is traced (on CUDA: one synchronisation)
+            clock.start()
         i = 0
         while i < len(actions):
             a = actions[i]
