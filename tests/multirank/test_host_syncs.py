@@ -74,7 +74,7 @@ class HostSyncs(TorchDispatchMode):
 
 
 PLANS = {"DDP": {}, "ZeRO-1": {"zero": 1}, "ZeRO-2": {"zero": 2},
-         "DDP, clipped": {"max_grad_norm": 0.5}, "ZeRO-1, clipped": {"zero": 1, "max_grad_norm": 0.5},
+         "ZeRO-1, clipped": {"zero": 1, "max_grad_norm": 0.5},
          "DDP, 2 micro-batches": {"microbatches": 2}}
 
 
