@@ -73,14 +73,16 @@ def init_distributed(timeout_s: float = 600.0, device: str | None = None):
     from meshtrain.core.device import DEVICE_ENV, resolve_device
     from meshtrain.core.mesh import device_for_backend
 
+    from meshtrain.core import watchdog
+
     os.environ[DEVICE_ENV] = resolve_device(device)
     where, backend = device_for_backend()
     if where.type == "cuda":
         torch.cuda.set_device(where)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     torch.set_num_threads(threads_per_rank(local_world))
-    if not dist.is_initialized():
-        timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():   # on NCCL, past our watchdog's: see core/watchdog.py
+        timeout = timedelta(seconds=watchdog.configure(timeout_s, backend))
         store = _store_of_this_attempt(timeout)
         if store is None:
             dist.init_process_group(backend, timeout=timeout)
@@ -139,6 +141,7 @@ def _worker(ref, payload: bytes, result_dir: str, collective_timeout_s: float = 
         for stale in (f"rank{rank}.err", f"rank{rank}.stopped"):   # a failed attempt's
             (Path(result_dir) / stale).unlink(missing_ok=True)
         _note_when_stopped(Path(result_dir) / f"rank{rank}.stopped")
+        _report_stalls(Path(result_dir) / f"rank{rank}.err")
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:  # see [Note: the first failure is often an echo]
@@ -152,6 +155,18 @@ def _worker(ref, payload: bytes, result_dir: str, collective_timeout_s: float = 
         shutdown_distributed()
 
     run()
+
+
+def _report_stalls(err_file: Path) -> None:
+    """A stall the watchdog diagnoses (NCCL: the host is blocked, nothing raises) is this
+    rank's error, written as a raised one is, and the process ends."""
+    from meshtrain.core import watchdog
+
+    def report(message: str) -> None:
+        err_file.write_text(json.dumps({"type": "CollectiveFailure", "message": message,
+                                        "traceback": f"CollectiveFailure: {message}\n"}))
+        watchdog._exit_on_stall(message)
+    watchdog.stall_handler = report
 
 
 def _note_when_stopped(marker: Path) -> None:

@@ -44,6 +44,7 @@ def _rank_main(ref, payload, rank, world, port, results, sys_path, timeout_s,
     import torch
     import torch.distributed as dist
 
+    from meshtrain.core import watchdog
     from meshtrain.core.device import DEVICE_ENV
 
     sys.path[:] = sys_path
@@ -59,8 +60,9 @@ def _rank_main(ref, payload, rank, world, port, results, sys_path, timeout_s,
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         store = dist.TCPStore("127.0.0.1", port, is_master=False,
                               timeout=timedelta(seconds=timeout_s))
+        timeout = watchdog.configure(collective_timeout_s or timeout_s, backend)   # NCCL: +grace
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=collective_timeout_s or timeout_s))
+                                timeout=timedelta(seconds=timeout))
         result = fn(*args, **kwargs)
         results.put((rank, True, pickle.dumps(result)))
     except BaseException:

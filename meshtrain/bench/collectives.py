@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.core.comm import Comm
+from meshtrain.core.device import synchronize
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import Plan
 from meshtrain.core.reference_collectives import (parameter_server_all_reduce, ring_all_gather,
@@ -31,8 +32,9 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda 
 
 
 def _variants(comm: Comm, n: int, r: int, numel: int) -> dict[str, dict]:
-    full = torch.randn(numel)
-    shard = torch.empty(numel // n)
+    device = comm.mesh.device   # NCCL takes only device tensors
+    full = torch.randn(numel, device=device)
+    shard = torch.empty(numel // n, device=device)
     mine = full[r * (numel // n):(r + 1) * (numel // n)].clone()   # this rank's all-gather input
     ring_order = lambda chunks: [chunks[(i - 1) % n] for i in range(n)]   # rank r keeps chunk r
     return {
@@ -68,9 +70,11 @@ def collectives_rank(sizes: tuple[int, ...], reps: int,
             for rep in range(reps):
                 names = list(variants) if rep % 2 == 0 else list(variants)[::-1]
                 for name in names:
+                    synchronize(comm.mesh.device)
                     dist.barrier()
                     t0 = time.perf_counter()
                     variants[name]()
+                    synchronize(comm.mesh.device)   # CUDA queues it: the time is the device's
                     times[name].append(time.perf_counter() - t0)
             out.setdefault(op, {})[nbytes] = {k: statistics.median(v) for k, v in times.items()}
     return out

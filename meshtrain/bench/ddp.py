@@ -13,6 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from meshtrain.bench.device import (basis_line, bench_device, fence, flops_basis, gpt_batch,
+                                    throughput)
 from meshtrain.bench.timing import alternate, median
 from meshtrain.core.plan import Plan
 from meshtrain.models.gpt import GPT, gpt_config
@@ -20,10 +22,8 @@ from meshtrain.train.trainer import Trainer
 
 
 def _batch(model_name: str, batch: int, seed: int = 0):
-    cfg = gpt_config(model_name)
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+    """The benchmark's batch, on this rank's device."""
+    return gpt_batch(model_name, batch, bench_device(), seed)
 
 
 def _adamw(params):
@@ -38,7 +38,7 @@ def ddp_rank(model_name: str, global_batch: int, steps: int, reps: int, warmup: 
     `run` builds them in both orders, in two launches, and pools the steps."""
     from torch.nn.parallel import DistributedDataParallel
 
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank, device = dist.get_world_size(), dist.get_rank(), bench_device()
     x, y = _batch(model_name, global_batch)
     per_rank = global_batch // world
     x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
@@ -50,7 +50,7 @@ def ddp_rank(model_name: str, global_batch: int, steps: int, reps: int, warmup: 
 
     def build_theirs():
         torch.manual_seed(0)
-        model = GPT(gpt_config(model_name))
+        model = GPT(gpt_config(model_name)).to(device)
         return model, DistributedDataParallel(model)
 
     if ours_first:
@@ -68,10 +68,11 @@ def ddp_rank(model_name: str, global_batch: int, steps: int, reps: int, warmup: 
         optimizer.step()
 
     times = alternate({"meshtrain": lambda: ours.step(x, y), "torch": torch_step},
-                      steps, reps, warmup, sync=dist.barrier)
+                      steps, reps, warmup, sync=fence(device))
     diff = max((a - b).abs().max().item() for a, b in
                zip(ours.model.parameters(), model.parameters()))
-    return {"times": times, "max_param_diff": diff, "threads": torch.get_num_threads()}
+    return {"times": times, "max_param_diff": diff, "threads": torch.get_num_threads(),
+            "basis": flops_basis(model_name, device)}
 
 
 def one_process_rank(model_name: str, global_batch: int, steps: int, reps: int,
@@ -79,7 +80,7 @@ def one_process_rank(model_name: str, global_batch: int, steps: int, reps: int,
     """One process, the whole global batch, plain training: 1 thread, then every core."""
     x, y = _batch(model_name, global_batch)
     torch.manual_seed(0)
-    model = GPT(gpt_config(model_name))
+    model = GPT(gpt_config(model_name)).to(x.device)
     optimizer = _adamw(model.parameters())
 
     def step():
@@ -90,7 +91,8 @@ def one_process_rank(model_name: str, global_batch: int, steps: int, reps: int,
     out = {}
     for threads in sorted({1, os.cpu_count() or 1}):
         torch.set_num_threads(threads)
-        out[threads] = alternate({"one": step}, steps, reps, warmup, sync=lambda: None)["one"]
+        out[threads] = alternate({"one": step}, steps, reps, warmup,
+                                 sync=fence(x.device, barrier=False))["one"]
     return out
 
 
@@ -115,7 +117,11 @@ def run(worlds=(2, 4), model_name: str = "small", global_batch: int = 16, steps:
         times = {side: [t for out in outs for t in out["times"][side]]
                  for side in ("meshtrain", "torch")}
         ours, theirs = median(times["meshtrain"]), median(times["torch"])
+        basis = result["basis"] = outs[0]["basis"]
+        tokens = global_batch * gpt_config(model_name).seq_len
         result["worlds"][world] = {
+            "meshtrain": throughput(ours, tokens, basis, world),
+            "torch": throughput(theirs, tokens, basis, world),
             "meshtrain_s": ours, "torch_s": theirs, "ratio": ours / theirs,
             "meshtrain_scaling": t1 / ours, "torch_scaling": t1 / theirs,
             "threads_per_rank": outs[0]["threads"],
@@ -130,11 +136,17 @@ def format_report(result: dict) -> str:
              "one process: " + ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.0f} ms"
                                          for k, v in one.items()),
              f"{'world':>5} {'meshtrain':>10} {'torch DDP':>10} {'ratio':>6} "
-             f"{'scaling ours':>13} {'scaling torch':>14} {'param diff':>11}"]
+             f"{'scaling ours':>13} {'scaling torch':>14} {'param diff':>11} "
+             f"{'tokens/s ours':>14} {'torch':>9} {'MFU ours':>9} {'torch':>6}"]
     for world, w in result["worlds"].items():
+        ours, theirs = w["meshtrain"], w["torch"]
         lines.append(f"{world:>5} {w['meshtrain_s'] * 1e3:>8.0f}ms {w['torch_s'] * 1e3:>8.0f}ms "
                      f"{w['ratio']:>6.3f} {w['meshtrain_scaling']:>12.2f}x "
-                     f"{w['torch_scaling']:>13.2f}x {w['max_param_diff']:>11.1e}")
+                     f"{w['torch_scaling']:>13.2f}x {w['max_param_diff']:>11.1e} "
+                     f"{ours['tokens_per_s']:>14,.0f} {theirs['tokens_per_s']:>9,.0f} "
+                     f"{ours['mfu']:>9.2%} {theirs['mfu']:>6.2%}")
     lines.append("ratio = meshtrain / torch step time (< 1: ours faster); scaling = one "
                  "1-thread process / world")
+    if "basis" in result:
+        lines.append(basis_line(result["basis"]))
     return "\n".join(lines)

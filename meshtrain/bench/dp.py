@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.bench.ddp import _adamw, _batch
+from meshtrain.bench.device import basis_line, fence, flops_basis, throughput
 from meshtrain.core.memory import storage_bytes
 from meshtrain.core.plan import Plan
 from meshtrain.models.gpt import GPT, gpt_config
@@ -72,10 +73,10 @@ def strategies_rank(model_name: str, global_batch: int, steps: int, reps: int, w
     for name, plan in _plans(world, staleness).items():
         torch.manual_seed(0)
         trainer = Trainer(GPT(gpt_config(model_name)), plan, optimizer=_adamw)
-        out[name] = _measure(trainer, x, y, steps, reps, warmup, dist.barrier)
+        out[name] = _measure(trainer, x, y, steps, reps, warmup, fence(x.device))
         trainer.data_parallel.remove_hooks()
         del trainer   # one model at a time in memory
-    return out
+    return {"rows": out, "basis": flops_basis(model_name, x.device)}
 
 
 def master_dp_rank(model_name: str, global_batch: int, steps: int, reps: int, warmup: int,
@@ -85,7 +86,7 @@ def master_dp_rank(model_name: str, global_batch: int, steps: int, reps: int, wa
     torch.manual_seed(0)
     trainer = Trainer(GPT(gpt_config(model_name)), Plan(dp=replicas, dp_mode="dp"),
                       optimizer=_adamw)
-    out = _measure(trainer, x, y, steps, reps, warmup, lambda: None)
+    out = _measure(trainer, x, y, steps, reps, warmup, fence(x.device, barrier=False))
     sync = trainer.data_parallel
     replica = [p for p in sync.replicas[1].parameters()]
     out["replica_states"] = storage_bytes(replica + [p.grad for p in replica if p.grad is not None])
@@ -150,8 +151,10 @@ def run(worlds=(2, 4), model_name: str = "small", global_batch: int = 16, steps:
         rows = {f"DP ({world} threads)": launch(master_dp_rank, 1, (
             model_name, global_batch, steps, reps, warmup, world))[0]}
         progress(f"world {world}: DDP, ps-sync (1 and {world} shards), ps-async ...")
-        ranks = launch(strategies_rank, world, (model_name, global_batch, steps, reps, warmup,
-                                                staleness))
+        launched = launch(strategies_rank, world, (model_name, global_batch, steps, reps,
+                                                   warmup, staleness))
+        ranks, basis = [r["rows"] for r in launched], launched[0]["basis"]
+        result["basis"] = basis
         for name in ranks[0]:
             per_rank = [r[name] for r in ranks]
             rows[name] = {"step_s": max(r["step_s"] for r in per_rank),
@@ -161,6 +164,9 @@ def run(worlds=(2, 4), model_name: str = "small", global_batch: int = 16, steps:
                           "others_states": max(r["model_states"] for r in per_rank[1:])}
         dp = rows[f"DP ({world} threads)"]
         dp["others_states"] = dp.pop("replica_states")
+        tokens = global_batch * gpt_config(model_name).seq_len
+        for r in rows.values():   # DP's threads drive `world` devices too
+            r.update(throughput(r["step_s"], tokens, basis, world))
         result["worlds"][world] = rows
     world = max(worlds)
     progress(f"world {world}: ps-sync vs ps-async s={staleness}, rank {world - 1} delayed "
@@ -187,12 +193,15 @@ def format_report(result: dict) -> str:
              f"median of {result['reps']} blocks of {result['steps']} steps; bytes and messages "
              "per step through the busiest rank; model states in MiB",
              f"{'N':>2} {'strategy':<22} {'step ms':>8} {'MiB/step':>9} {'msgs/step':>9} "
-             f"{'rank 0 states':>13} {'others':>7}"]
+             f"{'rank 0 states':>13} {'others':>7} {'tokens/s':>9} {'MFU':>6}"]
     for world, rows in result["worlds"].items():
         for name, r in rows.items():
             lines.append(f"{world:>2} {name:<22} {r['step_s'] * 1e3:>8.0f} {_mib(r['bytes']):>9} "
                          f"{r['messages']:>9.1f} {_mib(r['model_states']):>13} "
-                         f"{_mib(r['others_states']):>7}")
+                         f"{_mib(r['others_states']):>7} {r['tokens_per_s']:>9,.0f} "
+                         f"{r['mfu']:>6.2%}")
+    if "basis" in result:
+        lines.append(basis_line(result["basis"]))
     s = result["straggler"]
     lines.append(f"\nstraggler: world {s['world']}, rank {s['world'] - 1} delayed "
                  f"{s['delay_s'] * 1e3:.0f} ms every step, tiny GPT, validation loss")

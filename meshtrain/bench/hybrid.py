@@ -11,9 +11,9 @@ beside it.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from meshtrain.bench.ddp import _adamw, _batch
+from meshtrain.bench.device import basis_line, fence, flops_basis, throughput
 from meshtrain.bench.timing import alternate, median
 from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
 from meshtrain.core.plan import Plan
@@ -61,9 +61,9 @@ def _torch(model_name: str, dp: int, tp: int, x, y):
 
     from meshtrain.bench import dtensor_tp
 
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(x.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
-    model = GPT(gpt_config(model_name))
+    model = GPT(gpt_config(model_name)).to(x.device)
     if tp > 1:
         dtensor_tp.parallelize_gpt(model, mesh["tp"], False)
     for layer in model.layers():
@@ -95,8 +95,9 @@ def hybrid_rank(model_name: str, global_batch: int, steps: int, reps: int, warmu
             sides[f"torch FSDP2+TP dp{plan['dp']} tp{plan['tp']}"] = _torch(
                 model_name, plan["dp"], plan["tp"], x, y)
     times = alternate({n: s[0] for n, s in sides.items()}, steps, reps, warmup,
-                      sync=dist.barrier)
-    return {"times": times, "state_bytes": {n: s[1]() for n, s in sides.items()}}
+                      sync=fence(x.device))
+    return {"times": times, "state_bytes": {n: s[1]() for n, s in sides.items()},
+            "basis": flops_basis(model_name, x.device)}
 
 
 def run(model_name: str = "small", global_batch: int = 16, steps: int = 3, reps: int = 3,
@@ -106,22 +107,28 @@ def run(model_name: str = "small", global_batch: int = 16, steps: int = 3, reps:
     progress(f"{WORLD} ranks: every dp x pp x tp plan and torch FSDP2 + DTensor TP, "
              "alternating ...")
     per_rank = launch(hybrid_rank, WORLD, (model_name, global_batch, steps, reps, warmup))
-    rows = {}
+    rows, basis = {}, per_rank[0]["basis"]
+    tokens = global_batch * gpt_config(model_name).seq_len
     for n in per_rank[0]["times"]:
         state = [r["state_bytes"][n] for r in per_rank]
-        rows[n] = {"step_s": median(per_rank[0]["times"][n]), "state_max": max(state),
-                   "state_min": min(state)}
+        step_s = median(per_rank[0]["times"][n])
+        rows[n] = {"step_s": step_s, "state_max": max(state), "state_min": min(state),
+                   **throughput(step_s, tokens, basis, WORLD)}
     return {"model": model_name, "global_batch": global_batch, "steps": steps, "reps": reps,
-            "rows": rows}
+            "rows": rows, "basis": basis}
 
 
 def format_report(result: dict) -> str:
     lines = [f"model {result['model']} GPT, {WORLD} ranks, global batch "
              f"{result['global_batch']}, M={MICROBATCHES} with pp > 1, median step of "
              f"{result['reps']} alternating repetitions x {result['steps']} steps",
-             f"{'plan':<26} {'step':>8} {'model states/rank (max, min)':>30}"]
+             f"{'plan':<26} {'step':>8} {'model states/rank (max, min)':>30} {'tokens/s':>9} "
+             f"{'MFU':>6}"]
     for n, r in result["rows"].items():
         lines.append(f"{n:<26} {r['step_s'] * 1e3:>6.0f}ms {r['state_max'] / 2**20:>12.2f} MiB "
-                     f"{r['state_min'] / 2**20:>8.2f} MiB")
+                     f"{r['state_min'] / 2**20:>8.2f} MiB {r['tokens_per_s']:>9,.0f} "
+                     f"{r['mfu']:>6.2%}")
     lines.append("model states = parameters + gradients + AdamW states this rank holds")
+    if "basis" in result:
+        lines.append(basis_line(result["basis"]))
     return "\n".join(lines)

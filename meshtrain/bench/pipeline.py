@@ -19,6 +19,7 @@ def measure_rank(cases: list[tuple[str, int, int]], seconds: float, steps: int,
                  input_s: float | None = None, weight_s: float | None = None) -> list:
     """Per (schedule, M, V): each step's trace record of this rank (report/trace.py). A
     stage costs `seconds` forward, `input_s` + `weight_s` backward (models/spin.py)."""
+    from meshtrain.bench.device import bench_device
     from meshtrain.core.plan import Plan
     from meshtrain.train.trainer import Trainer
     from meshtrain.models.spin import spin_pipe
@@ -32,8 +33,8 @@ def measure_rank(cases: list[tuple[str, int, int]], seconds: float, steps: int,
                           optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), loss_fn=_mse)
         # the input requires grad so that stage 0 pays an input gradient as every other
         # stage does: equal stage costs, as theory assumes
-        x = torch.randn(2 * m, WIDTH, requires_grad=True)
-        y = torch.randn(2 * m, WIDTH)
+        x = torch.randn(2 * m, WIDTH, device=bench_device(), requires_grad=True)
+        y = torch.randn(2 * m, WIDTH, device=bench_device())
         records = []
         for _ in range(steps):
             trainer.step(x, y)
@@ -76,12 +77,9 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
 
 
 def _gpt_batch(model_name: str, batch: int):
-    from meshtrain.models.gpt import gpt_config
+    from meshtrain.bench.device import bench_device, gpt_batch
 
-    cfg = gpt_config(model_name, n_layer=N_LAYER)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+    return gpt_batch(model_name, batch, bench_device(), n_layer=N_LAYER)
 
 
 def _token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -97,6 +95,7 @@ def bench_rank(model_name: str, batch: int, cases: list[tuple[str, int, int]], s
 
     from meshtrain.core.plan import Plan
     from meshtrain.train.trainer import Trainer
+    from meshtrain.bench.device import fence, flops_basis
     from meshtrain.bench.timing import alternate
     from meshtrain.models.gpt import GPT, gpt_config
     from meshtrain.strategies.pipeline.partition import model_layers, stage_bounds
@@ -112,10 +111,10 @@ def bench_rank(model_name: str, batch: int, cases: list[tuple[str, int, int]], s
                        loss_fn=_token_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4))
 
         torch.manual_seed(0)
-        model = GPT(gpt_config(model_name, n_layer=N_LAYER))
+        model = GPT(gpt_config(model_name, n_layer=N_LAYER)).to(x.device)
         layers, bounds = model_layers(model), stage_bounds(model, plan)
         stages = [tpp.PipelineStage(torch.nn.Sequential(*layers[bounds[s]:bounds[s + 1]]),
-                                    s, pp * v, torch.device("cpu"))
+                                    s, pp * v, x.device)
                   for s in (stage_of(rank, c, pp) for c in range(v))]
         params = [p for st in stages for p in st.submod.parameters()]
         optimizer = torch.optim.SGD(params, lr=1e-4)
@@ -135,11 +134,12 @@ def bench_rank(model_name: str, batch: int, cases: list[tuple[str, int, int]], s
             optimizer.step()
 
         times = alternate({"meshtrain": lambda: ours.step(x, y), "torch": torch_step}, steps,
-                          reps, warmup, dist.barrier)
+                          reps, warmup, fence(x.device))
         out[f"{schedule} M={m} V={v}"] = {"times": times,
                                           "bubble": ours.driver.trace.bubble,
                                           "peak_held": ours.driver.peak_held}
         ours.close()
+    out["basis"] = flops_basis(model_name, x.device, n_layer=N_LAYER)
     return out
 
 
@@ -147,8 +147,10 @@ def bench(worlds=(2, 4), model_name: str = "tiny", batch: int = 16, microbatches
           schedules=("gpipe", "1f1b", "interleaved", "zb-h1"), steps: int = 3, reps: int = 6,
           warmup: int = 2, progress=print) -> dict:
     """Every (schedule, M) at each pp, ours against torch's; medians and ratios."""
+    from meshtrain.bench.device import throughput
     from meshtrain.bench.timing import median
     from meshtrain.launch import launch
+    from meshtrain.models.gpt import gpt_config
 
     result = {"model": model_name, "batch": batch, "steps": steps, "reps": reps, "worlds": {}}
     for pp in worlds:
@@ -156,10 +158,14 @@ def bench(worlds=(2, 4), model_name: str = "tiny", batch: int = 16, microbatches
                  if s != "interleaved" or m % pp == 0]
         progress(f"pp={pp}: {len(cases)} cases, meshtrain vs torch pipelining, alternating ...")
         ranks = launch(bench_rank, pp, (model_name, batch, cases, steps, reps, warmup))
-        rows = {}
+        rows, basis = {}, ranks[0].pop("basis")
+        result["basis"] = basis
+        tokens = batch * gpt_config(model_name).seq_len
         for name, r in ranks[0].items():
             ours, theirs = median(r["times"]["meshtrain"]), median(r["times"]["torch"])
             rows[name] = {"meshtrain_s": ours, "torch_s": theirs, "ratio": ours / theirs,
+                          "meshtrain": throughput(ours, tokens, basis, pp),
+                          "torch": throughput(theirs, tokens, basis, pp),
                           "torch_schedule": TORCH_SCHEDULES[name.split()[0]],
                           "peak_held_per_stage": [rk[name]["peak_held"] for rk in ranks],
                           "idle_per_stage": [rk[name]["bubble"] for rk in ranks]}
@@ -172,11 +178,18 @@ def format_bench(result: dict) -> str:
     lines = [f"{result['model']} GPT ({N_LAYER} blocks), batch {result['batch']}, median step "
              f"of {result['reps']} alternating repetitions x {result['steps']} steps",
              f"{'pp':>3} {'schedule':<22} {'meshtrain ms':>12} {'torch ms':>9} {'ratio':>6}  "
+             f"{'tokens/s ours':>13} {'torch':>7} {'MFU ours':>8} {'torch':>6}  "
              f"{'torch class':<30} held/stage  idle/stage"]
     for pp, rows in result["worlds"].items():
         for name, r in rows.items():
             lines.append(f"{pp:>3} {name:<22} {r['meshtrain_s'] * 1e3:>12.1f} "
-                         f"{r['torch_s'] * 1e3:>9.1f} {r['ratio']:>6.3f}  "
+                         f"{r['torch_s'] * 1e3:>9.1f} {r['ratio']:>6.3f} "
+                         f"{r['meshtrain']['tokens_per_s']:>13,.0f} "
+                         f"{r['torch']['tokens_per_s']:>7,.0f} "
+                         f"{r['meshtrain']['mfu']:>8.2%} {r['torch']['mfu']:>6.2%}  "
                          f"{r['torch_schedule']:<30} {r['peak_held_per_stage']}  "
                          + " ".join(f"{b:.2f}" for b in r["idle_per_stage"]))
+    if "basis" in result:
+        from meshtrain.bench.device import basis_line
+        lines.append(basis_line(result["basis"]))
     return "\n".join(lines)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.bench.ddp import _adamw, _batch
+from meshtrain.bench.device import basis_line, fence, flops_basis, throughput
 from meshtrain.bench.timing import alternate, median
 from meshtrain.core.comm import ring_all_reduce_elements, ring_half_elements
 from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
@@ -52,7 +53,7 @@ def _peer(model_name: str, world: int, x, y):
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
-    model = GPT(gpt_config(model_name))
+    model = GPT(gpt_config(model_name)).to(x.device)
     ddp = DistributedDataParallel(model)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
 
@@ -80,7 +81,7 @@ def _fsdp(model_name: str, world: int, x, y):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = GPT(gpt_config(model_name))
+    model = GPT(gpt_config(model_name)).to(x.device)   # FSDP2 shards on the default mesh's device
     layers = model.layers()
     sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     for layer in layers:
@@ -123,14 +124,15 @@ def zero_rank(model_name: str, global_batch: int, steps: int, reps: int, warmup:
     sides = {name: (_ours(model_name, world, OURS[name], x, y) if name in OURS
                     else build[name](model_name, world, x, y)) for name in order}
     times = alternate({name: side[0] for name, side in sides.items()}, steps, reps, warmup,
-                      sync=dist.barrier)
+                      sync=fence(x.device))
     sent = {name: side[1]() for name, side in sides.items()}   # one more step each
     states = {name: side[2]() for name, side in sides.items()}
     weights = {name: list(side[3]()) for name, side in sides.items()}
     reference = weights[order[0]]
     diff = max((a - b).abs().max().item() for w in weights.values()
                for a, b in zip(reference, w))
-    return {"times": times, "sent": sent, "state_bytes": states, "max_param_diff": diff}
+    return {"times": times, "sent": sent, "state_bytes": states, "max_param_diff": diff,
+            "basis": flops_basis(model_name, x.device)}
 
 
 def run(worlds=(2, 4), model_name: str = "small", global_batch: int = 16, steps: int = 5,
@@ -147,9 +149,12 @@ def run(worlds=(2, 4), model_name: str = "small", global_batch: int = 16, steps:
                                           warmup, list(order)))
                 for order in (SIDES, SIDES[::-1])]
         row = {}
+        basis = result["basis"] = outs[0][0]["basis"]
+        tokens = global_batch * gpt_config(model_name).seq_len
         for name in SIDES:
             times = [t for out in outs for t in out[0]["times"][name]]
             row[name] = {"step_s": median(times),
+                         **throughput(median(times), tokens, basis, world),
                          "state_bytes": max(r["state_bytes"][name] for r in outs[0]),
                          "sent_per_step": max(r["sent"][name] for r in outs[0])}
         ddp, peer, fsdp = (row[k]["step_s"] for k in ("DDP", PEER, FSDP))
@@ -168,12 +173,16 @@ def format_report(result: dict) -> str:
     for world, w in result["worlds"].items():
         lines += [f"world {world} (parameters agree to {w['max_param_diff']:.1e})",
                   f"  {'side':<14} {'step':>9} {'/ our DDP':>10} {'/ torch ZeRO-1':>15} "
-                  f"{'/ FSDP2':>8} {'model states':>13} {'sent / step':>12}"]
+                  f"{'/ FSDP2':>8} {'model states':>13} {'sent / step':>12} {'tokens/s':>9} "
+                  f"{'MFU':>6}"]
         for name, s in w["sides"].items():
             lines.append(f"  {name:<14} {s['step_s'] * 1e3:>7.0f}ms {s['vs_our_ddp']:>10.3f} "
                          f"{s['vs_torch_zero1']:>15.3f} {s['vs_fsdp2']:>8.3f} "
                          f"{s['state_bytes'] / 2**20:>10.2f}MiB "
-                         f"{s['sent_per_step'] / 2**20:>9.2f}MiB")
+                         f"{s['sent_per_step'] / 2**20:>9.2f}MiB {s['tokens_per_s']:>9,.0f} "
+                         f"{s['mfu']:>6.2%}")
     lines.append("model states: the largest rank's parameters + gradients + optimizer states; "
                  "sent: bytes per rank per step (busiest rank)")
+    if "basis" in result:
+        lines.append(basis_line(result["basis"]))
     return "\n".join(lines)

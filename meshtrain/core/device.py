@@ -12,7 +12,9 @@ the host tensors (offloaded state, host scalars) that NCCL never accepts.
 
 The device's own figures: on CUDA, memory from the caching allocator (allocated now, peak
 allocated) and pinned host bytes, and a clock read only after the device has finished its
-queued work (`DeviceClock`). On CPU these are the host's own: no device memory, the plain clock.
+queued work (`DeviceClock`), or marks on the device's timeline (`Stopwatch`: CUDA events)
+for a timeline of many short pieces of work. On CPU these are the host's own: no device
+memory, the plain clock.
 """
 from __future__ import annotations
 
@@ -105,6 +107,44 @@ class DeviceClock:
     def now(self) -> float:
         synchronize(self.device)
         return time.perf_counter()
+
+
+class Stopwatch:
+    """Marks on the device's own timeline, read as seconds since `start` once the work is done.
+
+    On CPU a mark is the host clock. On CUDA it is an event recorded on the current stream
+    (the host clock would time the launches, not the work), so marking costs no
+    synchronisation: `start` synchronises once, so that `origin` (the host clock at the
+    start, which local ranks share) lines their timelines up, and `seconds` waits for a
+    mark's event before reading it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.cuda = device, device.type == "cuda"
+        self.origin = 0.0
+        self._start = None
+
+    def start(self) -> None:
+        if self.cuda:
+            synchronize(self.device)
+            self._start = self._event()
+        self.origin = time.perf_counter()
+
+    def mark(self):
+        """Now, on the device's timeline: seconds since the start (CPU) or an event (CUDA)."""
+        return self._event() if self.cuda else time.perf_counter() - self.origin
+
+    def seconds(self, mark) -> float:
+        """A mark as seconds since the start (waits for its event on CUDA)."""
+        if not self.cuda:
+            return mark
+        mark.synchronize()
+        return self._start.elapsed_time(mark) / 1e3   # elapsed_time is in milliseconds
+
+    @staticmethod
+    def _event():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
 
 def device_memory(device: torch.device) -> dict | None:

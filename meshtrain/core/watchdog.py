@@ -15,6 +15,18 @@ a few heartbeats apart, and compares the ranks that share each axis:
 Point-to-point sends and receives are logged, numbered apart, and not compared: their order
 and number differ between ranks by design (pipeline schedules).
 
+[Note: on NCCL, ours first]
+gloo's collectives raise at the process group's timeout; NCCL's do not: the host only queues
+them, then blocks wherever it next waits for the device (the step's loss), and torch's own
+NCCL watchdog, at the group's timeout, aborts the communicators and the process
+(TORCH_NCCL_ASYNC_ERROR_HANDLING, which the elastic agent sets to 1; with
+TORCH_NCCL_DUMP_ON_TIMEOUT and TORCH_NCCL_TRACE_BUFFER_SIZE it also dumps its flight
+recorder), before anything of ours runs. So where the group has NCCL (`configure`), the group's
+timeout is ours plus NCCL_GRACE_S, and our thread watches for a stall itself: inside a step
+(`busy`), no new communication call for the collective timeout. It then diagnoses as above
+and hands the message to the stall handler (the launcher's writes it as this rank's error and
+ends the process), before NCCL's timeout fires.
+
 [Note: the store outlives the ranks]
 The store is the rendezvous's TCPStore (the elastic agent's, or the test harness's), so a
 dead rank's last published tail remains readable: the message can say where it stopped.
@@ -22,12 +34,35 @@ dead rank's last published tail remains readable: the message can say where it s
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
 import time
 from collections import defaultdict, deque
 from collections import Counter
 
 P2P = {"send", "recv"}
+NCCL_GRACE_S = 60.0   # NCCL's timeout past ours: time to notice a stall, diagnose, report
+
+_stall_after: float | None = None   # see [Note: on NCCL, ours first]
+
+
+def configure(collective_timeout_s: float, backend: str) -> float:
+    """The process group's timeout for a backend, and where it has NCCL, our stall watch:
+    see [Note: on NCCL, ours first]."""
+    global _stall_after
+    nccl = "nccl" in backend
+    _stall_after = collective_timeout_s if nccl else None
+    return collective_timeout_s + NCCL_GRACE_S if nccl else collective_timeout_s
+
+
+def _exit_on_stall(message: str) -> None:
+    print(f"meshtrain: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+stall_handler = _exit_on_stall
+"""Called (from the watchdog's thread) with the diagnosis of a stall; must end the process."""
 
 
 def signature(op: str, axis: str, tag: str, dtype=None, shape=None) -> str:
@@ -75,6 +110,10 @@ class CollectiveFailure(RuntimeError):
     """A collective timed out or lost a peer; the message names the culprit and the call."""
 
 
+class CollectiveStall(RuntimeError):
+    """No communication call returned for the collective timeout, inside a step."""
+
+
 class CollectiveMismatch(RuntimeError):
     """--check-collectives found ranks whose first-step call sequences differ."""
 
@@ -85,11 +124,16 @@ class Watchdog:
 
     KEY = "meshtrain/watch/"
 
-    def __init__(self, log: CollectiveLog, mesh, interval: float = 1.0) -> None:
+    def __init__(self, log: CollectiveLog, mesh, interval: float = 1.0,
+                 stall_after: float | None = None) -> None:
         import torch.distributed as dist
 
         self.log, self.mesh, self.interval = log, mesh, interval
         self.store = dist.distributed_c10d._get_default_store()
+        self.stall_after = stall_after
+        """Seconds without a new call inside a step that make a stall (None: never)."""
+        self.busy = False   # inside a step or an evaluation (Trainer._watched)
+        self._seen = (-1, 0.0)   # (calls logged, when that count was first seen)
         self.beats = 0
         self._stop = threading.Event()
         self._publish()
@@ -114,6 +158,20 @@ class Watchdog:
                 self._publish()
             except Exception:   # the store is gone: the run is ending
                 return
+            if self.stalled(time.monotonic()):
+                stall_handler(self.diagnose(CollectiveStall(
+                    f"no communication call returned for {self.stall_after:g} s inside a step "
+                    "(--collective-timeout)")))
+                return
+
+    def stalled(self, now: float) -> bool:
+        """Inside a step, the log unchanged for `stall_after` seconds (checked by the
+        thread; `now` on time.monotonic)."""
+        count = sum(self.log.count.values())
+        if not self.busy or count != self._seen[0]:
+            self._seen = (count, now)
+            return False
+        return self.stall_after is not None and now - self._seen[1] >= self.stall_after
 
     def close(self) -> None:
         self._stop.set()
@@ -166,9 +224,10 @@ def watch(comm) -> Watchdog | None:
     if _watchdog is None or _watchdog.store is not dist.distributed_c10d._get_default_store():
         if _watchdog is not None:
             _watchdog.close()
-        _watchdog = Watchdog(comm.log, comm.mesh)
+        _watchdog = Watchdog(comm.log, comm.mesh, stall_after=_stall_after)
     else:
         _watchdog.log, _watchdog.mesh = comm.log, comm.mesh
+        _watchdog.stall_after = _stall_after
     return _watchdog
 
 

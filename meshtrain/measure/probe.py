@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from meshtrain.bench.timing import alternate
 from meshtrain.core.comm import Comm
+from meshtrain.core.device import synchronize
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import Plan
 from meshtrain.measure.runs import BUDGET_S, KINDS, MIN_REPS, SIZES
@@ -28,14 +29,15 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
     torch.set_num_threads(1)
     world = dist.get_world_size() if dist.is_initialized() else 1
     comm = Comm(Mesh.build(Plan(dp=world)))
+    device = comm.mesh.device   # what a training rank computes on (NCCL: device tensors only)
     n = 512
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     torch.manual_seed(0)
     config = GPTConfig(**REFERENCE_GPT)
-    model = GPT(config)
-    x = torch.randint(0, config.vocab_size, (REFERENCE_BATCH, config.seq_len))
+    model = GPT(config).to(device)
+    x = torch.randint(0, config.vocab_size, (REFERENCE_BATCH, config.seq_len), device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    big = torch.empty(32 * 2**20 // 4)
+    big = torch.empty(32 * 2**20 // 4, device=device)
     dst = torch.empty_like(big)
 
     spec = from_gpt_config(config)
@@ -61,8 +63,8 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
 
     for kind in KINDS if world > 1 else ():
         for size in sizes:
-            full = torch.ones(size // 4)
-            shard = torch.ones(size // 4 // world)
+            full = torch.ones(size // 4, device=device)
+            shard = torch.ones(size // 4 // world, device=device)
             run = {"all_reduce": lambda f=full: comm.all_reduce(f, "dp", tag="calibrate"),
                    "all_gather": lambda f=full, s=shard: comm.all_gather(f[:s.numel() * world], s, "dp", tag="calibrate"),
                    "reduce_scatter": lambda f=full, s=shard: comm.reduce_scatter(s, f[:s.numel() * world], "dp", tag="calibrate"),
@@ -75,12 +77,15 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
     for fn, _ in work.values():   # warm-up pass, which also sizes the repetitions
         sync()
         fn()
+    synchronize(device)
     # every rank must run the same collectives: all take the largest count any rank asks for
-    reps = torch.tensor([max(MIN_REPS, math.ceil(budget_s / (time.perf_counter() - start)))])
+    reps = torch.tensor([max(MIN_REPS, math.ceil(budget_s / (time.perf_counter() - start)))],
+                        device=device)
     comm.all_reduce(reps, "dp", op="max", tag="calibrate")
     reps = int(reps.item())
-    times = alternate({name: fn for name, (fn, _) in work.items()}, 1, reps, 0, sync,
-                      wait_for_all=False)
+    # each measurement ends when the device has finished it (CUDA queues the work)
+    times = alternate({name: _waited(fn, device) for name, (fn, _) in work.items()}, 1, reps,
+                      0, sync, wait_for_all=False)
     rate = {name: amount / max(statistics.median(times[name]), 1e-9)
             for name, (_, amount) in work.items()}
     collectives = {kind: {"sizes": list(sizes), "busbw": [rate[f"{kind}:{s}"] for s in sizes]}
@@ -88,6 +93,13 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
     return {"world": world, "matmul_flops": rate["matmul"], "model_flops": rate["gpt"],
             "model_flops_small": rate["gpt_small"], "mem_bw": rate["copy"], "optimizer_rate": rate["optimizer"], "reps": reps,
             "collectives": collectives}
+
+
+def _waited(fn, device: torch.device):
+    def run() -> None:
+        fn()
+        synchronize(device)
+    return run
 
 
 RATES = ("matmul_flops", "model_flops", "model_flops_small", "mem_bw", "optimizer_rate")

@@ -150,7 +150,7 @@ class Trainer:
         self.driver = drive_steps(self.model, self.stages, plan, self.comm, self.loss_fn,
                                   self.activations, self.data_parallel)
         self.steps_done = 0
-        self.last_grad_norm: float | None = None
+        self._grad_norm: torch.Tensor | None = None   # read by `last_grad_norm`
 
     # ---- who am I -----------------------------------------------------------------------
     @property
@@ -179,7 +179,7 @@ class Trainer:
         loss = self.driver.global_loss(sync.finish_gradient_sync(local_loss))
         self._sum_gradients_across_axes()
         if self.max_grad_norm is not None:
-            self.last_grad_norm = self.clip_gradients(self.max_grad_norm)
+            self._grad_norm = self._clip(self.max_grad_norm)
         sync.step()
         self.steps_done += 1
         return loss
@@ -204,16 +204,26 @@ class Trainer:
         self.stages.sum_shared_gradients(reduced)
         self.sharding.sum_partial_gradients(reduced)
 
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm before the last step's clipping (None without
+        max_grad_norm): read from the device when asked, not by the step."""
+        return None if self._grad_norm is None else self._grad_norm.item()
+
     def clip_gradients(self, max_norm: float) -> float:
         """Scale the gradients so that their global norm (over every axis) is at most
         `max_norm`, as torch.nn.utils.clip_grad_norm_ does in one process; returns the norm."""
+        return self._clip(max_norm).item()
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        """`clip_gradients` without reading the norm on the host (the step never waits)."""
         counted = lambda name: self.sharding.counts(name) and self.stages.counts(name)
         square_sum = self.data_parallel.gradient_square_sum(counted)
         for axis in ("tp", "pp", "dp"):
             self.comm.all_reduce(square_sum, axis, tag="grad-norm")
         norm = square_sum.sqrt().float()
         self.data_parallel.scale_gradients(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        return norm.item()
+        return norm
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
@@ -238,12 +248,17 @@ class Trainer:
 
     @contextmanager
     def _watched(self):
+        if self.watchdog is not None:   # a stall counts only inside a step (NCCL's case)
+            self.watchdog.busy = True
         try:
             yield
         except RuntimeError as exc:
             if self.watchdog is None or not is_communication_error(exc):
                 raise
             raise CollectiveFailure(self.watchdog.diagnose(exc)) from exc
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.busy = False
 
     # ---- state --------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -60,3 +60,37 @@ def test_meshtrain_train_runs_on_the_gpu_and_reports_its_memory(tmp_path):
     for memory in summary["memory_per_rank"]:
         assert 0 < memory["device_allocated"] <= memory["device_peak"]
     assert "GPU rank 0" in run.stdout
+
+
+def test_offloaded_gradients_land_in_pinned_buffers_reused_every_step():
+    """offload='cpu' beside a GPU: the reduced gradients reach the pinned host masters by
+    non-blocking copies into pinned buffers kept between steps, equal to a plain copy."""
+    from meshtrain.strategies.shared.precision import MasterWeights
+
+    compute = [torch.randn(1000, device="cuda", dtype=torch.bfloat16)]
+    masters = MasterWeights(compute, "bf16", device=torch.device("cpu"))
+    masters.masters[0].data = masters.masters[0].data.pin_memory()
+    buffers = []
+    for _ in range(2):
+        grad = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
+        masters.set_grads([grad])
+        got = masters.masters[0].grad
+        assert got.is_pinned() and got.dtype == torch.float32
+        assert torch.equal(got, grad.float().cpu())
+        buffers.append(got.data_ptr())
+        masters.write_back()
+    assert buffers[0] == buffers[1]
+
+
+def test_the_stopwatch_times_the_gpu_work_not_its_launch():
+    from meshtrain.core.device import Stopwatch
+
+    a = torch.randn(4096, 4096, device="cuda")
+    watch = Stopwatch(torch.device("cuda", torch.cuda.current_device()))
+    watch.start()
+    begin = watch.mark()
+    for _ in range(20):
+        a = a @ a / 4096
+    end = watch.mark()
+    assert watch.seconds(end) > watch.seconds(begin) >= 0
+    assert watch.seconds(end) - watch.seconds(begin) > 1e-4   # 20 matmuls of 4096^2: > 0.1 ms

@@ -152,3 +152,36 @@ def test_the_summary_shows_gpu_memory_when_there_is_some(capsys):
     out = capsys.readouterr().out
     assert "GPU rank 0   allocated 3.0 MiB, peak allocated 5.0 MiB; host pinned 2.0 MiB" in out
     assert "GPU rank 1" not in out   # a CPU rank's summary is today's
+
+
+def test_the_stopwatch_reads_the_host_clock_on_cpu_and_cuda_events_on_cuda(monkeypatch):
+    """CPU: marks are host seconds since the start. CUDA (events mocked): one
+    synchronisation at the start, none per mark, and a mark reads as the event's elapsed
+    milliseconds from the start event, in seconds, once its event is waited for."""
+    watch = dev.Stopwatch(torch.device("cpu"))
+    watch.start()
+    a, b = watch.mark(), watch.mark()
+    assert 0 <= a <= b < 1 and watch.seconds(b) == b
+
+    calls, device_ms = [], iter([0.0, 12.5, 40.0])   # the device's clock at each record
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+        def record(self):
+            self.at = next(device_ms)
+            calls.append("record")
+        def synchronize(self):
+            calls.append("wait")
+        def elapsed_time(self, other):
+            return other.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d: calls.append("sync"))
+    watch = dev.Stopwatch(torch.device("cuda", 0))
+    watch.start()
+    first, second = watch.mark(), watch.mark()
+    assert calls == ["sync", "record", "record", "record"]   # marking never waits
+    assert watch.seconds(first) == pytest.approx(0.0125)
+    assert watch.seconds(second) == pytest.approx(0.040)
+    assert calls[4:] == ["wait", "wait"]

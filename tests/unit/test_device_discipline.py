@@ -30,10 +30,8 @@ ALLOWED = {
                                             "memory by definition",
     ("strategies/data_parallel/parameter_server.py", "local_optimizer_state"):
         "AdamW's step count: a 0-dim host scalar in torch.optim (capturable=False)",
-    # the benches and calibration build references on the host: point 6 of issue 26 moves
-    # them onto the mesh's device
-    ("bench/*", "*"): "benchmarks (issue 26 point 6)",
-    ("measure/probe.py", "*"): "calibration (issue 26 point 6)",
+    ("bench/harness.py", "one_all_reduce"): "the harness's ranks are run_ranks' gloo ranks "
+                                            "on the host: it times their start, not a device",
     ("measure/verify.py", "*"): "plan verification's batches, moved by the step driver",
 }
 
@@ -102,10 +100,87 @@ def test_the_checker_finds_a_planted_violation():
         "strategies/x.py:6 used_flags: torch.tensor([1.0 for p in params])",
         "strategies/x.py:8 outer: torch.arange(4, dtype=torch.int64)"]
     # the same calls, where ALLOWED lets them stay on the host
-    assert violations(planted, "bench/x.py") == []
+    assert violations(planted, "data/corpus.py") == []
     assert violations(planted, "models/spin.py") == [
         "models/spin.py:6 used_flags: torch.tensor([1.0 for p in params])",
         "models/spin.py:8 outer: torch.arange(4, dtype=torch.int64)"]
+
+
+# ---- a literal "cpu" where the device should be resolved ------------------------------------
+# (path under meshtrain/, enclosing function) -> why this place means the host, on any machine
+HOST_ON_PURPOSE = {
+    ("core/device.py", "rank_device"): "the resolution itself: a rank whose choice is cpu",
+    ("strategies/zero/offload.py", "host_device"): "offload's destination is the host by "
+                                                   "definition",
+    ("strategies/shared/precision.py", "__init__"): "no compute tensors to take a device "
+                                                    "from: no master is made",
+    ("strategies/shared/gradient_buckets.py", "used_flags"): "flags built from a Python list "
+        "on the host (pinned beside a GPU), then copied to the parameters' device",
+    ("core/comm.py", "irecv"): "gloo's p2p cannot write CUDA memory: received on the host",
+    ("core/comm.py", "batch_isend_irecv"): "gloo's p2p cannot write CUDA memory: staged "
+                                           "through the host",
+    ("bench/device.py", "gpt_batch"): "the same tokens on every device: a host generator "
+                                      "draws them, then they move to the rank's device",
+}
+
+
+def literal_cpu_devices(source: str, path: str) -> list[str]:
+    """`path:line function: call` for each device named by the literal "cpu" (a mesh of
+    init_device_mesh, torch.device, a device= keyword, .to), outside HOST_ON_PURPOSE."""
+    found = []
+
+    def is_cpu(node) -> bool:
+        return isinstance(node, ast.Constant) and node.value == "cpu"
+
+    def names_cpu(call: ast.Call) -> bool:
+        func = call.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        first = call.args[0] if call.args else None
+        if name in ("init_device_mesh", "device", "to") and is_cpu(first):
+            return True
+        return any(k.arg in ("device", "device_type") and is_cpu(k.value)
+                   for k in call.keywords)
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name)
+                continue
+            if (isinstance(child, ast.Call) and names_cpu(child)
+                    and (path, function) not in HOST_ON_PURPOSE):
+                found.append(f"{path}:{child.lineno} {function}: {ast.unparse(child)}")
+            visit(child, function)
+
+    visit(ast.parse(source), "*")
+    return found
+
+
+def test_meshes_benches_and_references_resolve_their_device():
+    """A mesh, a benchmark's reference or a buffer built on "cpu" by name runs on the host
+    beside a GPU (and hands host tensors to NCCL): the device comes from core/device.py
+    (rank_device, device_for_backend) or a source tensor, except where the host is meant."""
+    root = pathlib.Path(meshtrain.__file__).parent
+    found = [v for f in sorted(root.rglob("*.py"))
+             for v in literal_cpu_devices(f.read_text(), f.relative_to(root).as_posix())]
+    assert not found, ('a literal "cpu" device (resolve it with core/device.py or take it from '
+                       "a tensor, or add the place to HOST_ON_PURPOSE with its reason):\n"
+                       + "\n".join(found))
+    for where, fn in HOST_ON_PURPOSE:   # an entry whose place is gone hides nothing: it goes
+        tree = ast.parse((root / where).read_text())
+        assert fn in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, where
+
+
+def test_the_cpu_checker_finds_a_planted_mesh_and_reference():
+    planted = ("def rank(x, device):\n"
+               "    mesh = init_device_mesh('cpu', (2,))\n"
+               "    ok = init_device_mesh(device.type, (2,))\n"
+               "    stage = PipelineStage(m, 0, 2, torch.device('cpu'))\n"
+               "    model = GPT(cfg).to('cpu')\n"
+               "    buf = torch.zeros(3, device='cpu')\n"
+               "    host = x.device.type == 'cpu'\n")
+    assert [v.split(": ", 1)[1] for v in literal_cpu_devices(planted, "bench/x.py")] == [
+        "init_device_mesh('cpu', (2,))", "torch.device('cpu')", "GPT(cfg).to('cpu')",
+        "torch.zeros(3, device='cpu')"]
 
 
 def test_a_host_tensor_is_refused_by_an_nccl_group(monkeypatch):

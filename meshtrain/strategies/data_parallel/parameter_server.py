@@ -143,10 +143,10 @@ class ParameterServer(GradientSync):
         # the loss, and which parameters any worker used, in one small all-reduce
         stats = torch.cat([local_loss.reshape(1).float(), self.grads.used_flags()])
         self.comm.all_reduce(stats, AXIS, tag="step")
-        used_by = stats[1:].tolist()
+        loss, *used_by = stats.tolist()   # one host sync: the loss and the flags
         self._skipped = [n for n, users in zip(self.named, used_by) if not users]
         self._stepped.update(n for n, users in zip(self.named, used_by) if users)
-        return stats[0].item() / self.n
+        return loss / self.n
 
     # ---- the optimizer (slot 4) -------------------------------------------------------------
     def build_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]

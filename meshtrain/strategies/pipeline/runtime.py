@@ -13,7 +13,8 @@ this rank's stages. No schedule has a loop of its own here: the list is the prog
               and "grad"); receives are waited for at once, sends only when their buffer
               is needed no more
     trace     each forward, backward and weight gradient is timed, and each run of
-              communication apart: `trace` is this rank's measured timeline
+              communication apart, on the device's timeline (CUDA events; the host
+              clock on CPU): `trace` is this rank's measured timeline
 
 Gradient sync over dp (slot 3) is driven as the micro-batch loop drives it: every backward
 but this rank's last runs inside `no_sync`, so the dp reduction starts during the last
@@ -32,7 +33,6 @@ its receiver sent itself.
 """
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Callable
@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 
 from meshtrain.core.comm import P2P, Comm
+from meshtrain.core.device import Stopwatch
 from meshtrain.core.memory import ActivationMeter
 from meshtrain.core.plan import Plan
 from meshtrain.strategies.pipeline.schedules import (COMPUTE, RECVS, Action, Kind,
@@ -75,13 +76,26 @@ class PipelineSchedule:
         self.shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
         """(receiving stage, micro-batch input shape) -> the activation's shape and dtype:
         see [Note: activation shapes]."""
-        self.trace: Timeline | None = None
-        """This rank's forwards and backwards in the last step, timed (seconds from the
-        step's start): `trace.bubble` is the fraction of the step this rank was idle."""
+        self._marks = None   # the last step's Stopwatch and marks, read by `trace`
+        self._trace: Timeline | None = None
         self.peak_held = 0
         """The most micro-batches (x chunks) whose activations this rank held at once in
         the last step: the runtime's own accounting of activation memory. With an
         ActivationMeter, its `last_bytes` becomes the bytes held at that peak."""
+
+    @property
+    def trace(self) -> Timeline | None:
+        """This rank's forwards and backwards in the last step, timed on the device's own
+        timeline (seconds from the step's start): `trace.bubble` is the fraction of the step
+        this rank was idle. Read when asked: on CUDA the events are waited for only then."""
+        if self._trace is None and self._marks is not None:
+            clock, blocks, waits, end = self._marks
+            timed = [[Block(self.rank, kind, mb, chunk, clock.seconds(b), clock.seconds(e))
+                      for kind, mb, chunk, b, e in marks] for marks in (blocks, waits)]
+            self._trace = Timeline(timed[0], 1, clock.seconds(end),
+                                   [sum(b.end - b.start for b in timed[0])], clock.origin,
+                                   timed[1])
+        return self._trace
 
     # ---- StepDriver ----------------------------------------------------------------------
     def run(self, inputs: torch.Tensor, targets: torch.Tensor,
@@ -111,29 +125,31 @@ class PipelineSchedule:
                              if a.kind is Kind.BACKWARD_WEIGHT or
                              (a.kind is Kind.BACKWARD and (a.microbatch, a.chunk) not in split)),
                             default=-1)
-        blocks, waits, start = [], [], time.perf_counter()
+        clock = Stopwatch(self.comm.mesh.device)
+        blocks, waits = [], []   # (kind, micro-batch, chunk, begin mark, end mark)
+        if sync is not None:   # a training step is traced (on CUDA: one synchronisation)
+            clock.start()
         i = 0
         while i < len(actions):
             a = actions[i]
             if a.kind in COMPUTE:
-                begin = time.perf_counter() - start
+                begin = clock.mark()
                 step.compute(a, final=i == last_backward)
-                blocks.append(Block(self.rank, a.kind, a.microbatch, a.chunk, begin,
-                                    time.perf_counter() - start))
+                blocks.append((a.kind, a.microbatch, a.chunk, begin, clock.mark()))
                 i += 1
                 continue
             j = i
             while j < len(actions) and actions[j].kind not in COMPUTE:
                 j += 1
-            begin = time.perf_counter() - start
+            begin = clock.mark()
             step.communicate(actions[i:j])
-            waits.append(Block(self.rank, actions[i].kind, actions[i].microbatch,
-                               actions[i].chunk, begin, time.perf_counter() - start))
+            waits.append((actions[i].kind, actions[i].microbatch, actions[i].chunk, begin,
+                          clock.mark()))
             i = j
         step.finish()
         if sync is not None:   # a training step, not an evaluation
-            self.trace = Timeline(blocks, 1, time.perf_counter() - start,
-                                  [sum(b.end - b.start for b in blocks)], start, waits)
+            self._marks = (clock, blocks, waits, clock.mark())
+            self._trace = None
             self.peak_held = step.peak_held
             if self.activations is not None:
                 self.activations.last_bytes = step.peak_bytes

@@ -132,9 +132,13 @@ class GradientBuckets:
 
     def used_flags(self) -> torch.Tensor:
         """1.0 for each parameter that got a gradient this step, in `params` order."""
-        # on the parameters' device: the flags travel with the loss in one collective
-        return torch.tensor([float(id(p) in self.used_in_step) for p in self.params],
-                            device=self.params[0].device if self.params else None)
+        # on the parameters' device: the flags travel with the loss in one collective. A
+        # GPU takes them from pinned memory without blocking: a copy from pageable host
+        # memory would wait for the device's queued work (a host sync every step)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        flags = torch.tensor([float(id(p) in self.used_in_step) for p in self.params],
+                             device="cpu", pin_memory=device.type == "cuda")
+        return flags.to(device, non_blocking=True)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -38,17 +38,38 @@ class MasterWeights:
                         if self.separate else t if isinstance(t, nn.Parameter)
                         else nn.Parameter(t.detach())
                         for t, v in zip(compute, initial or compute)]
+        self._host_grads: list[torch.Tensor | None] = [None] * len(self.masters)
 
     def set_grads(self, grads: list[torch.Tensor | None]) -> None:
         """The gradients the optimizer sees (fp32, where the masters are; a None skips that
-        master)."""
+        master). Into pinned masters (offload beside a GPU) they are copied without blocking
+        into pinned buffers kept between steps, all queued before one event is waited for."""
         self._copied_out()
-        for master, grad in zip(self.masters, grads):
-            # a master that is its compute tensor may still live elsewhere than the
-            # gradient: ZeRO-3's shards offloaded to disk, beside a GPU
-            master.grad = (None if grad is None else
-                           grad.to(master.device, master.dtype)
-                           if self.separate or grad.device != master.device else grad)
+        queued = False
+        for i, (master, grad) in enumerate(zip(self.masters, grads)):
+            if grad is None:
+                master.grad = None
+            elif master.is_pinned() and grad.is_cuda:
+                master.grad = self._host_grad(i, master)
+                master.grad.copy_(grad, non_blocking=True)
+                queued = True
+            elif self.separate or grad.device != master.device:
+                # a master that is its compute tensor may still live elsewhere than the
+                # gradient: ZeRO-3's shards offloaded to disk, beside a GPU
+                master.grad = grad.to(master.device, master.dtype)
+            else:
+                master.grad = grad
+        if queued:   # the optimizer reads them on the host: the copies must have landed
+            copied = torch.cuda.Event()
+            copied.record()
+            copied.synchronize()
+
+    def _host_grad(self, i: int, master: torch.Tensor) -> torch.Tensor:
+        """Master i's pinned gradient buffer (the optimizer's step leaves it unused until
+        the next `set_grads` overwrites it)."""
+        if self._host_grads[i] is None:
+            self._host_grads[i] = torch.empty_like(master, pin_memory=True)
+        return self._host_grads[i]
 
     @torch.no_grad()
     def write_back(self) -> None:
@@ -58,7 +79,7 @@ class MasterWeights:
                 # from pinned host memory (offload beside a GPU): queued on the stream, the
                 # master left untouched until `_copied_out` sees the copy done
                 tensor.copy_(master, non_blocking=master.is_pinned())
-                master.grad = None   # the fp32 copies of the gradients were transient
+                master.grad = None   # fp32 copies of the gradients (pinned ones are reused)
             if self.compute and self.compute[0].is_cuda:
                 self._copies = torch.cuda.Event()
                 self._copies.record()

@@ -149,10 +149,10 @@ class ZeRO(GradientSync):
         self.comm.all_reduce(stats, self.axis, tag="step")
         self.grads.wait()
         self._rounds += 1
-        used_by = stats[1:].tolist()
+        loss, *used_by = stats.tolist()   # one host sync: the loss and the flags
         self._skipped = [n for (n, p), users in zip(self.named.items(), used_by) if not users]
         self._stepped.update(n for (n, _), users in zip(self.named.items(), used_by) if users)
-        return stats[0].item() / self.n
+        return loss / self.n
 
     # ---- the optimizer (slot 4) ---------------------------------------------------------------
     def build_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
