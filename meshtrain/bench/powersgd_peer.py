@@ -54,7 +54,8 @@ def train(steps: int, rank: int, start_iter: int, batch: int = 32, seed: int = 0
     net.eval()
     with torch.no_grad():   # the Trainer's split: replica r takes every world-th batch
         mine = [built.loss(net(x), y).item() for x, y in val[me::world]]
-    total = torch.tensor([sum(mine), len(mine)], dtype=torch.float64)
+    total = torch.tensor([sum(mine), len(mine)], dtype=torch.float64,
+                         device=next(net.parameters()).device)
     dist.all_reduce(total)
     return (total[0] / total[1]).item()
 

@@ -20,6 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
+from meshtrain.bench.device import gpt_batch
 from meshtrain.bench.timing import alternate, median
 from meshtrain.core.device import DEVICE_ENV, synchronize
 from meshtrain.core.flops import flops_per_token, mfu, run_peak
@@ -93,10 +94,7 @@ def run(device: str = "cpu", model_name: str | None = None, batch: int = 16,
     model_name = model_name or default_model(device)
     precision = precision or ("bf16" if device == "cuda" else "fp32")
     config = gpt_config(model_name)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=g,
-                           device="cpu").to(where)
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    x, y = gpt_batch(model_name, batch, where)
     progress(f"{model_name} GPT, batch {batch} x {config.seq_len}, {precision} on {device}: "
              f"{', '.join(CONTENDERS)}; compiling {backend} in warm-up ...")
     contenders = {TORCH_EAGER: _plain(config, where, precision, None, x, y),

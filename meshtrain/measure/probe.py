@@ -19,7 +19,7 @@ from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.planner.hardware import ring_factor
 from meshtrain.planner.model_spec import from_gpt_config
 from meshtrain.planner.profile import REFERENCE_BATCH, REFERENCE_GPT, SMALL_BATCH
-from meshtrain.planner.time_model import step_flops
+from meshtrain.planner.flops import step_flops
 
 
 def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:

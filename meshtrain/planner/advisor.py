@@ -16,11 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshtrain.core.plan import Plan
+from meshtrain.planner.flops import model_flops
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import Memory, memory
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import RECOMPUTE, Candidate, Setup
-from meshtrain.planner.time_model import StepTime, model_flops, step_time
+from meshtrain.planner.time_model import StepTime, step_time
 
 
 class NoPlanFits(ValueError):

@@ -18,7 +18,7 @@ from meshtrain.planner.advisor import Advice, Evaluated
 from meshtrain.planner.memory import memory
 from meshtrain.planner.states import largest_layer_bytes
 from meshtrain.planner.setup import Candidate
-from meshtrain.planner.time_model import step_flops
+from meshtrain.planner.flops import step_flops
 
 
 @dataclass(frozen=True)

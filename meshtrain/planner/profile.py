@@ -25,7 +25,7 @@ from pathlib import Path
 
 from meshtrain.planner.hardware import Cluster, Curve, HardwareError
 from meshtrain.planner.model_spec import from_gpt_shape
-from meshtrain.planner.time_model import step_flops
+from meshtrain.planner.flops import step_flops
 
 # The reference GPT calibration times (meshtrain.models.gpt.GPTConfig's fields) at two
 # batch sizes: its rate and its fixed cost per micro-batch (step_costs)

@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from meshtrain.core.plan import LOCAL_STEP_MODES
+from meshtrain.planner.flops import forward_flops_per_token
 from meshtrain.planner.hardware import Cluster, nearest
 from meshtrain.planner.states import model_states, stage_params
 from meshtrain.planner.model_spec import ModelSpec
@@ -37,44 +38,6 @@ class StepTime:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def forward_flops_per_token(spec: ModelSpec, seq: int) -> tuple[float, float, float]:
-    """(per layer, of which attention scores, logits) forward FLOPs for one token.
-
-    Each weight is one multiply-add (2 FLOPs) per token; attention's QK^T and (attn)V add
-    2 * 2 * s * h per token (Megatron 2021 §5.1: 24 B s h^2 + 4 B s^2 h per layer forward);
-    the logit layer 2 h V."""
-    attn_scores = 4 * seq * spec.hidden
-    layer = 2 * spec.layer_matmul_params + attn_scores
-    logits = 2 * spec.hidden * spec.vocab
-    return layer, attn_scores, logits
-
-
-def step_flops(spec: ModelSpec, global_batch: int, recompute: str = "none") -> float:
-    """FLOPs of one training step over the whole cluster.
-
-    Backward costs twice forward (Megatron 2021 §5.1), so a step is 3x forward; full
-    recomputation re-runs every layer's forward (4x for the layers, the logit layer not
-    recomputed); selective recomputation re-runs only the attention scores (Korthikanti 2022
-    §5). For a GPT with full recomputation this is Megatron 2021's
-        F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
-    Its "72 ..." form without recomputation keeps V/(16lh), which undercounts the logit layer
-    (3 x 2BshV = 6BshV, i.e. V/(12lh) in that form); this function counts it as 6BshV.
-    """
-    layer, scores, logits = forward_flops_per_token(spec, spec.seq)
-    per_token = 3 * (spec.layers * layer + logits)
-    if recompute == "full":
-        per_token += spec.layers * layer
-    elif recompute == "selective":
-        per_token += spec.layers * scores
-    return global_batch * spec.seq * per_token
-
-
-def model_flops(spec: ModelSpec, global_batch: int) -> float:
-    """Useful FLOPs per step (no recomputation): the numerator of MFU (PaLM, Chowdhery et al.
-    2022, Appendix B)."""
-    return step_flops(spec, global_batch, "none")
 
 
 def pipeline_slots(schedule: str, pp: int, m: int, v: int = 1) -> float:

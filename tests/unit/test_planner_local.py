@@ -14,7 +14,8 @@ from meshtrain.planner.hardware import Cluster, Curve
 from meshtrain.planner.model_spec import from_gpt_config
 from meshtrain.planner.profile import step_costs
 from meshtrain.planner.setup import Candidate, Setup
-from meshtrain.planner.time_model import family_exchange, step_flops, step_time, tp_overhead
+from meshtrain.planner.flops import step_flops
+from meshtrain.planner.time_model import family_exchange, step_time, tp_overhead
 
 SPEC = from_gpt_config(GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256))
 FP32 = Setup(global_batch=8, precision="fp32")

@@ -8,7 +8,7 @@ from meshtrain.planner import memory as mm
 from meshtrain.planner import states as sm
 from meshtrain.planner.model_spec import PRESETS, from_description, preset
 from meshtrain.planner.setup import Candidate, Setup
-from meshtrain.planner.time_model import step_flops
+from meshtrain.planner.flops import step_flops
 from meshtrain.core.units import UnitError, parse_bandwidth, parse_bytes, parse_flops
 from meshtrain.core.plan import Plan
 
