@@ -167,8 +167,9 @@ class Trainer:
 
         The shard is split into `plan.microbatches` micro-batches; their gradients are
         synchronised over dp once, and the returned loss is the global mean (the same on
-        every rank). A collective that times out or loses a peer raises CollectiveFailure
-        naming the rank behind, diverged or gone, and the call."""
+        every rank; under diloco / local-sgd between syncs, this worker's own). A collective
+        that times out or loses a peer raises CollectiveFailure naming the rank behind,
+        diverged or gone, and the call."""
         with self._watched():
             return self._step(inputs, targets)
 
