@@ -18,6 +18,8 @@ Each block's `forward` is replaced by its compiled version; the module stays whe
 - Recomputation (applied after this) wraps the compiled forward in `checkpoint`: backward
   runs the same compiled graph again; nothing of checkpoint is traced.
 - Pipeline stages keep the block modules, compiled forward and all.
+- The parameter server (sync and async), local SGD and DiLoCo act on gradients and
+  parameters between steps, never in forward: they compose unchanged.
 - Zero bubble (zb-h1) is refused (core/admit.py): a compiled backward is one graph that
   computes input and weight gradients together.
 
