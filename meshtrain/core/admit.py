@@ -65,10 +65,6 @@ def _check_compile(plan: Plan) -> None:
                         "input and weight gradients, but a compiled block's backward is one "
                         "graph that computes both, so the weight work would run twice; use "
                         "schedule='1f1b' (or another), or drop compile")
-    if plan.dp_mode == "dp":
-        raise PlanError("compile with dp_mode='dp' is not built (DP with a master device runs "
-                        "copies of the model in threads); use dp_mode='ddp' or 'ps-sync', or "
-                        "drop compile")
 
 
 def _check_max_grad_norm(plan: Plan) -> None:

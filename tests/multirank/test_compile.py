@@ -1,8 +1,9 @@
 """Issue 29 item 1: compiled blocks (`Plan(compile=...)`) reproduce one eager process under every
-strategy family: one process, DDP, ZeRO-1/2/3, the parameter server (synchronous, and
-asynchronous at staleness 0), recompute (full and selective), a pipeline schedule, tensor
-parallel with and without sequence parallel, 2D plans; and on transformers' GPT-2 and in bf16.
-Local SGD and DiLoCo, which are not one process's training, reproduce their own eager runs.
+strategy family: one process, DP with a master device (replicas in threads), DDP, ZeRO-1/2/3,
+the parameter server (synchronous, and asynchronous at staleness 0), recompute (full and
+selective), a pipeline schedule, tensor parallel with and without sequence parallel, 2D plans;
+and on transformers' GPT-2 and in bf16. Local SGD and DiLoCo, which are not one process's
+training, reproduce their own eager runs.
 
 Tolerance: the project's own 1e-5 on losses, parameters and optimizer states (SGD with
 momentum); bf16 meets eager bf16's own round-off check. Inductor fuses and reorders float work;
@@ -14,11 +15,11 @@ Backends: inductor is slow to compile on a CPU, so it runs where one graph serve
 the one-process test and the world-2 group (DDP, ZeRO-1/2/3, ps-sync, ps-async, full recompute
 and a pipeline, whose blocks all see the same 24-sample micro-batch: one graph, compiled once
 and then read from inductor's on-disk cache). transformers' GPT-2, bf16, selective recompute
-(checkpoint traced inside the block), tensor parallel, sequence parallel and the 2D plans and
-the local SGD / DiLoCo pairs run with aot_eager, which traces and partitions the same graphs
-(the part that meets hooks, storage resizing and autograd functions) without generating code.
-Inductor compiles in the process (compile_threads=1): a pool of compile workers per rank costs
-more than it saves on graphs this small.
+(checkpoint traced inside the block), tensor parallel, sequence parallel, the 2D plans, DP with
+a master and the local SGD / DiLoCo pairs run with aot_eager, which traces and partitions the
+same graphs (the part that meets hooks, storage resizing and autograd functions) without
+generating code. Inductor compiles in the process (compile_threads=1): a pool of compile
+workers per rank costs more than it saves on graphs this small.
 """
 import pytest
 
@@ -66,6 +67,20 @@ def test_one_process_compiled_matches_eager(reference):
     cases = [dict(compile=True, microbatches=2), dict(compile=True, microbatches=2,
                                                       recompute="full")]
     _check(cases, [train_counted(cases)], reference, tp_breaks=False)
+
+
+def test_master_dp_replicas_compiled(reference):
+    """DP with a master device: each replica's blocks run a compiled forward of their own
+    (a deep copy would share the master's), in the replicas' threads, as one process."""
+    from meshtrain.strategies.compile import blocks_of
+
+    fields = dict(dp=2, dp_mode="dp", compile="aot_eager", microbatches=2)
+    trainer = mt.Trainer(eq.gpt(), mt.Plan(**fields), optimizer=eq.sgd)
+    master, replica = trainer.data_parallel.replicas
+    for mine, theirs in zip(blocks_of(replica), blocks_of(master)):
+        assert "forward" in vars(mine) and mine.forward is not theirs.forward
+    trainer.close()
+    _check([fields], [train_counted([fields])], reference, tp_breaks=False)
 
 
 def test_transformers_decoder_layers_compiled():
