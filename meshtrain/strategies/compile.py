@@ -31,6 +31,7 @@ blocks of one class share them, since parameters are inputs.
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import torch
@@ -74,3 +75,15 @@ def recompile_copy(model: nn.Module) -> None:
         if backend is not None:
             del block.forward   # the instance attribute: back to the class's forward
             _compile_block(block, backend)
+
+
+def limit_compile_workers() -> None:
+    """Inductor sizes each process's pool of compile workers by the machine's cores, so N
+    ranks on one machine would start N pools of that size: keep each rank's to its share,
+    the intra-op thread count the launcher set (core/processes.py's `threads_per_rank`; 1
+    compiles in the process). TORCHINDUCTOR_COMPILE_THREADS, where set, still decides."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        return
+    from torch._inductor import config
+
+    config.compile_threads = torch.get_num_threads()
