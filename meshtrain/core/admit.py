@@ -65,11 +65,6 @@ def _check_compile(plan: Plan) -> None:
                         "input and weight gradients, but a compiled block's backward is one "
                         "graph that computes both, so the weight work would run twice; use "
                         "schedule='1f1b' (or another), or drop compile")
-    if plan.dp_mode not in ("ddp", "ps-sync"):
-        why = ("DP with a master device runs copies of the model in threads"
-               if plan.dp_mode == "dp" else "only DDP, ZeRO and ps-sync are tested with it")
-        raise PlanError(f"compile with dp_mode={plan.dp_mode!r} is not built ({why}); use "
-                        "dp_mode='ddp' or 'ps-sync', or drop compile")
 
 
 def _check_max_grad_norm(plan: Plan) -> None:

@@ -18,6 +18,11 @@ Each block's `forward` is replaced by its compiled version; the module stays whe
 - Recomputation (applied after this) wraps the compiled forward in `checkpoint`: backward
   runs the same compiled graph again; nothing of checkpoint is traced.
 - Pipeline stages keep the block modules, compiled forward and all.
+- The parameter server (sync and async), local SGD and DiLoCo act on gradients and
+  parameters between steps, never in forward: they compose unchanged.
+- DP with a master device deep-copies the model into replicas run in threads: each copy's
+  blocks get a compiled forward of their own (`recompile_copy`); dynamo serialises
+  compilation under its lock and its frame callback is per thread.
 - Zero bubble (zb-h1) is refused (core/admit.py): a compiled backward is one graph that
   computes input and weight gradients together.
 
@@ -26,6 +31,7 @@ blocks of one class share them, since parameters are inputs.
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import torch
@@ -51,5 +57,33 @@ def apply_compile(model: nn.Module, backend: str | None) -> list[str]:
     names = {id(m): n for n, m in model.named_modules()}
     blocks = blocks_of(model)
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=backend, dynamic=False)
+        _compile_block(block, backend)
     return [names[id(b)] for b in blocks]
+
+
+def _compile_block(block: nn.Module, backend: str) -> None:
+    block.forward = torch.compile(block.forward, backend=backend, dynamic=False)
+    block._compile_backend = backend   # kept by deepcopy: see recompile_copy
+
+
+def recompile_copy(model: nn.Module) -> None:
+    """A deep copy of a compiled model keeps the original's compiled `forward` (a function,
+    which deepcopy shares), so its blocks would run the original's parameters: compile the
+    copy's own `forward` instead (DP with a master's replicas, master_dp.py)."""
+    for block in model.modules():
+        backend = block.__dict__.get("_compile_backend")
+        if backend is not None:
+            del block.forward   # the instance attribute: back to the class's forward
+            _compile_block(block, backend)
+
+
+def limit_compile_workers() -> None:
+    """Inductor sizes each process's pool of compile workers by the machine's cores, so N
+    ranks on one machine would start N pools of that size: keep each rank's to its share,
+    the intra-op thread count the launcher set (core/processes.py's `threads_per_rank`; 1
+    compiles in the process). TORCHINDUCTOR_COMPILE_THREADS, where set, still decides."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        return
+    from torch._inductor import config
+
+    config.compile_threads = torch.get_num_threads()

@@ -39,6 +39,7 @@ from meshtrain.train.config import RunConfig, latest_checkpoint, learning_rate, 
 from meshtrain.data.corpus import check_fits, load_corpus
 from meshtrain.data.sampler import BatchSampler, eval_batches
 from meshtrain.models.registry import build_model, token_cross_entropy
+from meshtrain.strategies.compile import limit_compile_workers
 from meshtrain.train import faults
 from meshtrain.train.optimizers import default_adamw
 from meshtrain.train.trainer import Trainer
@@ -51,6 +52,8 @@ def train_rank(config: RunConfig) -> dict:
     if "RANK" in os.environ and not dist.is_initialized():
         init_distributed(config.collective_timeout, config.device)
     plan = Plan.from_dict(config.plan)
+    if plan.compile_backend == "inductor":
+        limit_compile_workers()   # after init_distributed set this rank's threads
     corpus = load_corpus(config.data)
     torch.manual_seed(config.seed)
     built = build_model(config.model, config.model_overrides, config.seq_len)

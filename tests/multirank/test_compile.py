@@ -1,23 +1,25 @@
-"""Issue 29 item 1: compiled blocks (`Plan(compile=...)`) reproduce one eager process under
-every strategy family: one process, DDP, ZeRO-1/2/3, the synchronous parameter server,
-recompute (full and selective), a pipeline schedule, tensor parallel with and without
-sequence parallel, 2D plans; and on transformers' GPT-2 and in bf16.
+"""Issue 29 item 1: compiled blocks (`Plan(compile=...)`) reproduce one eager process under every
+strategy family: one process, DP with a master device (replicas in threads), DDP, ZeRO-1/2/3,
+the parameter server (synchronous, and asynchronous at staleness 0), recompute (full and
+selective), a pipeline schedule, tensor parallel with and without sequence parallel, 2D plans;
+and on transformers' GPT-2 and in bf16. Local SGD and DiLoCo, which are not one process's
+training, reproduce their own eager runs.
 
 Tolerance: the project's own 1e-5 on losses, parameters and optimizer states (SGD with
-momentum); bf16 meets eager bf16's own round-off check. Inductor fuses and reorders float
-work; measured on this very case (the tiny GPT, one process, 10 steps) compiled blocks end at
-most 4.8e-7 from eager (transformers' GPT-2: 1.3e-7 after 4 steps), so 1e-5 leaves a 20x
-margin and needs no loosening; aot_eager ends bit-equal.
+momentum); bf16 meets eager bf16's own round-off check. Inductor fuses and reorders float work;
+measured on this very case (the tiny GPT, one process, 10 steps) compiled blocks end at most
+4.8e-7 from eager (transformers' GPT-2: 1.3e-7 after 4 steps), so 1e-5 leaves a 20x margin and
+needs no loosening; aot_eager ends bit-equal.
 
-Backends: inductor is slow to compile on a CPU, so it runs where one graph serves many
-plans: the one-process test and the world-2 group (DDP, ZeRO-1/2/3, ps-sync, full recompute
+Backends: inductor is slow to compile on a CPU, so it runs where one graph serves many plans:
+the one-process test and the world-2 group (DDP, ZeRO-1/2/3, ps-sync, ps-async, full recompute
 and a pipeline, whose blocks all see the same 24-sample micro-batch: one graph, compiled once
 and then read from inductor's on-disk cache). transformers' GPT-2, bf16, selective recompute
-(checkpoint traced inside the block), tensor parallel, sequence parallel and the 2D plans
-run with aot_eager, which traces and partitions the same graphs (the part that meets hooks,
-storage resizing and autograd functions) without generating code. Inductor compiles in the
-process (compile_threads=1): a pool of compile workers per rank costs more than it saves on
-graphs this small.
+(checkpoint traced inside the block), tensor parallel, sequence parallel, the 2D plans, DP with
+a master and the local SGD / DiLoCo pairs run with aot_eager, which traces and partitions the
+same graphs (the part that meets hooks, storage resizing and autograd functions) without
+generating code. Inductor compiles in the process (compile_threads=1): a pool of compile
+workers per rank costs more than it saves on graphs this small.
 """
 import pytest
 
@@ -67,6 +69,20 @@ def test_one_process_compiled_matches_eager(reference):
     _check(cases, [train_counted(cases)], reference, tp_breaks=False)
 
 
+def test_master_dp_replicas_compiled(reference):
+    """DP with a master device: each replica's blocks run a compiled forward of their own
+    (a deep copy would share the master's), in the replicas' threads, as one process."""
+    from meshtrain.strategies.compile import blocks_of
+
+    fields = dict(dp=2, dp_mode="dp", compile="aot_eager", microbatches=2)
+    trainer = mt.Trainer(eq.gpt(), mt.Plan(**fields), optimizer=eq.sgd)
+    master, replica = trainer.data_parallel.replicas
+    for mine, theirs in zip(blocks_of(replica), blocks_of(master)):
+        assert "forward" in vars(mine) and mine.forward is not theirs.forward
+    trainer.close()
+    _check([fields], [train_counted([fields])], reference, tp_breaks=False)
+
+
 def test_transformers_decoder_layers_compiled():
     """transformers' GPT-2, its decoder layers compiled (whole graphs, no break)."""
     cases = [dict(compile="aot_eager", model="hf_gpt2")]
@@ -89,12 +105,29 @@ WORLD2 = [dict(dp=2, compile=True), dict(dp=2, zero=1, compile=True),
           dict(dp=2, zero=3, recompute="full", compile=True),
           dict(dp=2, recompute="selective", compile="aot_eager"),
           dict(pp=2, microbatches=2, schedule="1f1b", compile=True),
-          dict(dp=2, dp_mode="ps-sync", compile=True)]
+          dict(dp=2, dp_mode="ps-sync", compile=True),
+          dict(dp=2, dp_mode="ps-async", compile=True)]   # staleness 0: exact
+
+
+# Local SGD and DiLoCo (H = 2: two syncs in four steps, the outer step with momentum) are
+# not one process's training: each is held to its own eager run. (Their special cases equal
+# DDP eagerly: test_diloco.py.)
+PERIODIC = [dict(dp=2, dp_mode="local-sgd", sync_every=2),
+            dict(dp=2, dp_mode="diloco", sync_every=2, outer_lr=0.7, outer_momentum=0.9)]
+PAIRS = [case for fields in PERIODIC for case in (fields, dict(fields, compile="aot_eager"))]
 
 
 def test_data_parallel_zero_pipeline_recompute_compiled(reference):
-    _check(WORLD2, run_ranks(2, train_counted, WORLD2, timeout=300), reference,
-           tp_breaks=False)
+    per_rank = run_ranks(2, train_counted, WORLD2 + PAIRS, timeout=300)
+    n = len(WORLD2)
+    _check(WORLD2, [results[:n] for results in per_rank], reference, tp_breaks=False)
+    for rank, results in enumerate(per_rank):
+        pairs = results[n:]
+        for fields, eager, compiled in zip(PERIODIC, pairs[::2], pairs[1::2]):
+            eq.assert_equivalent(compiled, eager, what=f"rank {rank} {fields} compiled")
+            assert eager["state"] and eager["losses"] != reference["losses"], fields
+        # the first aot_eager case traced a graph of its own (the later one reuses it)
+        assert results[n + 1]["graphs"] > results[n]["graphs"], f"rank {rank}: not compiled"
 
 
 WORLD4 = [dict(tp=2, dp=2, compile="aot_eager"),

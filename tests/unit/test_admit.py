@@ -33,10 +33,6 @@ REFUSALS = [
     (dict(dp=2), None, 3, "needs dp*pp*tp = 2 ranks but the world has 3", "--nproc 2"),
     (dict(pp=2, microbatches=2, schedule="zb-h1", compile=True), None, None,
      "compile with schedule='zb-h1'", "use schedule='1f1b'"),
-    (dict(dp=2, dp_mode="dp", compile=True), None, None,
-     "compile with dp_mode='dp' is not built (DP with a master", "use dp_mode='ddp'"),
-    (dict(dp=2, dp_mode="diloco", compile="aot_eager"), None, None,
-     "compile with dp_mode='diloco' is not built", "or drop compile"),
 ]
 
 

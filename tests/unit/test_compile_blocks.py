@@ -44,3 +44,25 @@ def test_a_pre_hook_swapping_parameters_is_seen_by_the_compiled_forward():
     apply_compile(nn.Sequential(block, nn.Linear(4, 4)), "aot_eager")
     outs = [block(torch.ones(1, 4)).sum().item() for _ in range(3)]
     assert outs == [16.0, 32.0, 48.0] and counters["stats"]["unique_graphs"] == before + 1
+
+
+def test_compile_workers_are_the_ranks_share_of_the_cores(monkeypatch):
+    """`meshtrain train --compile`: inductor's worker pool takes the rank's thread count
+    (launch set it to cores / ranks), not every core; the environment variable still wins."""
+    from torch._inductor import config
+
+    from meshtrain.strategies.compile import limit_compile_workers
+
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    try:
+        with config.patch(compile_threads=32):
+            torch.set_num_threads(1)
+            limit_compile_workers()
+            assert config.compile_threads == 1
+            monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+            config.compile_threads = 32
+            limit_compile_workers()
+            assert config.compile_threads == 32
+    finally:
+        torch.set_num_threads(threads)

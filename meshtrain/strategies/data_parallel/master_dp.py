@@ -35,6 +35,7 @@ from meshtrain.core.comm import Comm
 from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
 from meshtrain.core.optim_state import load_state_by_name, param_groups_by_name, state_by_name
 from meshtrain.core.plan import PlanError
+from meshtrain.strategies.compile import recompile_copy
 from meshtrain.strategies.slots import GradientSync, split_microbatches
 
 AXIS = "dp"
@@ -55,6 +56,8 @@ class MasterDP(GradientSync):
         self._name_of = {id(p): n for n, p in self.named.items()}
         # replica 0 is the master itself; the others are copies refreshed every step
         self.replicas = [model] + [copy.deepcopy(model) for _ in range(replicas - 1)]
+        for replica in self.replicas[1:]:
+            recompile_copy(replica)
         self.param_bytes = _nbytes(self.named.values())
 
     # ---- the step (slot 3) ------------------------------------------------------------------
