@@ -1,8 +1,51 @@
 """The suite runs on the CPU wherever it runs: a GPU machine's `auto` would move the
 one-process references' peers (and `meshtrain train`'s ranks) onto CUDA. The CUDA tier
-(tests/gpu) asks for its device by name: `run_ranks(..., device="cuda")`."""
+(tests/gpu) asks for its device by name: `run_ranks(..., device="cuda")`.
+
+The suite runs on two xdist workers (pyproject's addopts). A test marked `alone` measures
+wall-clock timelines, which the other worker's load would stretch: it runs with no other
+test in flight, through a writer-first lock shared by the workers (a reader lock around every
+other test, a turnstile so that waiting `alone` tests are not starved)."""
+import fcntl
+import hashlib
 import os
+import tempfile
+from contextlib import contextmanager
+
+import pytest
 
 from meshtrain.core.device import DEVICE_ENV
 
 os.environ.setdefault(DEVICE_ENV, "cpu")
+
+
+def _lock_path(config, name: str) -> str:
+    suite = hashlib.sha1(str(config.rootpath).encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"meshtrain-tests-{suite}.{name}.lock")
+
+
+@contextmanager
+def _flock(path: str, mode: int):
+    with open(path, "a") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    turnstile, room = (_lock_path(item.config, n) for n in ("turnstile", "room"))
+    if item.get_closest_marker("alone"):
+        with _flock(turnstile, fcntl.LOCK_EX), _flock(room, fcntl.LOCK_EX):
+            yield
+        return
+    with _flock(turnstile, fcntl.LOCK_EX):
+        room_lock = open(room, "a")
+        fcntl.flock(room_lock, fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        fcntl.flock(room_lock, fcntl.LOCK_UN)
+        room_lock.close()

@@ -35,6 +35,7 @@ def measured():
     return get
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("p", [2, 4])
 def test_measured_bubble_lies_within_005_of_theory(measured, p):
     docs = measured(p)
