@@ -19,6 +19,19 @@ from meshtrain.core.device import DEVICE_ENV
 os.environ.setdefault(DEVICE_ENV, "cpu")
 
 
+# The longest files first (about 40 s to 4 min each): the workers take whole files in
+# collection order, and a long file started last would leave the others idle at the end.
+SLOWEST_FIRST = ["test_hybrid.py", "test_pipeline.py", "test_compile.py", "test_cli_train.py",
+                 "test_pipeline_trace.py", "test_own_model.py", "test_survival.py",
+                 "test_zero.py", "test_zero3.py", "test_hf_cli.py", "test_hf_models.py",
+                 "test_tensor_parallel.py", "test_bench_slowlink.py", "test_plan_verify.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: order kept
+
+
 def _lock_path(config, name: str) -> str:
     suite = hashlib.sha1(str(config.rootpath).encode()).hexdigest()[:12]
     return os.path.join(tempfile.gettempdir(), f"meshtrain-tests-{suite}.{name}.lock")
