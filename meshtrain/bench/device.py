@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.core.device import rank_device, synchronize
-from meshtrain.core.flops import model_flops_per_token, run_peak
+from meshtrain.core.flops import mfu, model_flops_per_token, run_peak
 from meshtrain.models.gpt import GPT, gpt_config
 
 
@@ -59,8 +59,6 @@ def flops_basis(model_name: str, device: torch.device, precision: str = "fp32",
 def throughput(step_s: float, tokens_per_step: int, basis: dict, devices: int) -> dict:
     """Tokens per second of a step of `tokens_per_step` tokens (the global batch), and its
     MFU over `devices` devices."""
-    from meshtrain.core.flops import mfu
-
     tokens_per_s = tokens_per_step / step_s
     return {"tokens_per_s": tokens_per_s,
             "mfu": mfu(tokens_per_s, basis["flops_per_token"], basis["peak_flops"], devices)}

@@ -20,9 +20,9 @@ from contextlib import nullcontext
 
 import torch
 
-from meshtrain.bench.device import gpt_batch
+from meshtrain.bench.device import fence, gpt_batch
 from meshtrain.bench.timing import alternate, median
-from meshtrain.core.device import DEVICE_ENV, synchronize
+from meshtrain.core.device import DEVICE_ENV
 from meshtrain.core.flops import flops_per_token, mfu, run_peak
 from meshtrain.core.plan import Plan
 from meshtrain.models.gpt import GPT, gpt_config
@@ -106,7 +106,7 @@ def run(device: str = "cpu", model_name: str | None = None, batch: int = 16,
     def last_loss(name):
         return lambda: losses.__setitem__(name, contenders[name]())
     times = alternate({n: last_loss(n) for n in contenders}, steps, reps, max(1, warmup),
-                      sync=lambda: synchronize(where))
+                      sync=fence(where, barrier=False))
     peak = run_peak(where, precision)
     per_token = flops_per_token(config.num_params(), config.n_layer, config.d_model,
                                 config.seq_len)
