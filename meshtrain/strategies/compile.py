@@ -84,6 +84,6 @@ def limit_compile_workers() -> None:
     compiles in the process). TORCHINDUCTOR_COMPILE_THREADS, where set, still decides."""
     if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
         return
-    from torch._inductor import config
+    from torch._inductor import config   # here: a slow import that only compile needs
 
     config.compile_threads = torch.get_num_threads()
