@@ -152,6 +152,11 @@ class GradientSync(ABC):
         """Release what outlives the trainer otherwise. Default: nothing to release (ZeRO's
         offload to disk overrides it)."""
 
+    def pinned_buffers(self) -> list[torch.Tensor]:
+        """The host tensors this sync keeps pinned beside a GPU, for the memory report.
+        Default: none (ZeRO's offload to the host overrides it)."""
+        return []
+
     def step_driver(self, loss_fn: Callable, microbatches: int,
                     device: torch.device) -> StepDriver | None:
         """Slot 5 where this sync dictates it: None (the default) leaves the choice to the

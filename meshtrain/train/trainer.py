@@ -19,9 +19,8 @@ from torch import nn
 from meshtrain.core.admit import check_plan
 from meshtrain.core.comm import Comm
 from meshtrain.core.watchdog import CollectiveFailure, is_communication_error, watch
-from meshtrain.core.device import device_memory, pinned_bytes
-from meshtrain.core.memory import (ActivationMeter, MemoryReport, optimizer_state_tensors,
-                                   peak_process_bytes)
+from meshtrain.core.device import device_memory
+from meshtrain.core.memory import ActivationMeter, MemoryReport, peak_process_bytes, storage_bytes
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.models import hf
@@ -322,19 +321,12 @@ class Trainer:
         self.data_parallel.close()
 
     def memory_report(self) -> MemoryReport:
-        device = self.mesh.device
-        on_device = device_memory(device) or {}
-        pinned = 0
-        if device.type == "cuda":   # pinning needs an accelerator: nothing to count on CPU
-            opt = self.optimizer   # offload's masters are its parameters, its states beside
-            pinned = pinned_bytes([p for group in getattr(opt, "param_groups", [])
-                                   for p in group["params"]]
-                                  + (optimizer_state_tensors(opt) if hasattr(opt, "state")
-                                     else []))
         return MemoryReport(
             **self.data_parallel.memory(),
             activations=self.activations.last_bytes if self.activations else None,
-            peak_process=peak_process_bytes(), host_pinned=pinned, **on_device)
+            peak_process=peak_process_bytes(),
+            host_pinned=storage_bytes(self.data_parallel.pinned_buffers()),   # offload's
+            **(device_memory(self.mesh.device) or {}))
 
 
 def _loss_in_fp32(loss_fn: Callable) -> Callable:
