@@ -21,6 +21,7 @@ from typing import Callable, ContextManager, Protocol
 import torch
 from torch import nn
 
+from meshtrain.core.device import to_device
 from meshtrain.core.plan import PlanError
 
 
@@ -243,7 +244,7 @@ class MicrobatchLoop:
         loss_sum = torch.zeros((), device=self.device)
         last = len(micro_inputs) - 1
         for i, (x, y) in enumerate(zip(micro_inputs, micro_targets)):
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = to_device(x, self.device), to_device(y, self.device)
             with (sync.no_sync() if i < last else nullcontext()):
                 with (self.activations.measure() if self.activations else nullcontext()):
                     loss = self.loss_fn(self.model(x), y) / len(micro_inputs)
@@ -256,7 +257,8 @@ class MicrobatchLoop:
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        return float(self.loss_fn(self.model(inputs.to(self.device)), targets.to(self.device)))
+        return float(self.loss_fn(self.model(to_device(inputs, self.device)),
+                                  to_device(targets, self.device)))
 
 
 def split_microbatches(batch: torch.Tensor, microbatches: int) -> list[torch.Tensor]:

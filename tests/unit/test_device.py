@@ -120,6 +120,33 @@ def test_launch_refuses_before_starting_a_rank(gpus):
         launch(os.getpid, nproc=3, device="cuda")
 
 
+# ---- batches onto the device ---------------------------------------------------------------
+class HostBatch:
+    """Stands for a host tensor, pinned or not, and records how it is moved."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.device, self.pinned, self.moves = torch.device("cpu"), pinned, []
+
+    def is_pinned(self) -> bool:
+        return self.pinned
+
+    def to(self, device, non_blocking=False):
+        self.moves.append((device, non_blocking))
+        return self
+
+
+def test_batches_are_pinned_and_copied_without_blocking_only_for_a_gpu():
+    gpu, cpu = torch.device("cuda", 1), torch.device("cpu")
+    assert dev.pin_host_batches(gpu) and not dev.pin_host_batches(cpu)
+    for pinned, device, non_blocking in ((True, gpu, True), (False, gpu, False),
+                                         (True, cpu, False)):
+        batch = HostBatch(pinned)
+        assert dev.to_device(batch, device) is batch
+        assert batch.moves == [(device, non_blocking)], (pinned, device)
+    tokens = torch.arange(6).view(2, 3)
+    assert dev.to_device(tokens, cpu) is tokens   # on CPU: the batch itself, no copy
+
+
 # ---- the device's figures ------------------------------------------------------------------
 def test_on_cpu_the_device_adds_nothing_and_the_clock_is_the_host_clock():
     cpu = torch.device("cpu")
