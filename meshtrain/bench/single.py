@@ -20,10 +20,10 @@ from contextlib import nullcontext
 
 import torch
 
-from meshtrain.bench.device import fence, gpt_batch
+from meshtrain.bench.device import fence, gpt_batch, throughput
 from meshtrain.bench.timing import alternate, median
 from meshtrain.core.device import DEVICE_ENV
-from meshtrain.core.flops import flops_per_token, mfu, run_peak
+from meshtrain.core.flops import flops_per_token, run_peak
 from meshtrain.core.plan import Plan
 from meshtrain.models.gpt import GPT, gpt_config
 from meshtrain.strategies.compile import apply_compile
@@ -75,12 +75,11 @@ def summarise(times: dict[str, list[float]], tokens_per_step: int, flops_per_tok
     """Per contender from its step times: median step, tokens/s, MFU and speed over plain
     eager (its step time over this one's: above 1 is faster)."""
     base = median(times[TORCH_EAGER])
+    basis = {"flops_per_token": flops_per_tok, "peak_flops": peak_flops}
     rows = {}
     for name, steps in times.items():
         step = median(steps)
-        tokens = tokens_per_step / step
-        rows[name] = {"step_s": step, "tokens_per_s": tokens,
-                      "mfu": mfu(tokens, flops_per_tok, peak_flops),
+        rows[name] = {"step_s": step, **throughput(step, tokens_per_step, basis, devices=1),
                       "vs_torch_eager": base / step}
     return rows
 

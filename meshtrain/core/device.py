@@ -8,7 +8,8 @@ each rank's environment (set by `launch.init_distributed` or
 from whatever device happened to be current.
 
 On CUDA the default process group is "cpu:gloo,cuda:nccl": NCCL for device tensors, gloo for
-the host tensors (offloaded state, host scalars) that NCCL never accepts.
+the host tensors (offloaded state, host scalars) that NCCL never accepts. Batches are made in
+pinned host memory there and copied without blocking (`pin_host_batches`, `to_device`).
 
 The device's own figures: on CUDA, memory from the caching allocator (allocated now, peak
 allocated) and pinned host bytes, and a clock read only after the device has finished its
@@ -88,6 +89,22 @@ def rank_device(device: str | None = None) -> torch.device:
 def backend_for(device: torch.device) -> str:
     """The default group's backend: gloo on CPU; on CUDA, NCCL beside gloo for host tensors."""
     return CUDA_BACKEND if device.type == "cuda" else "gloo"
+
+
+# ---- batches onto the device -------------------------------------------------------------------
+def pin_host_batches(device: torch.device) -> bool:
+    """Whether batches bound for `device` are made in pinned host memory: on CUDA a copy
+    from pinned memory is queued without blocking the host (from pageable memory the host
+    waits while the driver stages it); on CPU there is no copy to make."""
+    return device.type == "cuda"
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`: from pinned host memory to a GPU without blocking (queued on the
+    current stream, ahead of the kernels that read it); otherwise as `.to` (on the CPU, the
+    tensor itself)."""
+    async_copy = device.type == "cuda" and tensor.device.type == "cpu" and tensor.is_pinned()
+    return tensor.to(device, non_blocking=async_copy)
 
 
 # ---- what the device measures ------------------------------------------------------------------

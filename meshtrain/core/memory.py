@@ -49,7 +49,7 @@ class MemoryReport:
     gathered_peak: int | None = None  # ZeRO-3: most bytes of gathered units at once
     device_allocated: int | None = None  # CUDA: the allocator's bytes now (None on CPU)
     device_peak: int | None = None       # CUDA: its peak allocated bytes (None on CPU)
-    host_pinned: int = 0             # CUDA: pinned host bytes of parameters and optimizer states
+    host_pinned: int = 0             # CUDA: pinned host bytes offload holds (pinned_buffers)
 
     @property
     def model_states(self) -> int:

@@ -21,6 +21,7 @@ from typing import Callable, ContextManager, Protocol
 import torch
 from torch import nn
 
+from meshtrain.core.device import to_device
 from meshtrain.core.plan import PlanError
 
 
@@ -152,6 +153,11 @@ class GradientSync(ABC):
         """Release what outlives the trainer otherwise. Default: nothing to release (ZeRO's
         offload to disk overrides it)."""
 
+    def pinned_buffers(self) -> list[torch.Tensor]:
+        """The host tensors this sync keeps pinned beside a GPU, for the memory report.
+        Default: none (ZeRO's offload to the host overrides it)."""
+        return []
+
     def step_driver(self, loss_fn: Callable, microbatches: int,
                     device: torch.device) -> StepDriver | None:
         """Slot 5 where this sync dictates it: None (the default) leaves the choice to the
@@ -238,7 +244,7 @@ class MicrobatchLoop:
         loss_sum = torch.zeros((), device=self.device)
         last = len(micro_inputs) - 1
         for i, (x, y) in enumerate(zip(micro_inputs, micro_targets)):
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = to_device(x, self.device), to_device(y, self.device)
             with (sync.no_sync() if i < last else nullcontext()):
                 with (self.activations.measure() if self.activations else nullcontext()):
                     loss = self.loss_fn(self.model(x), y) / len(micro_inputs)
@@ -251,7 +257,8 @@ class MicrobatchLoop:
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        return float(self.loss_fn(self.model(inputs.to(self.device)), targets.to(self.device)))
+        return float(self.loss_fn(self.model(to_device(inputs, self.device)),
+                                  to_device(targets, self.device)))
 
 
 def split_microbatches(batch: torch.Tensor, microbatches: int) -> list[torch.Tensor]:

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from meshtrain.core.device import DeviceClock, device_memory
+from meshtrain.core.device import DeviceClock, device_memory, pin_host_batches
 from meshtrain.core.flops import mfu, model_flops_per_token, run_peak
 from meshtrain.core.link import LinkModel
 from meshtrain.core.plan import Plan
@@ -61,9 +61,11 @@ def train_rank(config: RunConfig) -> dict:
     flops_tok = model_flops_per_token(built.module, seq_len)   # before any sharding
     check_fits(corpus, seq_len)
     trainer, emulated = _build_trainer(config, plan, built)
+    pin = pin_host_batches(trainer.mesh.device)   # batches a GPU copies without blocking
     sampler = BatchSampler(corpus.train, config.batch_size, seq_len, config.seed,
-                           trainer.dp_rank, trainer.dp_size)
-    val = eval_batches(corpus.val, max(1, config.batch_size // 2), seq_len, config.eval_batches)
+                           trainer.dp_rank, trainer.dp_size, pin_memory=pin)
+    val = eval_batches(corpus.val, max(1, config.batch_size // 2), seq_len, config.eval_batches,
+                       pin_memory=pin)
     is_main = trainer.mesh.rank == 0
     metrics = _Metrics(Path(config.run_dir) / "metrics.jsonl", enabled=is_main,
                        tensorboard=config.tensorboard)

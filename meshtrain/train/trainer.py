@@ -19,9 +19,8 @@ from torch import nn
 from meshtrain.core.admit import check_plan
 from meshtrain.core.comm import Comm
 from meshtrain.core.watchdog import CollectiveFailure, is_communication_error, watch
-from meshtrain.core.device import device_memory, pinned_bytes
-from meshtrain.core.memory import (ActivationMeter, MemoryReport, optimizer_state_tensors,
-                                   peak_process_bytes)
+from meshtrain.core.device import device_memory
+from meshtrain.core.memory import ActivationMeter, MemoryReport, peak_process_bytes, storage_bytes
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.models import hf
@@ -30,7 +29,7 @@ from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchL
                                         Stages, StepDriver, WholeModel)
 from meshtrain.strategies import pipeline, tensor_parallel
 from meshtrain.strategies.data_parallel.ddp import DDP
-from meshtrain.strategies.data_parallel.diloco import DiLoCo
+from meshtrain.strategies.data_parallel.diloco import DiLoCo, one_replica_state
 from meshtrain.strategies.data_parallel.master_dp import MasterDP
 from meshtrain.strategies.data_parallel.parameter_server import ParameterServer
 from meshtrain.strategies.data_parallel.powersgd import PowerSGD
@@ -281,9 +280,12 @@ class Trainer:
         return {"state": self.stages.merge(full), "param_groups": groups}
 
     def load_full_state(self, model_state: dict[str, torch.Tensor],
-                        optimizer_state: dict | None) -> None:
+                        optimizer_state: dict | None, saved_mode: str | None = None) -> None:
         """Take this rank's part of a consolidated state (as `full_state_dict` and
-        `full_optimizer_state` give it); no communication."""
+        `full_optimizer_state` give it, under the dp_mode `saved_mode`); no communication."""
+        if optimizer_state is not None and self.plan.dp_mode not in LOCAL_STEP_MODES:
+            # every diloco / local-sgd worker's state: one replica's, or refused (mid-round)
+            optimizer_state = one_replica_state(optimizer_state, self.plan.dp_mode, saved_mode)
         params = {n: self.sharding.local(n, model_state[n])
                   for n, _ in self.stages.named_parameters()}
         with torch.no_grad():
@@ -308,7 +310,8 @@ class Trainer:
     def load(self, path) -> dict:
         """Restore model and optimizer from `path` (saved under any plan); returns its extras."""
         model_state, optimizer_state, extra = checkpoint.load(path, self.layout)
-        self.load_full_state(model_state, optimizer_state)
+        saved_mode = checkpoint.read_meta(path).get("plan", {}).get("dp_mode")
+        self.load_full_state(model_state, optimizer_state, saved_mode)
         self.steps_done = int(extra.get("steps_done", 0))
         self.data_parallel.resume_at(self.steps_done)
         return extra
@@ -318,19 +321,12 @@ class Trainer:
         self.data_parallel.close()
 
     def memory_report(self) -> MemoryReport:
-        device = self.mesh.device
-        on_device = device_memory(device) or {}
-        pinned = 0
-        if device.type == "cuda":   # pinning needs an accelerator: nothing to count on CPU
-            opt = self.optimizer   # offload's masters are its parameters, its states beside
-            pinned = pinned_bytes([p for group in getattr(opt, "param_groups", [])
-                                   for p in group["params"]]
-                                  + (optimizer_state_tensors(opt) if hasattr(opt, "state")
-                                     else []))
         return MemoryReport(
             **self.data_parallel.memory(),
             activations=self.activations.last_bytes if self.activations else None,
-            peak_process=peak_process_bytes(), host_pinned=pinned, **on_device)
+            peak_process=peak_process_bytes(),
+            host_pinned=storage_bytes(self.data_parallel.pinned_buffers()),   # offload's
+            **(device_memory(self.mesh.device) or {}))
 
 
 def _loss_in_fp32(loss_fn: Callable) -> Callable:

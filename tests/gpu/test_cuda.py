@@ -82,6 +82,35 @@ def test_offloaded_gradients_land_in_pinned_buffers_reused_every_step():
     assert buffers[0] == buffers[1]
 
 
+def pinned_report(zero: int) -> dict:
+    """Two bf16 steps under offload='cpu' on this rank's GPU: the memory report's pinned
+    bytes beside what the buffers the sync reports hold, read from the host allocator."""
+    import meshtrain as mt
+    from meshtrain.core.device import pinned_bytes
+    from meshtrain.core.memory import storage_bytes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    loss = lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+    trainer = mt.Trainer(model, mt.Plan(zero=zero, offload="cpu", precision="bf16"),
+                         loss_fn=loss, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    x = torch.randint(0, 16, (4, 5), device=trainer.mesh.device)
+    for _ in range(2):
+        trainer.step(x, x)
+    buffers = trainer.data_parallel.pinned_buffers()
+    return {"reported": trainer.memory_report().host_pinned, "pinned": pinned_bytes(buffers),
+            "all_pinned": all(b.is_pinned() for b in buffers),
+            "grad_buffers": storage_bytes(trainer.data_parallel.masters.grad_buffers())}
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_host_pinned_counts_every_pinned_buffer_of_the_offload(zero):
+    """host_pinned is every buffer offload='cpu' pins, the gradients' host buffers too."""
+    report = run_ranks(1, pinned_report, zero, device="cuda")[0]
+    assert report["all_pinned"] and report["reported"] == report["pinned"]
+    assert report["grad_buffers"] > 0
+
+
 def test_the_stopwatch_times_the_gpu_work_not_its_launch():
     from meshtrain.core.device import Stopwatch
 

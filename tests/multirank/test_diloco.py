@@ -94,6 +94,52 @@ def world4_cases(folder: str) -> dict:
                        range(2 * H + 1))}
 
 
+def _refusal(plan: mt.Plan, path: str) -> dict:
+    """What loading `path` under `plan` says, and whether the model was left untouched."""
+    torch.manual_seed(0)
+    trainer = mt.Trainer(eq.gpt(), plan, optimizer=eq.adamw)
+    before = trainer.full_state_dict()
+    try:
+        trainer.load(path)
+        message = ""
+    except PlanError as exc:
+        message = str(exc)
+    after = trainer.full_state_dict()
+    return {"message": message, "untouched": all(torch.equal(after[n], v)
+                                                  for n, v in before.items())}
+
+
+def switch_cases(folder: str) -> dict:
+    """Checkpoints that cross dp modes, and sync_every changed on resume."""
+    dp2, local1 = dict(dp=2), dict(dp=2, dp_mode="local-sgd")
+    # local SGD with H = 1 is DDP: two steps of one, then two of the other, are DDP's four
+    out = {"ddp-sgd": _run(mt.Plan(**dp2), "sgd", range(4))}
+    _run(mt.Plan(**local1), "sgd", range(2), save=f"{folder}/local1")
+    out["local-to-ddp"] = _run(mt.Plan(**dp2), "sgd", range(2, 4), load=f"{folder}/local1")
+    _run(mt.Plan(**dp2), "sgd", range(2), save=f"{folder}/ddp-sgd")
+    out["ddp-to-local"] = _run(mt.Plan(**local1), "sgd", range(2, 4), load=f"{folder}/ddp-sgd")
+    # DiLoCo (AdamW) saved at its sync, into plans keeping one replica; mid-round: refused
+    sync, mid = f"{folder}/at-sync", f"{folder}/mid-round"
+    out["diloco-sync"] = _run(mt.Plan(**dp2, **DILOCO), "adamw", range(H), save=sync)
+    _run(mt.Plan(**dp2, **DILOCO), "adamw", range(H + 1), save=mid)
+    out["into-ddp"] = _run(mt.Plan(**dp2), "adamw", range(H, H), load=sync)
+    out["ddp-on"] = _run(mt.Plan(**dp2), "adamw", range(H, H + 1), load=sync)
+    out["zero1-on"] = _run(mt.Plan(**dp2, zero=1), "adamw", range(H, H + 1), load=sync)
+    out["into-local"] = _run(mt.Plan(**dp2, dp_mode="local-sgd", sync_every=H), "adamw",
+                             range(H, H), load=sync)
+    out["refused"] = _refusal(mt.Plan(**dp2), mid)
+    # sync_every 2 -> 4 in the first round, and 4 -> 2 three steps into it
+    four = dict(DILOCO, sync_every=4)
+    out["h4"] = _run(mt.Plan(**dp2, **four), "adamw", range(4))
+    _run(mt.Plan(**dp2, **DILOCO), "adamw", range(1), save=f"{folder}/h2-step1")
+    out["h2-to-h4"] = _run(mt.Plan(**dp2, **four), "adamw", range(1, 4),
+                           load=f"{folder}/h2-step1")
+    _run(mt.Plan(**dp2, **four), "adamw", range(3), save=f"{folder}/h4-step3")
+    out["h4-to-h2"] = _run(mt.Plan(**dp2, **DILOCO), "adamw", range(3, 4),
+                           load=f"{folder}/h4-step3")
+    return out
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return str(tmp_path_factory.mktemp("diloco"))
@@ -199,3 +245,69 @@ def test_composes_with_tp_and_pp(world2, folder):
                                  what=f"dp=2 x {case}=2")
             # each rank syncs only its tp slice / its stage: fewer bytes than the whole
             assert 0 < rank[case]["traffic"]["pseudo-grad"] < oracle["traffic"]["pseudo-grad"]
+
+
+@pytest.fixture(scope="module")
+def switched(folder):
+    return run_ranks(2, switch_cases, folder, timeout=240)
+
+
+def _assert_resumed(resumed: dict, whole: dict, start: int, atol: float, what: str,
+                    optimizer: bool = True) -> None:
+    """`resumed` (steps start.. from a checkpoint) ends where `whole` does."""
+    close = dict(rtol=0, atol=atol, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(torch.tensor(resumed["losses"]),
+                               torch.tensor(whole["losses"][start:]), **close)
+    torch.testing.assert_close(resumed["state"], whole["state"], **close)
+    if optimizer:
+        torch.testing.assert_close(resumed["optimizer"], whole["optimizer"], **close)
+
+
+def test_local_sgd_and_ddp_checkpoints_cross(switched):
+    """Local SGD with H = 1 trains as DDP (momentum SGD too: the workers' mean momentum is
+    DDP's): 2 steps of one, saved, then 2 of the other train as 4 of DDP, either way (1e-6;
+    into DDP, its momentum too)."""
+    for rank in switched:
+        _assert_resumed(rank["local-to-ddp"], rank["ddp-sgd"], 2, 1e-6, "local SGD -> DDP")
+        _assert_resumed(rank["ddp-to-local"], rank["ddp-sgd"], 2, 1e-6, "DDP -> local SGD",
+                        optimizer=False)   # local SGD's state holds each worker's
+
+
+def test_diloco_at_a_sync_loads_into_one_replica(switched):
+    """A DiLoCo checkpoint at a sync loads under DDP: the parameters (the anchor), each
+    AdamW state the mean of the two workers' and the step count; ZeRO-1 then steps as DDP
+    does. Under local SGD the outer momentum goes (it has none). Mid-round: refused by name,
+    nothing loaded."""
+    for rank in switched:
+        saved, loaded = rank["diloco-sync"], rank["into-ddp"]
+        differ = 0
+        for name, value in saved["state"].items():
+            state, got = saved["optimizer"][name], loaded["optimizer"][name]
+            assert torch.equal(loaded["state"][name], value) and torch.equal(
+                state["diloco_anchor"], value), name
+            assert set(got) == {"step", "exp_avg", "exp_avg_sq"}, name
+            assert torch.equal(got["step"], state["worker_step"])
+            for key in ("exp_avg", "exp_avg_sq"):
+                workers = state[f"worker0_{key}"], state[f"worker1_{key}"]
+                assert torch.equal(got[key], (workers[0] + workers[1]) / 2), (name, key)
+                differ += not torch.equal(*workers)
+            local = rank["into-local"]["optimizer"][name]
+            assert "diloco_momentum" in state and "diloco_momentum" not in local, name
+            assert torch.equal(local["diloco_anchor"], value), name
+        assert differ > 0   # the workers' states differ: the mean is not one of them
+        eq.assert_equivalent(dict(rank["zero1-on"], norms=[]), dict(rank["ddp-on"], norms=[]),
+                             what="zero=1 from a DiLoCo checkpoint")
+        refused = rank["refused"]
+        assert ("saved by dp_mode='diloco' 1 inner step(s) after its last sync" in
+                refused["message"] and "dp_mode='ddp' keeps one replica" in refused["message"])
+        assert refused["untouched"]
+
+
+def test_sync_every_changed_on_resume(switched):
+    """sync_every changed on resume: the round goes on to the new H (2 -> 4 after one step:
+    as H = 4 throughout), or, already longer (4 -> 2 after three), ends at the next step, as
+    H = 4's does at step 4; bit for bit."""
+    for rank in switched:
+        _assert_resumed(rank["h2-to-h4"], rank["h4"], 1, 0, "H 2 -> 4")
+        _assert_resumed(rank["h4-to-h2"], rank["h4"], 3, 0, "H 4 -> 2")
+        assert rank["h4-to-h2"]["traffic"]["pseudo-grad"] > 0   # the round ended: a sync

@@ -9,9 +9,10 @@ tensor (`tolist`, `cpu`, `numpy`) are wrapped. Each call is attributed to the in
 meshtrain line that made it.
 
 Not counted, because a CPU run cannot see them: host-to-device copies of pageable memory,
-which torch also waits for (`copy_` without `non_blocking`). The step makes one: the batch
-itself (`inputs.to(device)` in the step driver), which the caller can hand over already on
-the device. The used-parameter flags go over pinned memory without blocking.
+which torch also waits for (`copy_` without `non_blocking`). The step makes one where the
+batch comes from pageable memory (`to_device` in the step driver copies a pinned one without
+blocking: `meshtrain train` pins its batches beside a GPU), or none when the caller hands it
+over already on the device. The used-parameter flags go over pinned memory without blocking.
 """
 import traceback
 

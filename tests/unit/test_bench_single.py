@@ -20,6 +20,23 @@ def test_ratios_tokens_and_mfu_from_given_times():
                                                           "meshtrain": 0.255 / 0.2})
 
 
+def test_tokens_and_mfu_come_from_the_benches_one_helper(monkeypatch):
+    """summarise's tokens/s and MFU are bench/device.py's `throughput` over one device (the
+    arithmetic every bench shares), called with the median step."""
+    calls = []
+
+    def helper(step_s, tokens_per_step, basis, devices):
+        calls.append((step_s, tokens_per_step, basis["flops_per_token"], basis["peak_flops"],
+                      devices))
+        return {"tokens_per_s": 7.0, "mfu": 0.125}
+    monkeypatch.setattr(single, "throughput", helper)
+    rows = single.summarise({single.TORCH_EAGER: [0.5, 0.3, 0.4]}, tokens_per_step=1000,
+                            flops_per_tok=6e6, peak_flops=1e11)
+    assert calls == [(0.4, 1000, 6e6, 1e11, 1)]
+    assert rows[single.TORCH_EAGER] == {"step_s": 0.4, "tokens_per_s": 7.0, "mfu": 0.125,
+                                        "vs_torch_eager": 1.0}
+
+
 def test_default_model_follows_the_device():
     assert single.default_model("cuda") == "gpt2-124m" and single.default_model("cpu") == "tiny"
 

@@ -117,3 +117,24 @@ def test_eval_batches_fixed_and_spanning():
     assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
     assert torch.equal(a[0][0][0], DATA[:16].long())           # first window at offset 0
     assert torch.equal(a[-1][1][-1], DATA[-16:].long())        # last window ends at the end
+
+
+def test_pinned_batches_are_the_same_batches_pinned(monkeypatch):
+    """pin_memory=True (a GPU's batches, train/run.py) pins each batch, as torch's DataLoader
+    does; its values are the unpinned sampler's. Pinning needs a GPU build: it is recorded
+    here, not done."""
+    pinned = []
+
+    def pin(tensor):
+        pinned.append(tensor)
+        return tensor.clone()
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    data = torch.arange(200, dtype=torch.uint8)
+    plain = BatchSampler(data, batch_size=4, seq_len=8, seed=3).batch(5)
+    assert pinned == []   # the default pins nothing
+    got = BatchSampler(data, batch_size=4, seq_len=8, seed=3, pin_memory=True).batch(5)
+    assert len(pinned) == 2 and all(torch.equal(a, b) for a, b in zip(got, plain))
+    fixed = eval_batches(data, 2, 8, 3, pin_memory=True)
+    assert len(pinned) == 2 + 2 and len(fixed) == 3   # one pinned (inputs, targets) pair, split
+    assert all(torch.equal(a, b) for pair in zip(fixed, eval_batches(data, 2, 8, 3))
+               for a, b in zip(*pair))

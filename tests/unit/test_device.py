@@ -12,6 +12,8 @@ from meshtrain.cli import summary as summary_module
 from meshtrain.cli import train_cmd
 from meshtrain.core import device as dev
 from meshtrain.core.mesh import device_for_backend
+from meshtrain.core.plan import Plan
+from meshtrain.train.trainer import Trainer
 
 
 @pytest.fixture
@@ -118,6 +120,33 @@ def test_launch_refuses_before_starting_a_rank(gpus):
         launch(os.getpid, nproc=3, device="cuda")
 
 
+# ---- batches onto the device ---------------------------------------------------------------
+class HostBatch:
+    """Stands for a host tensor, pinned or not, and records how it is moved."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.device, self.pinned, self.moves = torch.device("cpu"), pinned, []
+
+    def is_pinned(self) -> bool:
+        return self.pinned
+
+    def to(self, device, non_blocking=False):
+        self.moves.append((device, non_blocking))
+        return self
+
+
+def test_batches_are_pinned_and_copied_without_blocking_only_for_a_gpu():
+    gpu, cpu = torch.device("cuda", 1), torch.device("cpu")
+    assert dev.pin_host_batches(gpu) and not dev.pin_host_batches(cpu)
+    for pinned, device, non_blocking in ((True, gpu, True), (False, gpu, False),
+                                         (True, cpu, False)):
+        batch = HostBatch(pinned)
+        assert dev.to_device(batch, device) is batch
+        assert batch.moves == [(device, non_blocking)], (pinned, device)
+    tokens = torch.arange(6).view(2, 3)
+    assert dev.to_device(tokens, cpu) is tokens   # on CPU: the batch itself, no copy
+
+
 # ---- the device's figures ------------------------------------------------------------------
 def test_on_cpu_the_device_adds_nothing_and_the_clock_is_the_host_clock():
     cpu = torch.device("cpu")
@@ -136,6 +165,31 @@ def test_on_cuda_the_clock_waits_and_memory_comes_from_the_allocator(monkeypatch
     dev.DeviceClock(gpu).now()
     assert calls == [("sync", gpu)]
     assert dev.device_memory(gpu) == {"device_allocated": 3 * 2**20, "device_peak": 5 * 2**20}
+
+
+@pytest.mark.filterwarnings("ignore::meshtrain.strategies.zero.offload.OffloadNotice")
+@pytest.mark.parametrize("zero", [1, 3])
+def test_host_pinned_is_every_buffer_the_offload_pins(zero):
+    """Beside a GPU, offload='cpu' pins the fp32 masters, the optimizer's per-element states,
+    ZeRO-3's bf16 shards and the gradients' host buffers; host_pinned is their bytes. Pinning
+    needs a GPU: here the slot is marked as it is beside one, once the steps are done (the
+    gradient buffers exist only where gradients come from a GPU: tests/gpu)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    loss = lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+    trainer = Trainer(model, Plan(zero=zero, offload="cpu", precision="bf16"), loss_fn=loss,
+                      optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    x = torch.randint(0, 16, (4, 5), device="cpu")
+    for _ in range(2):
+        trainer.step(x, x)
+    sync = trainer.data_parallel
+    assert trainer.memory_report().host_pinned == 0   # a CPU-only machine pins nothing
+    sync.offload.pinned = True
+    states = [v for s in trainer.optimizer.state.values() for v in s.values() if v.dim() > 0]
+    held = sync.masters.masters + states + (sync.shards if zero == 3 else [])
+    assert trainer.memory_report().host_pinned == sum(t.numel() * t.element_size()
+                                                      for t in held)
+    assert len(states) == 2 * len(sync.masters.masters) and sync.masters.grad_buffers() == []
 
 
 def test_the_summary_shows_gpu_memory_when_there_is_some(capsys):

@@ -29,6 +29,10 @@ Checkpoints: the optimizer state of each parameter holds the anchor, the outer m
 inner step count since the last sync, and every worker's inner state and parameters under
 "worker<r>_<key>" (gathered over dp when saving), so a run resumes exactly whatever the step
 it stopped at; scalar inner states (AdamW's step) are equal on every worker and kept once.
+A round resumed under another sync_every H' ends once it has lasted H' steps (at its next
+step, when it already has). Another dp_mode's checkpoint starts a round from its
+parameters, every worker with its optimizer state; a dp_mode that keeps one replica takes
+this state at a sync only (`one_replica_state`).
 """
 from __future__ import annotations
 
@@ -138,7 +142,8 @@ class DiLoCo(GradientSync):
                         anchor.copy_(p)
             return
         self.since_sync += 1
-        if self.since_sync == self.sync_every:
+        # at least H: a round resumed under a smaller sync_every than it began with ends now
+        if self.since_sync >= self.sync_every:
             self._outer_step()
             self.since_sync = 0
 
@@ -236,7 +241,7 @@ class DiLoCo(GradientSync):
                                     if k.startswith("worker_")})
             else:   # another dp_mode's one optimizer state: every worker starts from it
                 inner[name] = {k: v for k, v in saved.items() if not k.startswith("diloco_")}
-            if _OUTER[1] in saved:
+            if _OUTER[1] in saved and self.outer_momentum > 0:   # local SGD has none
                 outer[name] = {"momentum_buffer": saved[_OUTER[1]].clone()}
             since.add(int(saved.get(_SINCE_SYNC, 0)))
         self.since_sync = since.pop() if len(since) == 1 else 0
@@ -257,3 +262,38 @@ class DiLoCo(GradientSync):
         return {"parameters": storage_bytes(self.params), "gradients": storage_bytes(grads),
                 "optimizer_states": storage_bytes(optimizer_state_tensors(self.optimizer))
                 + outer}
+
+
+def one_replica_state(optimizer_state: dict, mode: str, saved_mode: str | None) -> dict:
+    """A diloco / local-sgd checkpoint's optimizer state as one optimizer's (what a dp_mode
+    keeping one replica loads); any other state as it is.
+
+    Only at a sync (or in the warm-up) do the workers hold the same parameters: there, each
+    per-element inner state is the mean over the workers, and the outer anchor (equal to the
+    parameters) and momentum are dropped. The mean is exact for a state linear in the
+    gradients (SGD's momentum, Adam's first moment) where local SGD is DDP (H = 1); Adam's
+    second moment of each worker's own gradient is at least that of their mean, so the first
+    steps after are no larger than DDP's. Mid-round the workers' parameters differ: refused."""
+    state = optimizer_state["state"]
+    if not any(_OUTER[0] in s for s in state.values()):
+        return optimizer_state
+    since = max(int(s.get(_SINCE_SYNC, 0)) for s in state.values())
+    if since:
+        saved = repr(saved_mode) if saved_mode else "'diloco' or 'local-sgd'"
+        raise PlanError(f"this checkpoint was saved by dp_mode={saved} {since} inner step(s) "
+                        f"after its last sync: its workers' parameters differ, and "
+                        f"dp_mode={mode!r} keeps one replica; resume it under dp_mode="
+                        f"{saved}, or load into dp_mode={mode!r} a checkpoint saved at a sync "
+                        f"(a multiple of sync_every steps after the warm-up)")
+    merged = {}
+    for name, saved_state in state.items():
+        workers = sorted({int(m.group(1)) for m in map(_WORKER_KEY.match, saved_state) if m})
+        one = {k[len("worker_"):]: v for k, v in saved_state.items() if k.startswith("worker_")}
+        keys = {k[len(f"worker{workers[0]}_"):] for k in saved_state
+                if workers and k.startswith(f"worker{workers[0]}_")} - {"param"}
+        for key in sorted(keys):
+            each = torch.stack([saved_state[f"worker{r}_{key}"] for r in workers])
+            one[key] = each.mean(dim=0) if each.is_floating_point() else each[0]
+        if one:
+            merged[name] = one
+    return {**optimizer_state, "state": merged}

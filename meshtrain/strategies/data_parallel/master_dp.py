@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from meshtrain.core.comm import Comm
+from meshtrain.core.device import to_device
 from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
 from meshtrain.core.optim_state import load_state_by_name, param_groups_by_name, state_by_name
 from meshtrain.core.plan import PlanError
@@ -174,7 +175,8 @@ class ReplicaLoop:
         torch.set_num_threads(self.threads)   # N threads share the cores, as N devices would
         try:
             for x, y in zip(micro_inputs, micro_targets):
-                loss_sum += self._microbatch(x.to(self.device), y.to(self.device))
+                x, y = to_device(x, self.device), to_device(y, self.device)
+                loss_sum += self._microbatch(x, y)
         finally:
             torch.set_num_threads(previous)
         return loss_sum
@@ -209,4 +211,5 @@ class ReplicaLoop:
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         master = self.sync.replicas[0]
-        return float(self.loss_fn(master(inputs.to(self.device)), targets.to(self.device)))
+        return float(self.loss_fn(master(to_device(inputs, self.device)),
+                                  to_device(targets, self.device)))

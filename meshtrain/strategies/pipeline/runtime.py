@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from meshtrain.core.comm import P2P, Comm
-from meshtrain.core.device import Stopwatch
+from meshtrain.core.device import Stopwatch, to_device
 from meshtrain.core.memory import ActivationMeter
 from meshtrain.core.plan import Plan
 from meshtrain.strategies.pipeline.schedules import (COMPUTE, RECVS, Action, Kind,
@@ -181,7 +181,7 @@ class _Step:
         key, s = (a.microbatch, a.chunk), self.stage(a)
         if a.kind is Kind.FORWARD:
             if s == 0:
-                x = self.xs[a.microbatch].to(self.device)
+                x = to_device(self.xs[a.microbatch], self.device)
             else:
                 x = self.inbox.pop((False, *key))
                 x.requires_grad_(x.is_floating_point() and torch.is_grad_enabled())
@@ -193,7 +193,8 @@ class _Step:
                 else:
                     y = chunk(x)
                 if s == self.last_stage:
-                    y = self.d.loss_fn(y, self.ys[a.microbatch].to(self.device)) / len(self.xs)
+                    target = to_device(self.ys[a.microbatch], self.device)
+                    y = self.d.loss_fn(y, target) / len(self.xs)
             if s == self.last_stage:
                 self.loss_sum += y.detach()
             elif not isinstance(y, torch.Tensor):

@@ -64,6 +64,11 @@ class MasterWeights:
             copied.record()
             copied.synchronize()
 
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The pinned gradient buffers kept between steps (one per master that has had a
+        gradient copied from a GPU)."""
+        return [g for g in self._host_grads if g is not None]
+
     def _host_grad(self, i: int, master: torch.Tensor) -> torch.Tensor:
         """Master i's pinned gradient buffer (the optimizer's step leaves it unused until
         the next `set_grads` overwrites it)."""

@@ -136,12 +136,21 @@ class Offloader:
             return
         for state in optimizer.state.values():
             for key, value in state.items():
-                if (isinstance(value, torch.Tensor) and value.dim() > 0
+                if (_per_element(value)
                         and value.untyped_storage().data_ptr() not in self._placed
                         and not (self.pinned and value.is_pinned())):
                     state[key] = self.place(value)
         if self.store is not None:
             self.store.evict()
+
+    def pinned_buffers(self, optimizer: torch.optim.Optimizer,
+                       placed: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What is pinned for "cpu" beside a GPU: the tensors the sync `placed` (and the
+        gradient buffers beside them) and the optimizer's per-element states; else nothing."""
+        if not self.pinned:
+            return []
+        return placed + [v for state in optimizer.state.values() for v in state.values()
+                         if _per_element(v)]
 
     def offloaded_bytes(self, tensors) -> int:
         """Bytes of `tensors` that live on disk."""
@@ -151,3 +160,9 @@ class Offloader:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+
+def _per_element(value) -> bool:
+    """An optimizer state offload moves: one element per parameter element (a 0-dim step
+    counter stays where the optimizer made it)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0

@@ -281,6 +281,14 @@ class ZeRO(GradientSync):
     def parameter_bytes(self) -> int:
         return storage_bytes(self.data)
 
+    def pinned_buffers(self) -> list[torch.Tensor]:
+        return self.offload.pinned_buffers(self.optimizer, self._placed_tensors())
+
+    def _placed_tensors(self) -> list[torch.Tensor]:
+        """What this sync keeps where offload puts things: the masters, their gradients'
+        host buffers."""
+        return self.masters.masters + self.masters.grad_buffers()
+
     def close(self) -> None:
         """Remove what offload wrote to disk."""
         self.offload.close()

@@ -266,6 +266,10 @@ class ZeRO3(ZeRO):
         """The shards in memory, and whatever is gathered right now."""
         return storage_bytes(self.shards) - self.offload.offloaded_bytes(self.shards) + self.gathered_bytes
 
+    def _placed_tensors(self) -> list[torch.Tensor]:
+        # the shards between uses too (in bf16 the masters are fp32 copies of them)
+        return super()._placed_tensors() + self.shards
+
     def memory(self) -> dict[str, int]:
         out = super().memory()
         out["offloaded"] += self.offload.offloaded_bytes(self.shards)
