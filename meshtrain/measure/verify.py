@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.bench.timing import time_each_step
-from meshtrain.core.device import device_memory, reset_peak, synchronize
+from meshtrain.core.device import (device_memory, gpu_count, reset_peak, resolve_device,
+                                   synchronize)
 from meshtrain.core.plan import Plan
 from meshtrain.launch import launch
 from meshtrain.measure.probe import local_kind
@@ -367,15 +368,18 @@ def summary(rows: list[dict]) -> tuple[bool, str]:
 def verify_command(args) -> int:
     kind = local_kind()
     profile = load_profile(args.profile, kind)
-    missing = sorted({world_of(p) for p, _ in PLANS} - {int(w) for w in profile["worlds"]})
+    most = gpu_count() if resolve_device() == "cuda" else float("inf")   # one rank per GPU
+    plans = tuple((plan, batch) for plan, batch in PLANS if world_of(plan) <= most)
+    missing = sorted({world_of(p) for p, _ in plans} - {int(w) for w in profile["worlds"]})
     if missing:
         raise HardwareError(f"the profile {profile_path(args.profile, kind)} has no measurements at "
                             f"{missing} ranks, which --verify runs; calibrate them with "
                             f"`meshtrain plan --calibrate --nproc {max(missing)}`")
-    print(f"verifying {len(PLANS)} plans of meshtrain's GPT {MODEL} (AdamW), "
-          f"{ROUNDS} rounds, against the profile of {profile['created']}", file=sys.stderr)
+    print(f"verifying {len(plans)} plans of meshtrain's GPT {MODEL} (AdamW; {len(PLANS) - len(plans)}"
+          f" need more GPUs), {ROUNDS} rounds, against the profile of {profile['created']}",
+          file=sys.stderr)
     table = io.StringIO()
-    rows = verify(profile, out=table, progress=True)
+    rows = verify(profile, plans=plans, out=table, progress=True)
     print(HEADER)
     print(table.getvalue(), end="")
     ok, text = summary(rows)

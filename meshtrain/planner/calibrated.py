@@ -3,7 +3,8 @@
 `meshtrain plan --gpu H100-80GB` starts from the published table (hardware.GPUS). Where a
 profile of that kind exists (`meshtrain plan --calibrate` run on such a GPU saves it as
 profiles/H100-80GB.json), its figures replace the table's:
-- efficiency, the fraction of the table's peak the model's matrices reach: the time model
+- efficiency, the fraction of the peak the model's matrices reach (measured against the
+  table's peak, rescaled to a --peak-flops the user gives): the time model
   spends F_gemm / (peak e_gemm) + F_attn / (peak e_attn) on a step, so its one efficiency is
       e = (F_gemm + F_attn) / (F_gemm / e_gemm + F_attn / e_attn),
   with F the model's FLOPs per token in GEMMs (every weight, the logits) and in attention
@@ -73,14 +74,17 @@ def calibrated_cluster(cluster: Cluster, profile: dict, spec: ModelSpec, precisi
     the profile's file in the output."""
     device = profile.get("device", {})
     if device.get("kind") != cluster.name:
-        raise HardwareError(f"the profile {source} was measured on {device.get('kind')!r}, not "
-                            f"{cluster.name!r}: calibrate on a {cluster.name} or pass its profile")
+        measured = (f"was measured on {device['kind']!r}" if device.get("kind") else
+                    "names no device kind (calibrated before kinds were kept)")
+        raise HardwareError(f"the profile {source} {measured}, not {cluster.name!r}: run "
+                            f"`meshtrain plan --calibrate` on a {cluster.name} or pass its profile")
     worlds = {int(w): e for w, e in profile["worlds"].items()}
     entry = worlds[max(worlds)]
     changes = {"mem_bw": entry["mem_bw"]}
     efficiency = model_efficiency(entry, spec) if precision == device.get("dtype") else None
-    if efficiency and "efficiency" not in given:
-        changes["efficiency"] = efficiency
+    if efficiency and "efficiency" not in given:   # against the cluster's peak (--peak-flops)
+        peak = entry.get("peak_flops", cluster.peak_flops)
+        changes["efficiency"] = min(1.0, efficiency * peak / cluster.peak_flops)
     if entry.get("launch_rate") and entry.get("ops_per_block"):
         changes["block_overhead"] = entry["ops_per_block"] / entry["launch_rate"]
     else:   # a profile from before launches were timed: the reference step's fixed cost

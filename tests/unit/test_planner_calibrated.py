@@ -46,6 +46,7 @@ FLAT = {"gemm": {"shapes": [[8192, 1024, 4096], [8192, 8192, 32768]],
 
 def _profile(entry: dict, worlds=("1",), kind="H100-80GB") -> dict:
     base = {"matmul_flops": 7e14, "model_flops": 1e13, "mem_bw": GPUS["H100-80GB"].mem_bw,
+            "peak_flops": GPUS["H100-80GB"].peak_bf16,
             "optimizer_rate": 1e9, "collectives": {}, "launch_rate": 2e5, "ops_per_block": 50.0,
             **entry}
     return {"created": "2026-11-25T10:00:00", "cpu_count": 16, "host_mem": 1e12,
@@ -124,6 +125,10 @@ def test_figures_the_user_gives_and_other_precisions_keep_theirs(capsys, monkeyp
     given = json.loads(_cli(capsys, monkeypatch, tmp_path, *ARGV, "--profile", str(path),
                             "--efficiency", "0.6", "--json"))["cluster"]
     assert given["efficiency"] == 0.6 and given["calibration"]["given"] == ["efficiency"]
+    # a peak the user gives: the same measured FLOP/s are twice its half of the table's
+    half = json.loads(_cli(capsys, monkeypatch, tmp_path, *ARGV, "--profile", str(path),
+                           "--peak-flops", "494.5TFLOPS", "--json"))["cluster"]
+    assert half["efficiency"] == pytest.approx(0.5) and "peak_flops" in half["calibration"]["table"]
     fp32 = json.loads(_cli(capsys, monkeypatch, tmp_path, *ARGV, "--profile", str(path),
                            "--precision", "fp32", "--micro-batch", "1", "--json"))["cluster"]
     assert fp32["efficiency"] == 0.5 and "efficiency" in fp32["calibration"]["table"]
@@ -133,6 +138,9 @@ def test_a_profile_of_another_kind_is_refused():
     with pytest.raises(HardwareError, match="measured on 'A100-80GB', not 'H100-80GB'"):
         calibrated_cluster(make_cluster("H100-80GB"), _profile(FLAT, kind="A100-80GB"), SPEC,
                            "bf16", "p.json")
+    older = {k: v for k, v in _profile(FLAT).items() if k != "device"}
+    with pytest.raises(HardwareError, match="names no device kind"):
+        calibrated_cluster(make_cluster("H100-80GB"), older, SPEC, "bf16", "p.json")
 
 
 def test_curves_measured_in_a_node_price_only_groups_inside_it():
