@@ -42,9 +42,9 @@ import time
 
 from tqdm import tqdm
 
+from meshtrain.core.device import gpu_count, resolve_device
 from meshtrain.launch import launch
 from meshtrain.measure.fit import fit_runtime_memory, fit_strategies, fit_trainer
-from meshtrain.core.device import gpu_count, resolve_device
 from meshtrain.measure.probe import add_efficiencies, combine, mean_of_rounds, measure_rank
 from meshtrain.measure.runs import (BUDGET_S, MEMORY_RUNS, ROUNDS, SQUARE, run_model,
                                     strategy_runs)
@@ -196,8 +196,8 @@ def _device_lines(entry: dict) -> list[str]:
 
 
 def calibrate_worlds(nproc: int, device: str) -> list[int]:
-    """World sizes to calibrate: 1, 2, 4 up to `nproc`, and `nproc`; on CUDA at most one
-    rank per visible GPU."""
+    """World sizes to calibrate: 1, 2 and `nproc` (4 too below a larger one); on CUDA at
+    most one rank per visible GPU."""
     worlds = {1, 2, max(1, nproc)} | ({4} if nproc >= 4 else set())
     most = gpu_count() if device == "cuda" else max(worlds)
     return sorted(w for w in worlds if w <= most)

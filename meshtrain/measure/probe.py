@@ -3,10 +3,9 @@ a world's profile entry: the slowest rank per launch, the mean over rounds."""
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
-
-import os
 
 import torch
 import torch.distributed as dist
@@ -116,9 +115,10 @@ def device_work(device: torch.device) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     work = {"matmul": (lambda: a @ b, 2 * n**3)}
-    for m, k, n in GEMM_SHAPES[device.type]:
-        x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
-        work[f"gemm:{m},{k},{n}"] = (lambda x=x, w=w: x @ w, gemm_flops(m, k, n))
+    for m, k, cols in GEMM_SHAPES[device.type]:
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        w = torch.randn(k, cols, device=device, dtype=dtype)
+        work[f"gemm:{m},{k},{cols}"] = (lambda x=x, w=w: x @ w, gemm_flops(m, k, cols))
     for shape in ATTENTION_SHAPES[device.type]:
         q, k, v, grad = (torch.randn(shape, device=device, dtype=dtype, requires_grad=i < 3)
                          for i in range(4))
@@ -137,8 +137,7 @@ def device_work(device: torch.device) -> dict:
 def shaped(rate: dict) -> dict:
     """The GEMM and attention rates of `rate` as curves: {"shapes", "flops_per_call", "flops"}."""
     curves = {}
-    for family, shapes, count in (("gemm", GEMM_SHAPES, gemm_flops),
-                                  ("attention", ATTENTION_SHAPES, attention_flops)):
+    for family, count in (("gemm", gemm_flops), ("attention", attention_flops)):
         names = [n for n in rate if n.startswith(family + ":")]
         dims = [[int(d) for d in n.split(":")[1].split(",")] for n in names]
         curves[family] = {"shapes": dims, "flops_per_call": [count(*d) for d in dims],

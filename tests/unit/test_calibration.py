@@ -252,3 +252,13 @@ def test_a_cpu_calibration_saves_its_kinds_profile_with_the_device_figures(monke
     # a GPT block's forward and backward dispatch tens of operators
     assert 10 < entry["ops_per_block"] < 500, entry["ops_per_block"]
     assert "launch:" in cal.describe(saved) and "gemm efficiency" in cal.describe(saved)
+
+
+def test_calibration_on_cuda_runs_one_rank_per_visible_gpu(monkeypatch):
+    from meshtrain.measure import calibrate as cal
+    assert cal.calibrate_worlds(1, "cpu") == [1, 2]   # --verify needs 2 ranks
+    assert cal.calibrate_worlds(8, "cpu") == [1, 2, 4, 8]
+    monkeypatch.setattr(cal, "gpu_count", lambda: 1)
+    assert cal.calibrate_worlds(4, "cuda") == [1]
+    monkeypatch.setattr(cal, "gpu_count", lambda: 8)
+    assert cal.calibrate_worlds(4, "cuda") == [1, 2, 4]
