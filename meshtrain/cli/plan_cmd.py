@@ -24,10 +24,12 @@ def add_parser(subparsers) -> None:
     m.add_argument("--seq", type=int, help="sequence length (overrides the preset's)")
     c = p.add_argument_group("cluster")
     c.add_argument("--cluster", choices=["local"], help="'local': the calibrated profile")
-    c.add_argument("--profile", help="profile path (default ~/.cache/meshtrain/profile.json)")
+    c.add_argument("--profile", help="profile path (default: this device's, or --gpu's, "
+                   "~/.cache/meshtrain/profiles/KIND.json)")
     c.add_argument("--nodes", type=int, default=1)
     c.add_argument("--gpus-per-node", type=int, default=8)
-    c.add_argument("--gpu", help="A100-40GB, A100-80GB, H100-80GB, V100-32GB")
+    c.add_argument("--gpu", help="A100-40GB, A100-80GB, H100-80GB, V100-32GB (with its "
+                   "calibrated profile where one exists, else the published figures)")
     c.add_argument("--gpu-mem", help="device memory, e.g. 80GB")
     c.add_argument("--intra-bw", help="per-GPU link inside a node, e.g. 600GB/s or nvlink3")
     c.add_argument("--inter-bw", help="per-GPU link across nodes, e.g. 25GB/s, 200Gb/s, ib-hdr")
@@ -95,13 +97,31 @@ def build_inputs(args):
         from meshtrain.core.units import parse_bytes
         extra["host_mem"] = parse_bytes(args.host_mem)
     if args.cluster == "local":
+        from meshtrain.measure.probe import local_kind
         from meshtrain.planner.profile import load_profile_cluster
-        cluster = load_profile_cluster(args.profile, nodes=args.nodes, **extra)
+        cluster = load_profile_cluster(args.profile, nodes=args.nodes,
+                                       kind=None if args.profile else local_kind(), **extra)
     else:
         cluster = hardware.make_cluster(args.gpu, args.nodes, args.gpus_per_node, args.gpu_mem,
                                         args.intra_bw, args.inter_bw, args.peak_flops,
                                         precision=setup.precision, **extra)
+        if args.gpu:
+            cluster = with_calibration(cluster, spec, setup, args)
     return spec, setup, cluster
+
+
+def with_calibration(cluster, spec, setup, args):
+    """The named GPU's cluster with its kind's calibrated profile, where there is one
+    (--profile, else profiles/KIND.json); unchanged without."""
+    from meshtrain.planner.calibrated import calibrated_cluster
+    from meshtrain.planner.profile import kind_path, load_profile
+
+    path = args.profile or kind_path(cluster.name)
+    if not args.profile and not path.exists():
+        return cluster
+    given = tuple(k for k in ("efficiency", "intra_bw") if getattr(args, k) is not None)
+    return calibrated_cluster(cluster, load_profile(path), spec, setup.precision, str(path),
+                              given)
 
 
 def run(args) -> int:

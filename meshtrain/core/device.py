@@ -107,6 +107,11 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=async_copy)
 
 
+def device_name(device: torch.device) -> str | None:
+    """The GPU's product name ("NVIDIA H100 80GB HBM3"); None on CPU."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
 # ---- what the device measures ------------------------------------------------------------------
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (nothing to wait for on CPU)."""

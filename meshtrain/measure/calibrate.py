@@ -9,6 +9,12 @@ reduce_scatter, broadcast and point-to-point send/recv at several sizes through 
 bus bandwidth with the same ring factors the time model divides by (from 256 bytes, the size
 of a step's statistics, to 16 MiB, near the 25 MiB DDP bucket); and AdamW's update rate
 (parameters/s, PyTorch's CPU AdamW, tensor by tensor) on the reference GPT's parameters.
+On the device itself, in the run's dtype (bf16 on CUDA, fp32 on CPU: runs.py), it also
+measures GPT-shaped GEMMs and causal attention (forward and backward) at a few sizes, each
+as an efficiency against the device's dense peak (the table's for a GPU it knows, else the
+square matmul), the time one op takes to launch, and how many ops a block dispatches: what
+`plan --gpu KIND` takes from a profile of that kind (planner/calibrated.py). The profile
+names its device kind (hardware.device_kind) and is saved as profiles/<kind>.json.
 
 Timing on a noisy machine: within a launch every quantity is measured once per repetition,
 in alternation, for a few seconds, and each is the median of its repetitions; each world
@@ -36,13 +42,16 @@ import time
 
 from tqdm import tqdm
 
+from meshtrain.core.device import gpu_count, resolve_device
 from meshtrain.launch import launch
 from meshtrain.measure.fit import fit_runtime_memory, fit_strategies, fit_trainer
-from meshtrain.measure.probe import combine, mean_of_rounds, measure_rank
-from meshtrain.measure.runs import BUDGET_S, MEMORY_RUNS, ROUNDS, run_model, strategy_runs
+from meshtrain.measure.probe import add_efficiencies, combine, mean_of_rounds, measure_rank
+from meshtrain.measure.runs import (BUDGET_S, MEMORY_RUNS, ROUNDS, SQUARE, run_model,
+                                    strategy_runs)
 from meshtrain.measure.verify import plan_inputs, verify_rank
 from meshtrain.planner.activations import forward_traffic, transient_bytes
-from meshtrain.planner.profile import REFERENCE_GPT, save_profile
+from meshtrain.planner.hardware import GPUS
+from meshtrain.planner.profile import REFERENCE_GPT, kind_path, save_profile
 from meshtrain.core.units import fmt_rate
 
 
@@ -69,8 +78,13 @@ def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S
             if w > 1:
                 strategies[w].append(strategy_points(w, bar.update))
     bar.close()
+    device = resolve_device()
+    kind = rates[worlds[0]][0]["device_kind"]
+    profile["device"] = {"kind": kind, "type": device, "dtype": SQUARE[device][1],
+                         "count": gpu_count() if device == "cuda" else os.cpu_count()}
     for w in worlds:
         entry = mean_of_rounds(rates[w])
+        add_efficiencies(entry, kind, profile["device"]["dtype"])
         entry["runtime_memory"] = fit_runtime_memory([[(t, o) for t, o, _ in r] for r in memory[w]])
         profile["worlds"][str(w)] = entry
         entry["trainer"] = fit_trainer(profile, w, [[t for *_, t in r] for r in memory[w]])
@@ -123,13 +137,14 @@ def _mb(stages: list[float]) -> str:
 
 
 def describe(profile: dict) -> str:
-    lines = [f"calibrated {profile['created']} on {profile['cpu_count']} cores, "
-             f"{profile['host_mem'] / 1e9:.3g} GB host memory"]
+    lines = [f"calibrated {profile['created']} on {profile.get('device', {}).get('kind', 'cpu')} "
+             f"({profile['cpu_count']} cores, {profile['host_mem'] / 1e9:.3g} GB host memory)"]
     for w, e in profile["worlds"].items():
         lines.append(f"  {w} rank(s): matmul {fmt_rate(e['matmul_flops'], 'FLOP/s')} per rank, "
                      f"GPT step {fmt_rate(e['model_flops'], 'FLOP/s')} "
                      f"({e['model_flops'] / e['matmul_flops']:.0%}), copy {fmt_rate(e['mem_bw'], 'B/s')}, "
                      f"AdamW {fmt_rate(e.get('optimizer_rate', 0), 'param/s')}")
+        lines += _device_lines(e)
         rt = e.get("runtime_memory")
         if rt:
             lines.append(f"      runtime memory: {rt['fixed'] / 1e6:.1f} MB + "
@@ -165,13 +180,43 @@ def describe(profile: dict) -> str:
     return "\n".join(lines)
 
 
-def calibrate_command(args) -> int:
-    worlds = sorted({1, 2, max(1, args.nproc)} | ({4} if args.nproc >= 4 else set()))
-    print(f"calibrating on {worlds} local rank(s), {ROUNDS} rounds of about {BUDGET_S:g} s "
+def _device_lines(entry: dict) -> list[str]:
+    """The GEMM and attention efficiencies by shape and the launch cost (probe.device_work)."""
+    lines = []
+    for family in ("gemm", "attention"):
+        curve = entry.get(family)
+        if curve and "efficiency" in curve:
+            lines.append(f"      {family} efficiency: " + ", ".join(
+                f"{'x'.join(map(str, s))} {e:.0%}" for s, e in zip(curve["shapes"], curve["efficiency"]))
+                + f" of {fmt_rate(entry['peak_flops'], 'FLOP/s')}")
+    if entry.get("launch_rate"):
+        lines.append(f"      launch: {1e6 / entry['launch_rate']:.2f} us per op, "
+                     f"{entry['ops_per_block']:.0f} ops per block and micro-batch")
+    return lines
+
+
+def calibrate_worlds(nproc: int, device: str) -> list[int]:
+    """World sizes to calibrate: 1, 2 and `nproc` (4 too below a larger one); on CUDA at
+    most one rank per visible GPU."""
+    worlds = {1, 2, max(1, nproc)} | ({4} if nproc >= 4 else set())
+    most = gpu_count() if device == "cuda" else max(worlds)
+    return sorted(w for w in worlds if w <= most)
+
+
+def save_calibration(profile: dict, path=None):
+    """Save `profile` at `path`, by default as its device kind's (profiles/<kind>.json)."""
+    return save_profile(profile, path or kind_path(profile["device"]["kind"]))
+
+
+def calibrate_command(args, rounds: int = ROUNDS, budget_s: float = BUDGET_S) -> int:
+    worlds = calibrate_worlds(args.nproc, resolve_device())
+    print(f"calibrating on {worlds} local rank(s), {rounds} rounds of about {budget_s:g} s "
           f"each, with the runtime memory and each strategy on a reference GPT (about five "
           f"minutes)...", file=sys.stderr)
-    profile = calibrate(tuple(worlds))
-    path = save_profile(profile, args.profile)
+    profile = calibrate(tuple(worlds), rounds, budget_s)
+    path = save_calibration(profile, args.profile)
     print(describe(profile))
-    print(f"profile saved to {path}; plan with it: meshtrain plan --cluster local ...")
+    kind = profile["device"]["kind"]
+    print(f"profile of {kind} saved to {path}; plan with it: meshtrain plan --cluster local "
+          f"..." + (f" (or --gpu {kind} on a cluster of them)" if kind in GPUS else ""))
     return 0

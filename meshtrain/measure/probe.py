@@ -3,20 +3,25 @@ a world's profile entry: the slowest rank per launch, the mean over rounds."""
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtrain.bench.timing import alternate
 from meshtrain.core.comm import Comm
-from meshtrain.core.device import synchronize
+from meshtrain.core.device import device_name, rank_device, synchronize
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import Plan
-from meshtrain.measure.runs import BUDGET_S, KINDS, MIN_REPS, SIZES
+from meshtrain.measure.runs import (ATTENTION_SHAPES, BUDGET_S, COPY_BYTES, GEMM_SHAPES, KINDS,
+                                    LAUNCH_CHAIN, MIN_REPS, SIZES, SQUARE)
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.planner.hardware import ring_factor
+from meshtrain.planner.calibrated import attention_flops, gemm_flops
+from meshtrain.planner.hardware import GPUS, device_kind, ring_factor
 from meshtrain.planner.model_spec import from_gpt_config
 from meshtrain.planner.profile import REFERENCE_BATCH, REFERENCE_GPT, SMALL_BATCH
 from meshtrain.planner.flops import step_flops
@@ -30,14 +35,13 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     comm = Comm(Mesh.build(Plan(dp=world)))
     device = comm.mesh.device   # what a training rank computes on (NCCL: device tensors only)
-    n = 512
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    work = device_work(device)
     torch.manual_seed(0)
     config = GPTConfig(**REFERENCE_GPT)
     model = GPT(config).to(device)
     x = torch.randint(0, config.vocab_size, (REFERENCE_BATCH, config.seq_len), device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    big = torch.empty(32 * 2**20 // 4, device=device)
+    big = torch.empty(COPY_BYTES[device.type] // 4, device=device)
     dst = torch.empty_like(big)
 
     spec = from_gpt_config(config)
@@ -47,9 +51,9 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
         model.loss(model(batch), batch).backward()
 
     train_step()   # the gradients AdamW's step needs
+    ops = ops_per_block(train_step, config.n_layer)
     small = x[:SMALL_BATCH].clone()
-    work = {"matmul": (lambda: a @ b, 2 * n**3),
-            "gpt": (train_step, step_flops(spec, REFERENCE_BATCH)),
+    work |= {"gpt": (train_step, step_flops(spec, REFERENCE_BATCH)),
             "gpt_small": (lambda: train_step(small), step_flops(spec, SMALL_BATCH)),
             "optimizer": (opt.step, sum(p.numel() for p in model.parameters())),
             "copy": (lambda: dst.copy_(big), 2 * big.numel() * 4)}
@@ -90,9 +94,87 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
             for name, (_, amount) in work.items()}
     collectives = {kind: {"sizes": list(sizes), "busbw": [rate[f"{kind}:{s}"] for s in sizes]}
                    for kind in KINDS if world > 1}
-    return {"world": world, "matmul_flops": rate["matmul"], "model_flops": rate["gpt"],
+    return {"world": world, "device_kind": local_kind(device), "ops_per_block": ops,
+            "launch_rate": rate["launch"], **shaped(rate),
+            "matmul_flops": rate["matmul"], "model_flops": rate["gpt"],
             "model_flops_small": rate["gpt_small"], "mem_bw": rate["copy"], "optimizer_rate": rate["optimizer"], "reps": reps,
             "collectives": collectives}
+
+
+def local_kind(device: torch.device | None = None) -> str:
+    """The device kind of this machine's ranks (hardware.device_kind): its profile's name."""
+    return device_kind(device_name(device or rank_device()), os.cpu_count())
+
+
+def device_work(device: torch.device) -> dict:
+    """The device's own figures as name -> (step, amount per step) in the run's dtype (runs.py):
+    a square matmul (FLOPs), each GEMM shape ("gemm:M,K,N", FLOPs), each causal attention's
+    forward and backward ("attention:B,H,S,D", FLOPs as flops.py counts them), and a chain of
+    tiny ops ("launch", ops)."""
+    n, dtype = SQUARE[device.type]
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    work = {"matmul": (lambda: a @ b, 2 * n**3)}
+    for m, k, cols in GEMM_SHAPES[device.type]:
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        w = torch.randn(k, cols, device=device, dtype=dtype)
+        work[f"gemm:{m},{k},{cols}"] = (lambda x=x, w=w: x @ w, gemm_flops(m, k, cols))
+    for shape in ATTENTION_SHAPES[device.type]:
+        q, k, v, grad = (torch.randn(shape, device=device, dtype=dtype, requires_grad=i < 3)
+                         for i in range(4))
+        work["attention:" + ",".join(map(str, shape))] = (
+            lambda q=q, k=k, v=v, g=grad: torch.autograd.grad(
+                F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), g),
+            attention_flops(*shape))
+    tiny = torch.zeros(1, device=device)
+
+    def chain():
+        for _ in range(LAUNCH_CHAIN):
+            tiny.add_(1)
+    return work | {"launch": (chain, LAUNCH_CHAIN)}
+
+
+def shaped(rate: dict) -> dict:
+    """The GEMM and attention rates of `rate` as curves: {"shapes", "flops_per_call", "flops"}."""
+    curves = {}
+    for family, count in (("gemm", gemm_flops), ("attention", attention_flops)):
+        names = [n for n in rate if n.startswith(family + ":")]
+        dims = [[int(d) for d in n.split(":")[1].split(",")] for n in names]
+        curves[family] = {"shapes": dims, "flops_per_call": [count(*d) for d in dims],
+                          "flops": [rate[n] for n in names]}
+    return curves
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the operators dispatched while active, views aside (they launch no kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_block(step, layers: int) -> float:
+    """Operators one block dispatches in `step` (a training step of a GPT of `layers`
+    blocks), the embedding, head and loss counted as one more block (as step_costs)."""
+    with _OpCount() as count:
+        step()
+    return count.ops / (layers + 1)
+
+
+def add_efficiencies(entry: dict, kind: str, dtype: str) -> None:
+    """Each GEMM's and attention's efficiency against the device's dense peak: the table's
+    for a GPU it knows (at `dtype`), else the square matmul measured beside them."""
+    gpu = GPUS.get(kind)
+    peak = (gpu.peak_bf16 if dtype == "bf16" else gpu.peak_fp32) if gpu else entry["matmul_flops"]
+    for family in ("gemm", "attention"):
+        curve = entry.get(family)
+        if curve:
+            curve["efficiency"] = [f / peak for f in curve["flops"]]
+    entry["peak_flops"] = peak
 
 
 def _waited(fn, device: torch.device):
@@ -102,14 +184,23 @@ def _waited(fn, device: torch.device):
     return run
 
 
-RATES = ("matmul_flops", "model_flops", "model_flops_small", "mem_bw", "optimizer_rate")
+RATES = ("matmul_flops", "model_flops", "model_flops_small", "mem_bw", "optimizer_rate",
+         "launch_rate")
+CURVES = ("gemm", "attention")   # FLOP/s per shape
+SAME = ("device_kind", "ops_per_block")   # the same on every rank and round: the first's
 
 
 def combine(results: list[dict]) -> dict:
     """One launch's entry: the slowest rank's rates (the step waits for it)."""
-    entry = {key: min(r[key] for r in results) for key in RATES}
+    first = results[0]
+    entry = {key: min(r[key] for r in results) for key in RATES if key in first}
+    entry |= {key: first[key] for key in SAME if key in first}
+    for family in CURVES:
+        if family in first:
+            entry[family] = {**first[family], "flops": [min(col) for col in zip(
+                *(r[family]["flops"] for r in results))]}
     entry["collectives"] = {}
-    for kind, curve in results[0]["collectives"].items():
+    for kind, curve in first["collectives"].items():
         per_rank = [r["collectives"][kind]["busbw"] for r in results]
         entry["collectives"][kind] = {"sizes": curve["sizes"],
                                       "busbw": [min(col) for col in zip(*per_rank)]}
@@ -121,11 +212,18 @@ def mean_of_rounds(entries: list[dict]) -> dict:
     over the rounds. Each round is already a median (no single outlier moves it); the rounds
     fall in the machine's fast or slow phases, and the mean sits between them where a median
     of few rounds would pick one phase."""
-    entry = {key: statistics.fmean(e[key] for e in entries) for key in RATES}
+    first = entries[0]
+    rates = [key for key in RATES if key in first]
+    entry = {key: statistics.fmean(e[key] for e in entries) for key in rates}
+    entry |= {key: first[key] for key in SAME if key in first}
+    for family in CURVES:
+        if family in first:
+            entry[family] = {**first[family], "flops": [statistics.fmean(col) for col in zip(
+                *(e[family]["flops"] for e in entries))]}
     entry["collectives"] = {
         kind: {"sizes": curve["sizes"],
                "busbw": [statistics.fmean(col) for col in
                          zip(*(e["collectives"][kind]["busbw"] for e in entries))]}
-        for kind, curve in entries[0]["collectives"].items()}
-    entry["per_round"] = {key: [e[key] for e in entries] for key in RATES}
+        for kind, curve in first["collectives"].items()}
+    entry["per_round"] = {key: [e[key] for e in entries] for key in rates}
     return entry

@@ -16,6 +16,7 @@ import sys
 
 from meshtrain.core.admit import check_plan
 from meshtrain.core.plan import PlanError
+from meshtrain.measure.probe import local_kind
 from meshtrain.measure.verify import MODEL, verify
 from meshtrain.models.gpt import GPTConfig
 from meshtrain.planner.advisor import advise
@@ -116,7 +117,7 @@ def rank_report(rows: list[dict]) -> tuple[dict, str]:
 def rank_command(args) -> int:
 
 
-    profile = load_profile(args.profile)
+    profile = load_profile(args.profile, local_kind())
     plans = choose_plans(profile, args.nproc)
     if len(plans) < 2:
         raise ValueError(f"only {len(plans)} runnable plan(s) at {args.nproc} ranks: nothing to "

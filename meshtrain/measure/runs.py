@@ -14,6 +14,19 @@ DEEP_POINT = (4, 8)         # ... and (layers, batch) of a deeper one: the heap 
                             # a micro-batch's first layer than of each further layer's
 ACCUMULATION_POINT = (16, 2)   # ... and (batch, micro-batches) of one that accumulates
                             # gradients over micro-batches: its heap keeps more
+# What the time model needs of a device, per device type: a square matmul (n, dtype name) for
+# its peak where the table has none; GPT-shaped GEMMs (tokens M, K, N) and causal attention
+# (batch, heads, seq, head_dim), forward and backward, for efficiency by size; a chain of
+# LAUNCH_CHAIN tiny ops for the cost of one op's launch. In the run's dtype: bf16 on CUDA,
+# fp32 on CPU, where two small shapes each keep calibration's cost what it was.
+SQUARE = {"cuda": (8192, "bf16"), "cpu": (512, "fp32")}
+GEMM_SHAPES = {"cuda": ((8192, 1024, 4096), (8192, 4096, 4096), (8192, 4096, 16384),
+                        (8192, 8192, 32768)),
+               "cpu": ((128, 256, 768), (512, 256, 1024))}
+ATTENTION_SHAPES = {"cuda": ((8, 16, 1024, 64), (4, 32, 2048, 128), (1, 64, 8192, 128)),
+                    "cpu": ((2, 4, 128, 64), (1, 4, 256, 64))}
+LAUNCH_CHAIN = 64
+COPY_BYTES = {"cuda": 2**29, "cpu": 32 * 2**20}   # the copy timed for memory bandwidth
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 # the runtime-memory runs in calibration order, (layers, batch, micro-batches): the reference
 # GPT at MEMORY_BATCHES, the deeper one, the accumulating one (fit_runtime_memory and

@@ -35,8 +35,11 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.bench.timing import time_each_step
+from meshtrain.core.device import (device_memory, gpu_count, reset_peak, resolve_device,
+                                   synchronize)
 from meshtrain.core.plan import Plan
 from meshtrain.launch import launch
+from meshtrain.measure.probe import local_kind
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.planner.advisor import evaluate
 from meshtrain.planner.hardware import HardwareError
@@ -99,7 +102,8 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     gen = torch.Generator().manual_seed(1 + trainer.dp_rank)
     tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=gen)
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    device = trainer.mesh.device   # the batch's copy to the device is the caller's
+    x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
     sync = dist.barrier if dist.is_initialized() else (lambda: None)
     for _ in range(warmup):   # the first steps build gradients, optimizer states, heap
         sync()
@@ -115,17 +119,25 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
         trainer.comm.stats.reset()   # one more step, counted
         trainer.step(x, y)
         sent = {axis: trainer.comm.stats.total(axis=axis).sent for axis in ("dp", "tp", "pp")}
-        peak_alloc = report.model_states + allocated_peak(lambda: trainer.step(x, y))
+        peak_alloc = report.model_states + allocated_peak(lambda: trainer.step(x, y), device)
     trainer.close()
     role = rank_role(Plan(**plan), dist.get_rank() if dist.is_initialized() else 0)
     return {"step": statistics.median(times), "peak_growth": peak,
             "peak_alloc": peak_alloc, "role": role, "sent": sent, **report.to_dict()}
 
 
-def allocated_peak(fn) -> int:
+def allocated_peak(fn, device: torch.device) -> int:
     """Highest bytes of tensors allocated and not yet freed while `fn()` runs, above what was
-    live before it: the running sum of the CPU allocator's [memory] events (torch.profiler
-    with profile_memory), which see every tensor and kernel workspace the allocator serves."""
+    live before it: on CPU the running sum of the allocator's [memory] events (torch.profiler
+    with profile_memory), which see every tensor and kernel workspace the allocator serves;
+    on CUDA the caching allocator's own peak."""
+    if device.type == "cuda":
+        synchronize(device)
+        reset_peak(device)
+        before = device_memory(device)["device_allocated"]
+        fn()
+        synchronize(device)
+        return device_memory(device)["device_peak"] - before
     from torch.profiler import ProfilerActivity, profile
 
     with _without_profiler_banner(), profile(activities=[ProfilerActivity.CPU],
@@ -354,16 +366,20 @@ def summary(rows: list[dict]) -> tuple[bool, str]:
 
 
 def verify_command(args) -> int:
-    profile = load_profile(args.profile)
-    missing = sorted({world_of(p) for p, _ in PLANS} - {int(w) for w in profile["worlds"]})
+    kind = local_kind()
+    profile = load_profile(args.profile, kind)
+    most = gpu_count() if resolve_device() == "cuda" else float("inf")   # one rank per GPU
+    plans = tuple((plan, batch) for plan, batch in PLANS if world_of(plan) <= most)
+    missing = sorted({world_of(p) for p, _ in plans} - {int(w) for w in profile["worlds"]})
     if missing:
-        raise HardwareError(f"the profile {profile_path(args.profile)} has no measurements at "
+        raise HardwareError(f"the profile {profile_path(args.profile, kind)} has no measurements at "
                             f"{missing} ranks, which --verify runs; calibrate them with "
                             f"`meshtrain plan --calibrate --nproc {max(missing)}`")
-    print(f"verifying {len(PLANS)} plans of meshtrain's GPT {MODEL} (AdamW), "
-          f"{ROUNDS} rounds, against the profile of {profile['created']}", file=sys.stderr)
+    print(f"verifying {len(plans)} plans of meshtrain's GPT {MODEL} (AdamW; {len(PLANS) - len(plans)}"
+          f" need more GPUs), {ROUNDS} rounds, against the profile of {profile['created']}",
+          file=sys.stderr)
     table = io.StringIO()
-    rows = verify(profile, out=table, progress=True)
+    rows = verify(profile, plans=plans, out=table, progress=True)
     print(HEADER)
     print(table.getvalue(), end="")
     ok, text = summary(rows)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 from dataclasses import dataclass, field, replace
 
 from meshtrain.core.units import parse_bandwidth, parse_bytes, parse_flops
@@ -49,6 +50,32 @@ GPUS = {
     "H100-80GB": GPU("H100-80GB", 80e9, 989e12, 67e12, "nvlink4", 3.35e12),
     "V100-32GB": GPU("V100-32GB", 32e9, 125e12, 15.7e12, "nvlink2", 0.9e12),
 }
+
+# CUDA device names (torch.cuda.get_device_name) -> the GPUS entry whose figures hold for the
+# part: (key, tokens the name must hold, tokens that mark another part's figures). The table
+# quotes SXM parts: an H100 PCIe or NVL (756 / 835 TFLOPS bf16) and a V100 PCIe (112 TFLOPS)
+# are other kinds; an A100 PCIe has the SXM part's peak (its 80 GB's memory is 3% slower).
+_KIND_NAMES = (("H100-80GB", ("h100",), ("pcie", "nvl")),
+               ("A100-80GB", ("a100", "80gb"), ()),
+               ("A100-40GB", ("a100", "40gb"), ()),
+               ("V100-32GB", ("v100", "32gb"), ("pcie",)))
+
+
+def device_kind(device_name: str | None, cpus: int | None = None) -> str:
+    """The kind a calibrated profile is saved under: the GPUS key for a CUDA device name
+    the table describes ("NVIDIA H100 80GB HBM3" -> "H100-80GB"), else the name as a
+    lower-case slug without the vendor ("NVIDIA H100 PCIe" -> "h100-pcie"); CPU ranks (no
+    device name) "cpu-<cores>": a profile measured on 2 cores says nothing of 64."""
+    if device_name is None:
+        return f"cpu-{cpus}"
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    slug = re.sub(r"^(nvidia-)?(tesla-)?", "", slug)
+    tokens = set(slug.split("-"))
+    for key, needed, other in _KIND_NAMES:
+        if tokens >= set(needed) and not tokens & set(other):
+            return key
+    return slug or "unknown-gpu"
+
 
 # Per-GPU bandwidths: NVLink 2/3/4 total per GPU 300/600/900 GB/s (NVIDIA datasheets);
 # PCIe 4.0 x16 32 GB/s, 5.0 x16 64 GB/s; InfiniBand HDR 200 Gb/s, NDR 400 Gb/s per rail;
@@ -150,6 +177,10 @@ class Cluster:
     disk_overhead: float = 0.0      # seconds per byte offloaded to disk, per step
     name: str = "custom"
     curves: dict = field(default_factory=dict, compare=False)  # collective -> Curve (calibrated)
+    curves_intra_only: bool = False  # the curves were measured inside one node (a calibrated
+                                    # GPU): groups spanning nodes use inter_bw; False: all groups
+    calibration: dict | None = field(default=None, compare=False)  # which figures a profile
+                                    # gave, and its date (planner.calibrated); None: none
 
     def __post_init__(self) -> None:
         for key in ("nodes", "gpus_per_node"):
@@ -179,6 +210,11 @@ class Cluster:
         return self.gpu_mem * (1 - self.reserve)
 
     @property
+    def curves_replace_links(self) -> bool:
+        """Measured curves price every group, the inter-node link's included."""
+        return bool(self.curves) and not self.curves_intra_only
+
+    @property
     def achievable_flops(self) -> float:
         return self.peak_flops * self.efficiency
 
@@ -200,7 +236,7 @@ class Cluster:
             return 0.0
         factor = ring_factor(kind, n)
         curve = self.curves.get(kind)
-        if curve is not None:
+        if curve is not None and (span <= self.gpus_per_node or not self.curves_intra_only):
             return curve.latency + factor * nbytes / curve.at(nbytes)
         bw, alpha = self.link(span)
         steps = {"all_reduce": 2 * (n - 1), "broadcast": 1, "p2p": 1}.get(kind, n - 1)

@@ -12,6 +12,10 @@ beyond the model on the reference GPT (meshtrain.measure.fit.fit_strategies): Ze
 disk offload's paging, tensor parallel's unsplit work and buffers, the pipeline runtime's
 work per micro-batch and its buffers.
 
+A profile is kept per device kind (hardware.device_kind: "H100-80GB", "cpu-2"), at
+profiles/<kind>.json: `--cluster local` reads this machine's kind, `--gpu KIND` a named
+GPU's (planner.calibrated), and a profile.json from before kinds still serves.
+
 Not measured: how much gradient all-reduce hides behind backward. On CPU ranks gloo's
 threads run on the cores backward uses (one thread per rank, ranks <= cores), so hiding buys
 little; a local cluster takes LOCAL_OVERLAP. (The verified plans put the whole small model
@@ -31,12 +35,36 @@ from meshtrain.planner.flops import step_flops
 # batch sizes: its rate and its fixed cost per micro-batch (step_costs)
 REFERENCE_GPT = dict(vocab_size=256, seq_len=128, n_layer=2, n_head=4, d_model=256)
 REFERENCE_BATCH, SMALL_BATCH = 8, 2
-DEFAULT_PATH = Path("~/.cache/meshtrain/profile.json")
+PROFILES = Path("~/.cache/meshtrain/profiles")   # <device kind>.json (hardware.device_kind)
+DEFAULT_PATH = Path("~/.cache/meshtrain/profile.json")   # the one profile kept before kinds
 LOCAL_OVERLAP = 0.0
 
 
-def profile_path(path: str | os.PathLike | None = None) -> Path:
-    return Path(path or DEFAULT_PATH).expanduser()
+def kind_path(kind: str) -> Path:
+    return (PROFILES / f"{kind}.json").expanduser()
+
+
+def profile_path(path: str | os.PathLike | None = None, kind: str | None = None) -> Path:
+    """Where a profile is read: `path` when given, else the profile of device `kind`. A
+    profile.json from before profiles were kept per kind stands in for a kind with none of
+    its own, unless it names another kind."""
+    if path:
+        return Path(path).expanduser()
+    legacy = DEFAULT_PATH.expanduser()
+    if kind is None:
+        return legacy
+    own = kind_path(kind)
+    if not own.exists() and legacy.exists() and profile_kind(legacy) in (None, kind):
+        return legacy
+    return own
+
+
+def profile_kind(path: Path) -> str | None:
+    """The device kind a profile file was measured on; None for one from before kinds."""
+    try:
+        return json.loads(path.read_text()).get("device", {}).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def save_profile(profile: dict, path=None) -> Path:
@@ -48,11 +76,12 @@ def save_profile(profile: dict, path=None) -> Path:
     return target
 
 
-def load_profile(path=None) -> dict:
-    target = profile_path(path)
+def load_profile(path=None, kind: str | None = None) -> dict:
+    target = profile_path(path, kind)
     if not target.exists():
+        on = f" on this device ({kind})" if kind and not path else ""
         raise HardwareError(f"no calibrated profile at {target}: run `meshtrain plan "
-                            f"--calibrate` first (or pass --profile PATH)")
+                            f"--calibrate` first{on} (or pass --profile PATH)")
     try:
         profile = json.loads(target.read_text())
         profile["worlds"]
@@ -140,5 +169,6 @@ def step_costs(entry: dict) -> tuple[float, float]:
     return rate, overhead / (REFERENCE_GPT["n_layer"] + 1)
 
 
-def load_profile_cluster(path=None, world: int | None = None, nodes: int = 1, **extra) -> Cluster:
-    return cluster_from_profile(load_profile(path), world, nodes, **extra)
+def load_profile_cluster(path=None, world: int | None = None, nodes: int = 1,
+                         kind: str | None = None, **extra) -> Cluster:
+    return cluster_from_profile(load_profile(path, kind), world, nodes, **extra)

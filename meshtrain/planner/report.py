@@ -39,6 +39,7 @@ def words(advice: Advice) -> str:
            f"{cl.usable_mem / 1e9:.3g} GB usable; {fmt_rate(cl.peak_flops, 'FLOP/s')} peak, "
            f"{cl.efficiency:.0%} achievable; intra {fmt_rate(cl.intra_bw, 'B/s')}, inter "
            f"{fmt_rate(cl.inter_bw, 'B/s')}).",
+           *_calibration_line(cl),
            f"Training: global batch {setup.global_batch} x {spec.seq} tokens, {setup.precision},"
            f" {setup.optimizer} (K = {setup.optim_bytes} bytes/parameter).",
            f"Considered {advice.considered} plans: {len(advice.ranked)} fit and are ranked, "
@@ -66,6 +67,16 @@ def words(advice: Advice) -> str:
     return "\n".join(out)
 
 
+def _calibration_line(cl) -> list[str]:
+    """Which of the cluster's figures a calibrated profile gave, and which the table."""
+    c = cl.calibration
+    if not c:
+        return []
+    given = f"; given: {', '.join(c['given'])}" if c["given"] else ""
+    return [f"Calibrated on {c['kind']} ({c['profile']}, {c['created']}, {c['dtype']}): "
+            f"{', '.join(c['calibrated'])}; from the table: {', '.join(c['table'])}{given}."]
+
+
 def _roles(advice: Advice, ev) -> dict:
     return role_memories(advice.spec, ev.cand, advice.setup,
                          **advice.cluster.memory_terms(ev.cand.plan))
@@ -80,7 +91,7 @@ def to_json(advice: Advice, top: int = 10) -> str:
                   "heads": advice.spec.heads, "vocab": advice.spec.vocab, "seq": advice.spec.seq},
         "cluster": {k: getattr(advice.cluster, k) for k in (
             "name", "nodes", "gpus_per_node", "gpu_mem", "intra_bw", "inter_bw", "peak_flops",
-            "efficiency", "reserve")},
+            "efficiency", "reserve", "mem_bw", "block_overhead", "calibration")},
         "setup": {k: getattr(advice.setup, k) for k in (
             "global_batch", "micro_batch", "precision", "optimizer", "recompute",
             "sequence_parallel")},

@@ -49,7 +49,7 @@ def crossover_bandwidth(spec: ModelSpec, setup: Setup, cluster: Cluster, cand_a:
             raise CrossoverError(
                 f"{c.label()} keeps its dp axis inside one node ({cluster.gpus_per_node} GPUs "
                 "per node): no inter-node link to vary; use more dp ranks or nodes")
-    if cluster.curves or other.curves:
+    if cluster.curves_replace_links or other.curves_replace_links:
         raise CrossoverError("a calibrated cluster's measured collective curves replace "
                              "the link figure; compute the crossover on a preset cluster")
     diff = lambda bw: (_time(spec, cand_a, setup, cluster, bw)
@@ -77,7 +77,7 @@ def slow_link_advice(spec: ModelSpec, setup: Setup, cluster: Cluster, best: Cand
     p = best.plan
     if mode not in LOCAL_STEP_MODES or p.dp_mode != "ddp" or p.zero or p.pp > 1 or p.dp < 2:
         return None
-    if p.dp * p.tp <= cluster.gpus_per_node or cluster.curves:
+    if p.dp * p.tp <= cluster.gpus_per_node or cluster.curves_replace_links:
         return None
     local = replace(best, plan=Plan(dp=p.dp, tp=p.tp, microbatches=p.microbatches,
                                     dp_mode=mode, sync_every=sync_every))

@@ -209,3 +209,56 @@ def test_a_profile_hands_every_fitted_term_to_the_cluster():
     assert cl.pp_memory == (9e6, 7e6) and cl.pp_tp_memory == (7e6, 4e6)
     assert cl.pp_overhead == 1e-3 and cl.pp_tp_scale == 0.8 and cl.disk_overhead == 1e-8
     assert cl.staging == {1: 5.0, 2: 5.5, 3: 12.0, "3+recompute": 4.0, "disk": 4.0}
+
+
+def test_a_cpu_calibration_saves_its_kinds_profile_with_the_device_figures(monkeypatch, tmp_path):
+    """`calibrate` at one rank, in this process (its launches and the runtime-memory runs,
+    other tests' subject, stubbed): the profile names this machine's kind, is saved under
+    it, and holds each GEMM's and attention's efficiency and the launch cost."""
+    import json
+    import os
+
+    import torch
+
+    from meshtrain.measure import calibrate as cal
+    from meshtrain.measure.runs import ATTENTION_SHAPES, GEMM_SHAPES
+    from meshtrain.planner.calibrated import gemm_flops
+    from meshtrain.planner.profile import kind_path
+
+    threads = torch.get_num_threads()   # a rank takes one thread; give the process its own back
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(cal, "launch", lambda fn, nproc, args=(), kwargs=None:
+                        [fn(*args, **(kwargs or {}))])
+    monkeypatch.setattr(cal, "runtime_memory_point", lambda world, batch, layers, m:
+                        ((1e6 * batch, 2e6 * batch * layers), 1e6 + 0.5e6 * batch * m, 0.01 * batch))
+    try:
+        profile = cal.calibrate((1,), rounds=1, budget_s=0.2, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    kind = f"cpu-{os.cpu_count()}"
+    path = cal.save_calibration(profile)
+    assert path == kind_path(kind) and str(path).startswith(str(tmp_path))
+    saved = json.loads(path.read_text())
+    assert saved["device"] == {"kind": kind, "type": "cpu", "dtype": "fp32", "count": os.cpu_count()}
+    entry = saved["worlds"]["1"]
+    assert entry["peak_flops"] == entry["matmul_flops"]   # no table entry: the square matmul
+    for family, shapes in (("gemm", GEMM_SHAPES["cpu"]), ("attention", ATTENTION_SHAPES["cpu"])):
+        curve = entry[family]
+        assert curve["shapes"] == [list(s) for s in shapes]
+        assert all(0 < e <= 1.5 for e in curve["efficiency"]), (family, curve)
+        assert curve["efficiency"] == pytest.approx([f / entry["peak_flops"] for f in curve["flops"]])
+    assert entry["gemm"]["flops_per_call"][0] == gemm_flops(*GEMM_SHAPES["cpu"][0])
+    assert 0 < 1 / entry["launch_rate"] < 1e-3, entry["launch_rate"]   # seconds per op: < 1 ms
+    # a GPT block's forward and backward dispatch tens of operators
+    assert 10 < entry["ops_per_block"] < 500, entry["ops_per_block"]
+    assert "launch:" in cal.describe(saved) and "gemm efficiency" in cal.describe(saved)
+
+
+def test_calibration_on_cuda_runs_one_rank_per_visible_gpu(monkeypatch):
+    from meshtrain.measure import calibrate as cal
+    assert cal.calibrate_worlds(1, "cpu") == [1, 2]   # --verify needs 2 ranks
+    assert cal.calibrate_worlds(8, "cpu") == [1, 2, 4, 8]
+    monkeypatch.setattr(cal, "gpu_count", lambda: 1)
+    assert cal.calibrate_worlds(4, "cuda") == [1]
+    monkeypatch.setattr(cal, "gpu_count", lambda: 8)
+    assert cal.calibrate_worlds(4, "cuda") == [1, 2, 4]
