@@ -107,7 +107,12 @@ def test_ranks_that_differ_are_reported_per_role(rows_and_text):
     for row in (pipeline, server):   # the plan's row: the most any role needs, both sides
         for key in ("model_states", "activations", "peak_alloc", "peak_rss"):
             assert row["predicted"][key] == max(r["predicted"][key] for r in row["roles"])
+        for key in ("model_states", "activations", "peak_alloc"):   # exact: the first round's
             assert row["measured"][key] == max(r["measured"][key] for r in row["roles"])
+        # the resident peak is the rounds' median of the highest rank: in each round the
+        # highest role's (which role that is may change from round to round)
+        for i, peak in enumerate(row["rounds"]["peak_rss"]):
+            assert peak == max(r["rounds"]["peak_rss"][i] for r in row["roles"]), i
 
 
 def test_sequence_parallel_activations_are_korthikantis(rows_and_text):
