@@ -301,7 +301,8 @@ class Trainer:
 
     def save(self, path, extra: dict | None = None) -> None:
         """Checkpoint (torch.distributed.checkpoint) of the consolidated state, written
-        atomically, each tensor by one rank; loadable under any plan."""
+        atomically, each tensor by one rank; loadable under any plan, except a DiLoCo / local
+        SGD checkpoint taken mid-round under a plan keeping one replica (refused by name)."""
         optimizer_state = self.full_optimizer_state()
         checkpoint.save(path, self.full_state_dict(),
                         optimizer_state if optimizer_state["state"] else None, self.plan,
