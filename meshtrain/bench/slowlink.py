@@ -5,8 +5,9 @@ the same tokens) with `--link`; the figures come from its metrics.jsonl: the med
 time, the bytes each step sent (the accounted counters), the validation loss at equal tokens
 and, against DDP, the steps and training seconds (sum of step times, evaluations excluded)
 each takes to reach a loss both reach (the higher of the two final validation losses; the
-step it is crossed at interpolated between evaluations, every 4 steps by default). Every
-figure is EMULATED: the link sleeps its modelled time (core/link.py).
+step it is crossed at interpolated between evaluations, every 4 steps by default; a
+method's warm-up steps, which are DDP's, timed by DDP's run). Every figure is EMULATED: the
+link sleeps its modelled time (core/link.py).
 
 Crossover against DDP: the bandwidth below which the method reaches that common loss
 sooner, measured from the runs' own records and predicted by the planner from the same
@@ -95,8 +96,9 @@ def _row(run_dir: Path, bw: float) -> dict:
 
 def _compare(rows: dict, methods: dict, link: dict) -> None:
     """Against DDP, at the loss both reach (the step it is crossed at interpolated between
-    evaluations): seconds each takes, the speed-up, and the crossover bandwidth measured
-    and predicted by the planner from the same steps' compute."""
+    evaluations; a method's warm-up steps timed by DDP's run): seconds each takes, the
+    speed-up, and the crossover bandwidth measured and predicted by the planner from the
+    same steps' compute."""
     ddp = rows.get("ddp")
     for name, row in rows.items():
         row.update(target_loss=None, s_to_target=None, ddp_s_to_target=None, speedup=None,
@@ -105,7 +107,9 @@ def _compare(rows: dict, methods: dict, link: dict) -> None:
         if ddp is None or row is ddp:
             continue
         target = max(ddp["val_loss"], row["val_loss"])
-        mine, theirs = xover.reach(row, target, True), xover.reach(ddp, target, True)
+        plan = xover.plan_of(methods[name], link["nproc"])
+        warmed = _warmed_by(row, ddp, plan.sync_warmup_steps)
+        mine, theirs = xover.reach(warmed, target, True), xover.reach(ddp, target, True)
         row["target_loss"] = target
         if mine is None or theirs is None:
             continue
@@ -115,9 +119,19 @@ def _compare(rows: dict, methods: dict, link: dict) -> None:
         row["crossover_Bps"] = xover.measured_crossover(theirs, mine)
         row["planner_crossover_Bps"] = xover.planner_crossover_at_target(
             link["model"], link["nproc"], link["batch"], link["latency"],
-            xover.plan_of(methods[name], link["nproc"]),
-            (theirs[0], xover.upto(ddp["compute"], theirs[0])),
-            (mine[0], xover.upto(row["compute"], mine[0])))
+            plan, (theirs[0], xover.upto(ddp["compute"], theirs[0])),
+            (mine[0], xover.upto(warmed["compute"], mine[0])))
+
+
+def _warmed_by(row: dict, ddp: dict, k: int) -> dict:
+    """`row` with its first `k` (warm-up) steps timed by DDP's run: they are DDP's steps,
+    the same work and bytes (checked on the counters), so the seconds the two runs took for
+    them differ by machine noise alone, which would otherwise land whole in the difference
+    of the times to the target. Unchanged where the bytes differ."""
+    if not k or [s for _, s in row["records"][:k]] != [s for _, s in ddp["records"][:k]]:
+        return row
+    return dict(row, **{key: ddp[key][:k] + row[key][k:]
+                        for key in ("records", "step_s", "compute")})
 
 
 def _plot(rows: dict, path: Path, link: str) -> str:

@@ -166,3 +166,28 @@ def test_the_planners_link_terms_are_what_the_emulated_link_charges():
         lat, nbytes = _planner_link(Plan(dp=NPROC, dp_mode="diloco", sync_every=h))
         assert h * lat == pytest.approx(2 * 6 * LAT, rel=1e-12)
         assert (dil.charged["dp"] - h * lat) * BW - h * nbytes == pytest.approx(8 - 6, abs=1e-3)
+
+
+def test_a_methods_warm_up_is_timed_by_ddps_run(tmp_path):
+    """The K warm-up steps are DDP's (same bytes): how long the method's run took for them
+    (machine noise) changes neither its time to the target nor either crossover."""
+    flags = slowlink.DILOCO + ["8", "--sync-warmup-steps", "32"]
+    ddp_link = _planner_link(Plan(dp=NPROC))
+    lat, nbytes = _planner_link(xover.plan_of(flags, NPROC))
+    round_link = lambda i: (ddp_link if i < 32 else
+                            (8 * lat, 8 * nbytes) if i % 8 == 7 else (0.0, 0.0))
+    _write_run(tmp_path / "ddp", lambda i: ddp_link, reach_at=70.5, seed=1)
+    rows = {"ddp": slowlink._row(tmp_path / "ddp", BW)}
+    for name, seed in (("calm", 2), ("busy", 2)):
+        _write_run(tmp_path / name, round_link, reach_at=99.5, seed=seed)
+        rows[name] = slowlink._row(tmp_path / name, BW)
+    busy = rows["busy"]
+    for key in ("step_s", "compute"):
+        busy[key][:32] = [x + 0.1 for x in busy[key][:32]]
+    busy["records"][:32] = [(c + 0.1, s) for c, s in busy["records"][:32]]
+    slowlink._compare(rows, {"ddp": [], "calm": flags, "busy": flags},
+                      dict(model="tiny", nproc=NPROC, batch=BATCH, latency=LAT))
+    for key in ("s_to_target", "crossover_Bps", "planner_crossover_Bps"):
+        assert rows["busy"][key] == rows["calm"][key]
+    assert rows["calm"]["s_to_target"] == pytest.approx(
+        sum(rows["ddp"]["step_s"][:32]) + xover.upto(rows["calm"]["step_s"][32:], 99.5 - 32))
