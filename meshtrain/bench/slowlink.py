@@ -3,14 +3,15 @@
 Each method is one `meshtrain train` run (same model, data, seed, steps and global batch, so
 the same tokens) with `--link`; the figures come from its metrics.jsonl: the median step
 time, the bytes each step sent (the accounted counters), the validation loss at equal tokens
-and, against DDP, the training seconds (sum of step times, evaluations excluded) each takes
-to reach a loss both reach (the higher of the two final validation losses). Every figure is
-EMULATED: the link sleeps its modelled time (core/link.py).
+and, against DDP, the steps and training seconds (sum of step times, evaluations excluded)
+each takes to reach a loss both reach (the higher of the two final validation losses; the
+step it is crossed at interpolated between evaluations, every 4 steps by default; a
+method's warm-up steps, which are DDP's, timed by DDP's run). Every figure is EMULATED: the
+link sleeps its modelled time (core/link.py).
 
 Crossover against DDP: the bandwidth below which the method reaches that common loss
 sooner, measured from the runs' own records and predicted by the planner from the same
-inputs (DDP's measured step, the link's bandwidth and latency), side by side
-(slowlink_crossover.py).
+steps' measured compute and its own link model, side by side (slowlink_crossover.py).
 """
 from __future__ import annotations
 
@@ -43,9 +44,10 @@ def pick(names: list[str] | None) -> dict | None:
 
 
 def run(out: str, nproc: int = 4, link: str = "dp=1Gb/s,5ms", steps: int = 128,
-        eval_every: int = 16, batch: int = 16, model: str = "tiny",
+        eval_every: int = 4, batch: int = 16, model: str = "tiny",
         methods: dict | None = None, sync_warmup: int = 0, progress=print) -> dict:
-    """Train each method once (every one but DDP after `sync_warmup` DDP steps); returns
+    """Train each method once (every one but DDP after `sync_warmup` DDP steps), evaluated
+    every `eval_every` steps (outside the step times); returns
     {"link", "methods": {name: row}, "png"}."""
     dp_link = parse_link_spec(link)["dp"]   # refuses a bad spec before any run
     bw = dp_link.bandwidth
@@ -62,7 +64,7 @@ def run(out: str, nproc: int = 4, link: str = "dp=1Gb/s,5ms", steps: int = 128,
         progress(f"slowlink: {name} ({LABEL} {link})")
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         rows[name] = _row(run_dir, bw)
-    _compare(rows, methods, dict(model=model, nproc=nproc, batch=batch, bandwidth=bw,
+    _compare(rows, methods, dict(model=model, nproc=nproc, batch=batch,
                                  latency=dp_link.latency))
     png = _plot(rows, Path(out) / "slowlink.png", link)
     return {"link": link, "emulated": LABEL, "nproc": nproc, "steps": steps, "batch": batch,
@@ -72,48 +74,64 @@ def run(out: str, nproc: int = 4, link: str = "dp=1Gb/s,5ms", steps: int = 128,
 def _row(run_dir: Path, bw: float) -> dict:
     """The run's summary (median step, bytes per step from the counters, final validation
     loss), its validation curve against the running sum of step times, and per step its
-    seconds less the link's bandwidth term and its bytes (slowlink_crossover.reach)."""
+    seconds, its seconds less the link's bandwidth term with its bytes
+    (slowlink_crossover.reach), and its compute: seconds less all the link slept."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    records, evals, t = [], [], 0.0
+    records, step_s, compute, evals, t = [], [], [], [], 0.0
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         if "step_s" in rec:
             t += rec["step_s"]
+            step_s.append(rec["step_s"])
             records.append((rec["step_s"] - rec["bytes_sent"] / bw, rec["bytes_sent"]))
+            compute.append(rec["step_s"] - rec["link_s"])
         if "val_loss" in rec:
             evals.append((rec["step"], t, rec["val_loss"]))
     return {"median_step_s": summary["median_step_s"],
             "bytes_per_step": summary["bytes_sent_per_step"],
             "val_loss": summary["val_loss_end"], "train_s": t,
             "curve": [(clock, v) for _, clock, v in evals], "evals": evals,
-            "records": records}
+            "records": records, "step_s": step_s, "compute": compute}
 
 
 def _compare(rows: dict, methods: dict, link: dict) -> None:
-    """Against DDP, at the loss both reach: seconds each takes, the speed-up, and the
-    crossover bandwidth measured and predicted by the planner."""
+    """Against DDP, at the loss both reach (the step it is crossed at interpolated between
+    evaluations; a method's warm-up steps timed by DDP's run): seconds each takes, the
+    speed-up, and the crossover bandwidth measured and predicted by the planner from the
+    same steps' compute."""
     ddp = rows.get("ddp")
     for name, row in rows.items():
         row.update(target_loss=None, s_to_target=None, ddp_s_to_target=None, speedup=None,
-                   crossover_Bps=None, planner_crossover_Bps=None)
+                   crossover_Bps=None, planner_crossover_Bps=None, steps_to_target=None,
+                   ddp_steps_to_target=None)
         if ddp is None or row is ddp:
             continue
         target = max(ddp["val_loss"], row["val_loss"])
-        mine, theirs = xover.reach(row, target), xover.reach(ddp, target)
+        plan = xover.plan_of(methods[name], link["nproc"])
+        warmed = _warmed_by(row, ddp, plan.sync_warmup_steps)
+        mine, theirs = xover.reach(warmed, target, True), xover.reach(ddp, target, True)
         row["target_loss"] = target
         if mine is None or theirs is None:
             continue
+        row["steps_to_target"], row["ddp_steps_to_target"] = mine[0], theirs[0]
         row["s_to_target"], row["ddp_s_to_target"] = mine[1], theirs[1]
         row["speedup"] = row["ddp_s_to_target"] / row["s_to_target"]
         row["crossover_Bps"] = xover.measured_crossover(theirs, mine)
-        plan = xover.plan_of(methods[name], link["nproc"])
-        k = plan.sync_warmup_steps
-        if theirs[0] > k:
-            step_s = lambda records: sum(c + b / link["bandwidth"]
-                                         for c, b in records) / len(records)
-            row["planner_crossover_Bps"] = xover.planner_crossover(
-                ddp_step_s=step_s(ddp["records"]), method_step_s=step_s(row["records"][k:]),
-                plan=plan, gain=(mine[0] - k) / (theirs[0] - k), **link)
+        row["planner_crossover_Bps"] = xover.planner_crossover_at_target(
+            link["model"], link["nproc"], link["batch"], link["latency"],
+            plan, (theirs[0], xover.upto(ddp["compute"], theirs[0])),
+            (mine[0], xover.upto(warmed["compute"], mine[0])))
+
+
+def _warmed_by(row: dict, ddp: dict, k: int) -> dict:
+    """`row` with its first `k` (warm-up) steps timed by DDP's run: they are DDP's steps,
+    the same work and bytes (checked on the counters), so the seconds the two runs took for
+    them differ by machine noise alone, which would otherwise land whole in the difference
+    of the times to the target. Unchanged where the bytes differ."""
+    if not k or [s for _, s in row["records"][:k]] != [s for _, s in ddp["records"][:k]]:
+        return row
+    return dict(row, **{key: ddp[key][:k] + row[key][k:]
+                        for key in ("records", "step_s", "compute")})
 
 
 def _plot(rows: dict, path: Path, link: str) -> str:
@@ -139,19 +157,22 @@ def _gbps(x: float | None) -> str:
 
 def format_report(result: dict) -> str:
     head = ("method", "step ms (median)", "bytes/step", "val loss", "common loss",
-            "s to it (method / DDP)", "speed-up", "crossover measured", "crossover planner")
+            "steps to it (method / DDP)", "s to it (method / DDP)", "speed-up",
+            "crossover measured", "crossover planner")
     lines = [f"{LABEL} {result['link']} ({result['nproc']} ranks, {result['steps']} steps, "
              f"batch {result['batch']}, {result.get('sync_warmup', 0)} DDP warm-up steps "
              "before each other method): all times include the link's modelled sleeps",
              " | ".join(head)]
     for name, r in result["methods"].items():
-        reached = ("-" if r["target_loss"] is None else "not reached"
-                   if r["s_to_target"] is None
+        missing = "-" if r["target_loss"] is None else "not reached"
+        reached = (missing if r["s_to_target"] is None
                    else f"{r['s_to_target']:.1f} / {r['ddp_s_to_target']:.1f}")
+        steps = (missing if r["steps_to_target"] is None
+                 else f"{r['steps_to_target']:.1f} / {r['ddp_steps_to_target']:.1f}")
         lines.append(" | ".join((
             name, f"{r['median_step_s'] * 1e3:.1f}", f"{r['bytes_per_step']:,.0f}",
             f"{r['val_loss']:.4f}", "-" if r["target_loss"] is None else f"{r['target_loss']:.4f}",
-            reached, "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+            steps, reached, "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
             _gbps(r["crossover_Bps"]), _gbps(r["planner_crossover_Bps"]))))
     lines.append(f"picture: {result['png']}")
     return "\n".join(lines)

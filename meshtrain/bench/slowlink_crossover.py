@@ -1,19 +1,25 @@
 """Time to a common loss over a slow link, measured and predicted from the same inputs.
 
-A run's wall-clock to its first evaluation at or below a target loss, over N steps, is
+A run's wall-clock to the step n at which its validation loss crosses a target is
     T(B) = C + S / B        C = sum of (step seconds - bytes sent / B_run), S = bytes sent
-since the emulated link charges each call latency steps + bytes / bandwidth (core/link.py):
-C holds the compute and the latency terms, S / B the bandwidth term, both from the run's
-own per-step records. DDP and a method take equal time to the target at
+over its first n steps (warm-up steps included), since the emulated link charges each call
+latency steps + bytes / bandwidth (core/link.py): C holds the compute and the latency
+terms, S / B the bandwidth term, both from the run's own per-step records. n is
+interpolated linearly in the loss between the last evaluation above the target and the
+first at or below it (the partial step counted by its fraction), so that it is not
+quantised to the evaluation interval. DDP and a method take equal time to the target at
     B* = (S_ddp - S) / (C - C_ddp)          (inf: the method is faster at every bandwidth).
 
-The planner answers the same question with its time model: `crossover_bandwidth` with
-gain = (N - K) / (N_ddp - K) (K: the method's warm-up steps, which are DDP's), on a cluster
-of one rank per node whose link is the emulated one; each plan's compute is its own measured
-mean step (the method's after its warm-up) less the link time the planner itself predicts
-for it (no FLOP model involved). So both sides share the measured compute, and what is
-compared is the planner's link model (bytes, latency steps, one sync per H) against the
-emulated link's charges.
+The planner answers the same question from the same steps: each run's measured compute over
+its n steps (step seconds less what the emulated link slept, `link_s`) plus, for each of
+those steps, the link time its time model predicts at B (the method's first K warm-up steps
+DDP's, after them one sync per H amortised per step), on a cluster of one rank per node
+whose link is the emulated one (`planner_crossover_at_target`). So both sides share the
+measured compute and the steps, and what is compared is the planner's link model (bytes,
+latency steps, one sync per H) against the emulated link's charges.
+
+`planner_crossover` is the per-step form: each plan anchored on one measured mean step and
+DDP against `gain` times the method's step.
 """
 from __future__ import annotations
 
@@ -23,23 +29,39 @@ from meshtrain.core.plan import Plan
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.model_spec import preset
 from meshtrain.planner.setup import Candidate, Setup
-from meshtrain.planner.slowlink import CrossoverError, crossover_bandwidth
+from meshtrain.planner.slowlink import (HIGH, CrossoverError, crossover_bandwidth,
+                                        equal_time_bandwidth)
 from meshtrain.planner.time_model import step_time
 
 
-def reach(row: dict, target: float) -> tuple[int, float, float, float] | None:
-    """(steps, seconds, C, S) up to the first evaluation at or below `target`; None if
-    no evaluation is."""
+def reach(row: dict, target: float, interpolate: bool = False
+          ) -> tuple[float, float, float, float] | None:
+    """(steps, seconds, C, S) up to the first evaluation at or below `target`; None if no
+    evaluation is. `interpolate`: up to the step at which the loss, linear between that
+    evaluation and the one before it, crosses `target` (fractional; the module's doc)."""
+    before = None
     for step, seconds, val in row["evals"]:
         if val <= target:
-            done = row["records"][:step]
-            return step, seconds, sum(c for c, _ in done), sum(s for _, s in done)
+            if interpolate and before is not None:
+                (s0, v0), span = before, step - before[0]
+                step = s0 + span * (v0 - target) / (v0 - val)
+                seconds = upto(row["step_s"], step)
+            return (step, seconds, upto([c for c, *_ in row["records"]], step),
+                    upto([s for _, s, *_ in row["records"]], step))
+        before = (step, val)
     return None
+
+
+def upto(values: list[float], steps: float) -> float:
+    """Sum of the first `steps` values, a fractional last one counted by its fraction."""
+    whole = math.floor(steps)
+    part = (steps - whole) * values[whole] if whole < len(values) else 0.0
+    return sum(values[:whole]) + part
 
 
 def measured_crossover(ddp: tuple, method: tuple) -> float:
     """Bytes/s at which both reach the target at the same time (see the module's doc)."""
-    (_, _, c_ddp, s_ddp), (_, _, c, s) = ddp, method
+    (c_ddp, s_ddp), (c, s) = ddp[2:4], method[2:4]
     if s >= s_ddp:
         return 0.0
     return (s_ddp - s) / (c - c_ddp) if c > c_ddp else math.inf
@@ -61,6 +83,18 @@ def plan_of(flags: list[str], nproc: int) -> Plan:
     return Plan(**kw)
 
 
+def _priced(model: str, nproc: int, batch: int, bandwidth: float, latency: float):
+    """The planner's view of the bench: the model's spec, the setup, DDP's candidate, and a
+    cluster of one rank per node whose dp axis is the emulated link (`bandwidth`, varied
+    where a crossover is searched), on which arithmetic costs nothing (the measured compute
+    stands for it)."""
+    setup = Setup(global_batch=batch, micro_batch=batch // nproc, precision="fp32",
+                  optimizer="adam", recompute="none")
+    free = Cluster(nodes=nproc, gpus_per_node=1, inter_bw=bandwidth, inter_latency=latency,
+                   peak_flops=1e30, mem_bw=1e30, overlap=0.0, name="emulated")
+    return preset(model), setup, Candidate(Plan(dp=nproc), micro_batch=batch // nproc), free
+
+
 def planner_crossover(model: str, nproc: int, batch: int, bandwidth: float, latency: float,
                       ddp_step_s: float, method_step_s: float, plan: Plan,
                       gain: float) -> float | None:
@@ -69,15 +103,8 @@ def planner_crossover(model: str, nproc: int, batch: int, bandwidth: float, late
     price `plan` (PowerSGD is not in its time model)."""
     if plan.compression != "none" or gain <= 0:
         return None
-    spec = preset(model)
-    setup = Setup(global_batch=batch, micro_batch=batch // nproc, precision="fp32",
-                  optimizer="adam", recompute="none")
-    ddp = Candidate(Plan(dp=nproc), micro_batch=batch // nproc)
-    method = Candidate(plan, micro_batch=batch // nproc)
-    # one rank per node: the dp axis is the emulated link; arithmetic costs nothing in the
-    # model, the measured compute is the fixed cost of a step
-    free = Cluster(nodes=nproc, gpus_per_node=1, inter_bw=bandwidth, inter_latency=latency,
-                   peak_flops=1e30, mem_bw=1e30, overlap=0.0, name="emulated")
+    spec, setup, ddp, free = _priced(model, nproc, batch, bandwidth, latency)
+    method = Candidate(plan, micro_batch=ddp.micro_batch)
     anchored = [free.with_(step_overhead=max(0.0, measured - step_time(
         spec, cand, setup, free).total)) for cand, measured in ((ddp, ddp_step_s),
                                                                 (method, method_step_s))]
@@ -85,3 +112,21 @@ def planner_crossover(model: str, nproc: int, batch: int, bandwidth: float, late
         return crossover_bandwidth(spec, setup, anchored[0], ddp, method, gain, anchored[1])
     except CrossoverError:
         return None
+
+
+def planner_crossover_at_target(model: str, nproc: int, batch: int, latency: float,
+                                plan: Plan, ddp: tuple[float, float],
+                                method: tuple[float, float]) -> float | None:
+    """Bytes/s below which the planner predicts `plan` reaches the target sooner than DDP;
+    `ddp`, `method`: (steps to the target, measured compute over them in seconds). Each
+    run's predicted time is its compute plus the planner's link time at B for every step
+    it took (the module's doc); None where the planner does not price `plan`."""
+    if plan.compression != "none":
+        return None
+    spec, setup, ddp_cand, free = _priced(model, nproc, batch, HIGH, latency)
+    cand = Candidate(plan, micro_batch=ddp_cand.micro_batch)
+    link = lambda c, bw: step_time(spec, c, setup, free.with_(inter_bw=bw)).total
+    k, (n_ddp, c_ddp), (n, c) = plan.sync_warmup_steps, ddp, method
+    return equal_time_bandwidth(
+        lambda bw: c_ddp + n_ddp * link(ddp_cand, bw),
+        lambda bw: c + min(n, k) * link(ddp_cand, bw) + max(0.0, n - k) * link(cand, bw))

@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
     p.add_argument("--link", default="dp=1Gb/s,5ms", help="slowlink: the emulated dp link")
     p.add_argument("--train-steps", type=int, default=128,
                    help="slowlink: training steps per method (128)")
+    p.add_argument("--eval-every", type=int, default=4, metavar="N",
+                   help="slowlink: evaluate every N steps (outside the step times; the step "
+                        "the common loss is crossed at is interpolated between them) (4)")
     p.add_argument("--sync-warmup-steps", type=int, default=0, metavar="K",
                    help="slowlink: DDP steps before each other method starts (0)")
     p.add_argument("--methods", nargs="+", metavar="NAME",
@@ -95,6 +98,7 @@ def run(args) -> int:
         from meshtrain.bench import slowlink
         result = slowlink.run(args.out, nproc=max(args.world), link=args.link,
                               steps=args.train_steps, batch=args.batch,
+                              eval_every=args.eval_every,
                               methods=slowlink.pick(args.methods),
                               sync_warmup=args.sync_warmup_steps, progress=progress)
         print(slowlink.format_report(result))
@@ -184,6 +188,9 @@ def check_bench_args(args) -> str | None:
         from meshtrain.bench.slowlink import pick
         if args.train_steps < 1:
             return f"--train-steps {args.train_steps}: give a whole number >= 1"
+        if not 1 <= args.eval_every <= args.train_steps:
+            return (f"--eval-every {args.eval_every}: give a whole number of steps from 1 to "
+                    f"--train-steps {args.train_steps}")
         if not 0 <= args.sync_warmup_steps < args.train_steps:
             return (f"--sync-warmup-steps {args.sync_warmup_steps}: give 0 or more DDP steps, "
                     f"fewer than --train-steps {args.train_steps}")

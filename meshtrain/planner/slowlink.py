@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Callable
 
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.planner.hardware import Cluster
@@ -52,8 +53,16 @@ def crossover_bandwidth(spec: ModelSpec, setup: Setup, cluster: Cluster, cand_a:
     if cluster.curves_replace_links or other.curves_replace_links:
         raise CrossoverError("a calibrated cluster's measured collective curves replace "
                              "the link figure; compute the crossover on a preset cluster")
-    diff = lambda bw: (_time(spec, cand_a, setup, cluster, bw)
-                       - gain * _time(spec, cand_b, setup, other, bw))
+    return equal_time_bandwidth(lambda bw: _time(spec, cand_a, setup, cluster, bw),
+                                lambda bw: gain * _time(spec, cand_b, setup, other, bw))
+
+
+def equal_time_bandwidth(time_a: Callable[[float], float],
+                         time_b: Callable[[float], float]) -> float:
+    """Bytes/s at which `time_b(bw)` equals `time_a(bw)`, both non-increasing in bw with
+    time_a falling faster (a sends more bytes): below it b takes less time. 0.0 if b never
+    does, math.inf if it always does (8 kb/s .. 800 Tb/s); bisection on a log scale."""
+    diff = lambda bw: time_a(bw) - time_b(bw)
     lo, hi = LOW, HIGH
     if diff(hi) > 0:
         return math.inf

@@ -4,8 +4,9 @@
 folder holds everything needed to understand and continue it:
 
     config.json       the RunConfig (resume reads it back)
-    metrics.jsonl     one JSON object per step (loss, lr, tokens/s, bytes per mesh axis; on
-                      CUDA rank 0's device_allocated and device_peak bytes) and per evaluation
+    metrics.jsonl     one JSON object per step (loss, lr, tokens/s, bytes per mesh axis; with
+                      --link the seconds the emulated link slept, link_s; on CUDA rank 0's
+                      device_allocated and device_peak bytes) and per evaluation
     summary.json      the run's summary (what `meshtrain train` prints), written at its end
     checkpoints/      step_XXXXXXXX/ folders (atomic, see checkpoint.py) and `latest`
     trace.json        with --trace (pipeline): the last step's measured timeline per rank,
@@ -124,7 +125,7 @@ def _train_steps(trainer: Trainer, config: RunConfig, sampler: BatchSampler, val
         lr = learning_rate(config, step)
         for group in trainer.optimizer.param_groups:
             group["lr"] = lr
-        before = _sent_by_axis(trainer)
+        before, slept = _sent_by_axis(trainer), _link_seconds(trainer)
         t0 = clock.now()
         if config.straggler and trainer.mesh.rank == config.straggler[0]:
             trainer.pause(config.straggler[1])   # inside the step's time: a slow device
@@ -142,7 +143,8 @@ def _train_steps(trainer: Trainer, config: RunConfig, sampler: BatchSampler, val
                   "tokens_per_s": tokens_per_step / dt, "mfu": util(tokens_per_step / dt),
                   "bytes_sent": sent, "bytes_by_axis": by_axis,
                   **(device_memory(trainer.mesh.device) or {}),
-                  **({"link_emulation": emulated} if emulated else {})}
+                  **({"link_emulation": emulated,
+                      "link_s": _link_seconds(trainer) - slept} if emulated else {})}
         if step == start:   # how long the user waited for training to start
             first_step_s = time.time() - (config.started_at or process_start_time())
             record["since_start_s"] = first_step_s
@@ -239,6 +241,12 @@ def _sent_by_axis(trainer: Trainer) -> dict[str, int]:
     """Bytes this rank has sent so far, per axis the counters know (mesh axes, "world")."""
     stats = trainer.comm.stats
     return {axis: stats.total(axis=axis).sent for axis in sorted({a for a, _, _ in stats.counters})}
+
+
+def _link_seconds(trainer: Trainer) -> float:
+    """Seconds the emulated link has slept on this rank so far, every axis (0 without one)."""
+    link = trainer.comm.link
+    return sum(link.charged.values()) if link is not None else 0.0
 
 
 def _checkpoint(trainer: Trainer, config: RunConfig, step: int, first: dict) -> None:

@@ -114,6 +114,7 @@ CASES = [
     ("bench ddp --reps 0", "--reps 0"),
     ("bench slowlink --methods ddp nosuch", "unknown slowlink method(s) ['nosuch']"),
     ("bench slowlink --sync-warmup-steps 128", "--sync-warmup-steps 128: give 0 or more"),
+    ("bench slowlink --eval-every 0", "--eval-every 0: give a whole number of steps"),
     ("bench pp --microbatches 0", "--microbatches 0: each must be >= 1"),
     ("bench tp --model nosuch", "--model 'nosuch': the benchmarks run a GPT preset"),
     ("bench survival --runs 0", "--runs 0: give a whole number >= 1"),
