@@ -28,10 +28,12 @@ from meshtrain.core.device import DEVICE_ENV  # noqa: E402
 os.environ.setdefault(DEVICE_ENV, "cpu")
 
 
-# The longest files first (about 40 s to 4 min each): the workers take whole files in
-# collection order, and a long file started last would leave the others idle at the end.
-SLOWEST_FIRST = ["test_hybrid.py", "test_pipeline.py", "test_compile.py", "test_cli_train.py",
-                 "test_pipeline_trace.py", "test_own_model.py", "test_survival.py",
+# The file with `alone` tests first (they open it), so they wait for the other workers'
+# first, short tests rather than for a long test in flight mid-suite; then the longest files
+# (about 40 s to 4 min each): the workers take whole files in collection order, and a long
+# file started last would leave the others idle at the end.
+SLOWEST_FIRST = ["test_pipeline_trace.py", "test_hybrid.py", "test_pipeline.py",
+                 "test_compile.py", "test_cli_train.py", "test_own_model.py", "test_survival.py",
                  "test_zero.py", "test_zero3.py", "test_hf_cli.py", "test_hf_models.py",
                  "test_tensor_parallel.py", "test_bench_slowlink.py", "test_plan_verify.py"]
 
