@@ -17,9 +17,6 @@ DDP's, after them one sync per H amortised per step), on a cluster of one rank p
 whose link is the emulated one (`planner_crossover_at_target`). So both sides share the
 measured compute and the steps, and what is compared is the planner's link model (bytes,
 latency steps, one sync per H) against the emulated link's charges.
-
-`planner_crossover` is the per-step form: each plan anchored on one measured mean step and
-DDP against `gain` times the method's step.
 """
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ from meshtrain.core.plan import Plan
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.model_spec import preset
 from meshtrain.planner.setup import Candidate, Setup
-from meshtrain.planner.slowlink import (HIGH, CrossoverError, crossover_bandwidth,
-                                        equal_time_bandwidth)
+from meshtrain.planner.slowlink import HIGH, equal_time_bandwidth
 from meshtrain.planner.time_model import step_time
 
 
@@ -93,25 +89,6 @@ def _priced(model: str, nproc: int, batch: int, bandwidth: float, latency: float
     free = Cluster(nodes=nproc, gpus_per_node=1, inter_bw=bandwidth, inter_latency=latency,
                    peak_flops=1e30, mem_bw=1e30, overlap=0.0, name="emulated")
     return preset(model), setup, Candidate(Plan(dp=nproc), micro_batch=batch // nproc), free
-
-
-def planner_crossover(model: str, nproc: int, batch: int, bandwidth: float, latency: float,
-                      ddp_step_s: float, method_step_s: float, plan: Plan,
-                      gain: float) -> float | None:
-    """The planner's crossover for `plan` against DDP at `gain`, each plan's compute
-    anchored on its measured mean step at `bandwidth`; None where the planner does not
-    price `plan` (PowerSGD is not in its time model)."""
-    if plan.compression != "none" or gain <= 0:
-        return None
-    spec, setup, ddp, free = _priced(model, nproc, batch, bandwidth, latency)
-    method = Candidate(plan, micro_batch=ddp.micro_batch)
-    anchored = [free.with_(step_overhead=max(0.0, measured - step_time(
-        spec, cand, setup, free).total)) for cand, measured in ((ddp, ddp_step_s),
-                                                                (method, method_step_s))]
-    try:
-        return crossover_bandwidth(spec, setup, anchored[0], ddp, method, gain, anchored[1])
-    except CrossoverError:
-        return None
 
 
 def planner_crossover_at_target(model: str, nproc: int, batch: int, latency: float,
