@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from meshtrain.bench.timing import alternate
 from meshtrain.core.comm import Comm
 from meshtrain.core.device import device_name, rank_device, synchronize
+from meshtrain.core.flops import PRECISION_DTYPES
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import Plan
 from meshtrain.measure.runs import (ATTENTION_SHAPES, BUDGET_S, COPY_BYTES, GEMM_SHAPES, KINDS,
@@ -111,8 +112,8 @@ def device_work(device: torch.device) -> dict:
     a square matmul (FLOPs), each GEMM shape ("gemm:M,K,N", FLOPs), each causal attention's
     forward and backward ("attention:B,H,S,D", FLOPs as flops.py counts them), and a chain of
     tiny ops ("launch", ops)."""
-    n, dtype = SQUARE[device.type]
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    n, precision = SQUARE[device.type]
+    dtype = PRECISION_DTYPES[precision]
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     work = {"matmul": (lambda: a @ b, 2 * n**3)}
     for m, k, cols in GEMM_SHAPES[device.type]:
@@ -192,19 +193,7 @@ SAME = ("device_kind", "ops_per_block")   # the same on every rank and round: th
 
 def combine(results: list[dict]) -> dict:
     """One launch's entry: the slowest rank's rates (the step waits for it)."""
-    first = results[0]
-    entry = {key: min(r[key] for r in results) for key in RATES if key in first}
-    entry |= {key: first[key] for key in SAME if key in first}
-    for family in CURVES:
-        if family in first:
-            entry[family] = {**first[family], "flops": [min(col) for col in zip(
-                *(r[family]["flops"] for r in results))]}
-    entry["collectives"] = {}
-    for kind, curve in first["collectives"].items():
-        per_rank = [r["collectives"][kind]["busbw"] for r in results]
-        entry["collectives"][kind] = {"sizes": curve["sizes"],
-                                      "busbw": [min(col) for col in zip(*per_rank)]}
-    return entry
+    return _reduce(results, min)
 
 
 def mean_of_rounds(entries: list[dict]) -> dict:
@@ -212,18 +201,23 @@ def mean_of_rounds(entries: list[dict]) -> dict:
     over the rounds. Each round is already a median (no single outlier moves it); the rounds
     fall in the machine's fast or slow phases, and the mean sits between them where a median
     of few rounds would pick one phase."""
+    entry = _reduce(entries, statistics.fmean)
+    entry["per_round"] = {key: [e[key] for e in entries] for key in RATES if key in entries[0]}
+    return entry
+
+
+def _reduce(entries: list[dict], reduce) -> dict:
+    """Entries (ranks' or rounds') as one: `reduce` over each rate and over each point of
+    each curve (GEMM and attention FLOP/s, collective bandwidths); what is the same
+    everywhere, the first's."""
     first = entries[0]
-    rates = [key for key in RATES if key in first]
-    entry = {key: statistics.fmean(e[key] for e in entries) for key in rates}
+    points = lambda curves: [reduce(col) for col in zip(*curves)]
+    entry = {key: reduce([e[key] for e in entries]) for key in RATES if key in first}
     entry |= {key: first[key] for key in SAME if key in first}
-    for family in CURVES:
-        if family in first:
-            entry[family] = {**first[family], "flops": [statistics.fmean(col) for col in zip(
-                *(e[family]["flops"] for e in entries))]}
+    entry |= {family: {**first[family], "flops": points(e[family]["flops"] for e in entries)}
+              for family in CURVES if family in first}
     entry["collectives"] = {
         kind: {"sizes": curve["sizes"],
-               "busbw": [statistics.fmean(col) for col in
-                         zip(*(e["collectives"][kind]["busbw"] for e in entries))]}
+               "busbw": points(e["collectives"][kind]["busbw"] for e in entries)}
         for kind, curve in first["collectives"].items()}
-    entry["per_round"] = {key: [e[key] for e in entries] for key in rates}
     return entry
