@@ -1,11 +1,17 @@
 """A CUDA rank's memory is its GPU's: `plan --verify` and `--calibrate` meter the caching
-allocator's reserved peak there (not the host's resident memory). torch.cuda's few figures
-are faked here with known numbers; tests/gpu reads the real ones."""
+allocator's reserved peak there (not the host's resident memory), and a profile calibrated
+on CUDA ranks gives each rank its GPU's memory. torch.cuda's few figures are faked here with
+known numbers; tests/gpu reads the real ones."""
+import os
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from meshtrain.measure import calibrate as cal
 from meshtrain.measure import verify
 from meshtrain.measure.peaks import DevicePeak, ResidentPeak, peak_meter
+from meshtrain.planner.profile import cluster_from_profile
 
 MiB = 2**20
 
@@ -79,3 +85,39 @@ def test_the_report_names_the_gpus_memory_on_cuda_and_keeps_the_cpu_header():
     assert "peak device MB" in cuda and "peak RSS MB" not in cuda
     assert cuda.replace("peak device MB", "   peak RSS MB") == verify.HEADER
     assert "reserves" in verify.LEGEND["cuda"] and "resident" in verify.LEGEND["cpu"]
+
+
+def test_a_cuda_calibration_records_the_gpus_memory(monkeypatch):
+    asked = []
+
+    def properties(device):
+        asked.append(device)
+        return SimpleNamespace(total_memory=85_520_809_984)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(cal, "gpu_count", lambda: 2)
+    assert cal.device_figures("cuda", "H100-80GB") == {
+        "device": {"kind": "H100-80GB", "type": "cuda", "dtype": "bf16", "count": 2},
+        "device_mem": 85_520_809_984}
+    assert asked == [torch.device("cuda", 0)]
+    assert cal.device_figures("cpu", "cpu-2") == {
+        "device": {"kind": "cpu-2", "type": "cpu", "dtype": "fp32", "count": os.cpu_count()}}
+
+
+def _profile(**fields) -> dict:
+    curve = {"sizes": [256, 2**24], "busbw": [1e7, 1e9]}
+    entry = {"matmul_flops": 1e11, "model_flops": 8e10, "mem_bw": 1e10, "optimizer_rate": 1e8,
+             "collectives": {k: curve for k in ("all_reduce", "all_gather", "reduce_scatter",
+                                                "broadcast", "p2p")}}
+    return {"created": "t", "cpu_count": 16, "host_mem": 8e9,
+            "worlds": {"1": {**entry, "collectives": {}}, "2": entry}, **fields}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_profile_of_cuda_ranks_gives_each_rank_its_gpus_memory(world):
+    gpu = _profile(device={"kind": "H100-80GB", "type": "cuda", "dtype": "bf16", "count": 2},
+                   device_mem=85_520_809_984)
+    assert cluster_from_profile(gpu, world).gpu_mem == 85_520_809_984
+    # a profile from before the field (and any CPU one): the rank's share of the host's
+    assert cluster_from_profile(_profile(), world).gpu_mem == 8e9 / world
+    assert "85.5 GB per GPU" in cal.describe(gpu) and "per GPU" not in cal.describe(_profile())
