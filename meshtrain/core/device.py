@@ -11,11 +11,11 @@ On CUDA the default process group is "cpu:gloo,cuda:nccl": NCCL for device tenso
 the host tensors (offloaded state, host scalars) that NCCL never accepts. Batches are made in
 pinned host memory there and copied without blocking (`pin_host_batches`, `to_device`).
 
-The device's own figures: on CUDA, memory from the caching allocator (allocated now, peak
-allocated) and pinned host bytes, and a clock read only after the device has finished its
-queued work (`DeviceClock`), or marks on the device's timeline (`Stopwatch`: CUDA events)
-for a timeline of many short pieces of work. On CPU these are the host's own: no device
-memory, the plain clock.
+The device's own figures: on CUDA, the GPU's memory (`total_memory`), memory from the
+caching allocator (allocated now, peak allocated) and pinned host bytes, and a clock read
+only after the device has finished its queued work (`DeviceClock`), or marks on the
+device's timeline (`Stopwatch`: CUDA events) for a timeline of many short pieces of work.
+On CPU these are the host's own: no device memory, the plain clock.
 """
 from __future__ import annotations
 
@@ -110,6 +110,14 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 def device_name(device: torch.device) -> str | None:
     """The GPU's product name ("NVIDIA H100 80GB HBM3"); None on CPU."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def total_memory(device: torch.device) -> int | None:
+    """The GPU's memory in bytes, all of it (the CUDA context's share included); None on CPU,
+    whose ranks share the host's."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
 
 
 # ---- what the device measures ------------------------------------------------------------------

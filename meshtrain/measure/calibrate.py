@@ -31,7 +31,9 @@ backward transients) is the runtime's working memory: a fixed part (the first st
 thread pools, oneDNN and gloo buffers, glibc arenas) and a part that grows with the
 activations (the allocator keeps the freed forward/backward temporaries as heap it does
 not return). A line through the two points (each the median over rounds) gives (fixed
-bytes, bytes per activation byte).
+bytes, bytes per activation byte). On CUDA ranks the memory is the GPU's: the growth is of
+what the caching allocator reserves there (measure.peaks), and the profile records the
+GPU's memory (`device_mem`), which `--cluster local` gives each rank.
 """
 from __future__ import annotations
 
@@ -40,9 +42,10 @@ import statistics
 import sys
 import time
 
+import torch
 from tqdm import tqdm
 
-from meshtrain.core.device import gpu_count, resolve_device
+from meshtrain.core.device import gpu_count, resolve_device, total_memory
 from meshtrain.launch import launch
 from meshtrain.measure.fit import fit_runtime_memory, fit_strategies, fit_trainer
 from meshtrain.measure.probe import add_efficiencies, combine, mean_of_rounds, measure_rank
@@ -78,10 +81,8 @@ def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S
             if w > 1:
                 strategies[w].append(strategy_points(w, bar.update))
     bar.close()
-    device = resolve_device()
-    kind = rates[worlds[0]][0]["device_kind"]
-    profile["device"] = {"kind": kind, "type": device, "dtype": SQUARE[device][1],
-                         "count": gpu_count() if device == "cuda" else os.cpu_count()}
+    profile.update(device_figures(resolve_device(), rates[worlds[0]][0]["device_kind"]))
+    kind = profile["device"]["kind"]
     for w in worlds:
         entry = mean_of_rounds(rates[w])
         add_efficiencies(entry, kind, profile["device"]["dtype"])
@@ -91,6 +92,18 @@ def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S
         if w > 1:
             entry["strategies"] = fit_strategies(profile, w, strategies[w])
     return profile
+
+
+def device_figures(device: str, kind: str) -> dict:
+    """The profile's device fields: the device (its kind, type, the run's dtype, how many)
+    and on CUDA `device_mem`, the GPU's memory: a CUDA rank's memory is its GPU's, not a
+    share of the host's (`cluster_from_profile`)."""
+    figures = {"device": {"kind": kind, "type": device, "dtype": SQUARE[device][1],
+                          "count": gpu_count() if device == "cuda" else os.cpu_count()}}
+    if device == "cuda":   # rank 0's GPU gave the kind; a profile is of one kind of GPU
+        figures["device_mem"] = total_memory(torch.device("cuda", 0))
+    return figures
+
 
 def strategy_points(world: int, tick=lambda: None) -> dict:
     """One round of `strategy_runs(world)`, each in fresh ranks as `--verify` runs
@@ -138,7 +151,9 @@ def _mb(stages: list[float]) -> str:
 
 def describe(profile: dict) -> str:
     lines = [f"calibrated {profile['created']} on {profile.get('device', {}).get('kind', 'cpu')} "
-             f"({profile['cpu_count']} cores, {profile['host_mem'] / 1e9:.3g} GB host memory)"]
+             f"({profile['cpu_count']} cores, {profile['host_mem'] / 1e9:.3g} GB host memory"
+             + (f", {profile['device_mem'] / 1e9:.3g} GB per GPU" if "device_mem" in profile
+                else "") + ")"]
     for w, e in profile["worlds"].items():
         lines.append(f"  {w} rank(s): matmul {fmt_rate(e['matmul_flops'], 'FLOP/s')} per rank, "
                      f"GPT step {fmt_rate(e['model_flops'], 'FLOP/s')} "

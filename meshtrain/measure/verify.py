@@ -9,9 +9,11 @@ storages), the bytes autograd saved for backward, its step time, and two peaks:
   part of the memory model (states, activations, backward's transients);
 - peak RSS: the growth of the rank's anonymous resident memory (heap, arenas, thread
   stacks; library code pages left out) from just before the model is built to the end of
-  the timed steps, from the kernel's high-water mark (`ResidentPeak`): what the OS must
-  provide. The planner predicts it as peak alloc plus the runtime memory calibrated on
-  this machine.
+  the timed steps, from the kernel's high-water mark (`peaks.ResidentPeak`): what the OS
+  must provide. On a CUDA rank, whose memory is the GPU's, the growth of what the caching
+  allocator reserves on it over the same window (`peaks.DevicePeak`), reported as the peak
+  device memory. The planner predicts it as peak alloc plus the runtime memory calibrated
+  on this machine.
 The step time is the median of the timed steps after the warm-up, and one more step is
 counted: the bytes each rank sends on each mesh axis (Comm's counters). Beside them: the
 planner's predictions from the calibrated profile (`--calibrate`) of the same world size.
@@ -23,11 +25,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import statistics
 import sys
-import tempfile
-from contextlib import contextmanager
 
 from tqdm import tqdm
 
@@ -35,10 +34,10 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.bench.timing import time_each_step
-from meshtrain.core.device import (device_memory, gpu_count, reset_peak, resolve_device,
-                                   synchronize)
+from meshtrain.core.device import gpu_count, rank_device, resolve_device
 from meshtrain.core.plan import Plan
 from meshtrain.launch import launch
+from meshtrain.measure.peaks import allocated_peak, peak_meter
 from meshtrain.measure.probe import local_kind
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.planner.advisor import evaluate
@@ -94,7 +93,7 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     sent per axis, each from one more step (None without). `calibrate` runs it too, for
     the runtime memory and the strategies' costs, with exact=False."""
     torch.set_num_threads(1)
-    meter = ResidentPeak()
+    meter = peak_meter(rank_device())   # the device the Trainer's mesh takes
     meter.start()
     torch.manual_seed(0)
     config = GPTConfig(**model)
@@ -112,8 +111,8 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     peak = meter.stop()
     report = trainer.memory_report()
     peak_alloc = sent = None
-    # after the RSS window: the profiler's own records would inflate the resident memory.
-    # DP's copies never leave its process, and the profiler sees this thread's allocations
+    # after the peak's window: the profiler's own records would inflate the resident memory,
+    # and on CUDA allocated_peak resets the peak statistics the window reads. DP's copies never leave its process, and the profiler sees this thread's allocations
     # only, not its replicas' threads'
     if exact and plan.get("dp_mode") != "dp":
         trainer.comm.stats.reset()   # one more step, counted
@@ -124,85 +123,6 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     role = rank_role(Plan(**plan), dist.get_rank() if dist.is_initialized() else 0)
     return {"step": statistics.median(times), "peak_growth": peak,
             "peak_alloc": peak_alloc, "role": role, "sent": sent, **report.to_dict()}
-
-
-def allocated_peak(fn, device: torch.device) -> int:
-    """Highest bytes of tensors allocated and not yet freed while `fn()` runs, above what was
-    live before it: on CPU the running sum of the allocator's [memory] events (torch.profiler
-    with profile_memory), which see every tensor and kernel workspace the allocator serves;
-    on CUDA the caching allocator's own peak."""
-    if device.type == "cuda":
-        synchronize(device)
-        reset_peak(device)
-        before = device_memory(device)["device_allocated"]
-        fn()
-        synchronize(device)
-        return device_memory(device)["device_peak"] - before
-    from torch.profiler import ProfilerActivity, profile
-
-    with _without_profiler_banner(), profile(activities=[ProfilerActivity.CPU],
-                                             profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
-@contextmanager
-def _without_profiler_banner():
-    """The profiler (kineto) writes "USDT: ... profiler_start/stop" lines on the process's C
-    stderr each time it runs; drop those, pass anything else through."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            captured.seek(0)
-            for line in captured.read().decode(errors="replace").splitlines(keepends=True):
-                if not line.startswith(("USDT:", "STAGE:")):
-                    sys.stderr.write(line)
-
-
-class ResidentPeak:
-    """Peak growth of this process's anonymous resident memory (heap: tensors and the
-    allocator's arenas) over a window, from the kernel's own high-water mark, which sees
-    every page however briefly it was resident (a poller sampling /proc misses short peaks,
-    and on oversubscribed cores its thread slows the step it watches).
-
-    Linux: writing 5 to /proc/self/clear_refs resets VmHWM (the peak resident set) to the
-    current resident set. At the end, the peak resident set less the file-backed and shared
-    pages resident then (library code the first steps touched, which stays) is the peak of
-    the anonymous part."""
-    def start(self) -> None:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError as exc:
-            raise OSError(f"cannot reset this process's peak resident memory through "
-                          f"/proc/self/clear_refs ({exc}): --verify measures peak memory on "
-                          f"Linux only") from None
-        self.base = self._status()["RssAnon"]
-
-    def stop(self) -> int:
-        s = self._status()
-        return max(0, s["VmHWM"] - s["RssFile"] - s.get("RssShmem", 0) - self.base)
-
-    @staticmethod
-    def _status() -> dict[str, int]:
-        fields = {}
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("VmHWM", "RssAnon", "RssFile", "RssShmem"):
-                    fields[key] = int(value.split()[0]) * 1024
-        return fields
 
 
 def plan_inputs(plan: dict, batch: int, model: dict = MODEL):
@@ -335,8 +255,28 @@ def predict_sent(plan: dict, batch: int, model: dict = MODEL, role: str | None =
 COLUMNS = (("model_states", "model states MB", 1e6), ("activations", "activations MB", 1e6),
            ("peak_alloc", "peak alloc MB", 1e6), ("peak_rss", "peak RSS MB", 1e6),
            ("step", "step ms", 1e-3), ("sent", "sent MB/step", 1e6))
-HEADER = (f"{'plan':<36}" + "".join(f" {title:>22}" for _, title, _ in COLUMNS)
-          + f"\n{'':<36}" + f" {'pred / meas (err)':>22}" * len(COLUMNS))
+
+
+def header(device: str = "cpu") -> str:
+    """The table's two header lines; on CUDA the resident peak is the GPU's, titled so (the
+    rows' key stays "peak_rss")."""
+    titles = ["peak device MB" if key == "peak_rss" and device == "cuda" else title
+              for key, title, _ in COLUMNS]
+    return (f"{'plan':<36}" + "".join(f" {title:>22}" for title in titles)
+            + f"\n{'':<36}" + f" {'pred / meas (err)':>22}" * len(COLUMNS))
+
+
+HEADER = header()
+# what the memory columns measure, by device
+LEGEND = {"cpu": "peak alloc = live tensor bytes at the step's peak (model states + the profiler's "
+                 "allocator events), exact; peak RSS = growth of each rank's anonymous resident "
+                 "memory from just before the model is built to the end of the timed steps (the "
+                 "kernel's high-water mark)",
+          "cuda": "peak alloc = live tensor bytes at the step's peak (model states + the caching "
+                  "allocator's peak allocated), exact; peak device = growth of the GPU memory each "
+                  "rank's caching allocator reserves from just before the model is built to the "
+                  "end of the timed steps (its peak reserved; the CUDA context and NCCL's own "
+                  "buffers are outside it)"}
 
 
 def _row(row: dict) -> str:
@@ -368,7 +308,8 @@ def summary(rows: list[dict]) -> tuple[bool, str]:
 def verify_command(args) -> int:
     kind = local_kind()
     profile = load_profile(args.profile, kind)
-    most = gpu_count() if resolve_device() == "cuda" else float("inf")   # one rank per GPU
+    device = resolve_device()
+    most = gpu_count() if device == "cuda" else float("inf")   # one rank per GPU
     plans = tuple((plan, batch) for plan, batch in PLANS if world_of(plan) <= most)
     missing = sorted({world_of(p) for p, _ in plans} - {int(w) for w in profile["worlds"]})
     if missing:
@@ -380,14 +321,11 @@ def verify_command(args) -> int:
           file=sys.stderr)
     table = io.StringIO()
     rows = verify(profile, plans=plans, out=table, progress=True)
-    print(HEADER)
+    print(header(device))
     print(table.getvalue(), end="")
     ok, text = summary(rows)
     print("\n" + text)
-    print("peak alloc = live tensor bytes at the step's peak (model states + the profiler's allocator "
-          "events), exact; peak RSS = growth of each rank's anonymous resident memory from just "
-          "before the model is built to the end of the timed steps (the kernel's high-water mark); "
-          "step = median of the timed steps after the warm-up.")
+    print(f"{LEGEND[device]}; step = median of the timed steps after the warm-up.")
     if args.json:
         print(json.dumps(rows, indent=2))
     return 0 if ok else 1

@@ -10,7 +10,8 @@ per micro-batch (`step_costs`); world 1's rate against world w's is what a rank 
 others idle (more ranks than cores). Per world > 1, `strategies`: what each strategy costs
 beyond the model on the reference GPT (meshtrain.measure.fit.fit_strategies): ZeRO's staging copies,
 disk offload's paging, tensor parallel's unsplit work and buffers, the pipeline runtime's
-work per micro-batch and its buffers.
+work per micro-batch and its buffers. Calibrated on CUDA ranks, `device_mem`: the GPU's
+memory, each rank's (on CPU ranks a rank has its share of `host_mem`).
 
 A profile is kept per device kind (hardware.device_kind: "H100-80GB", "cpu-2"), at
 profiles/<kind>.json: `--cluster local` reads this machine's kind, `--gpu KIND` a named
@@ -110,7 +111,10 @@ def cluster_from_profile(profile: dict, world: int | None = None, nodes: int = 1
     # what a rank gains while others wait (a pipeline's fill and drain): more ranks than
     # cores share them, and an idle rank's core goes to the busy ones
     speedup = max(1.0, step_costs(alone)[0] / rate)
-    settings = dict(nodes=nodes, gpus_per_node=w, gpu_mem=profile["host_mem"] / w,
+    # a rank's memory: its GPU's on CUDA ranks, else its share of the host's (also for a
+    # profile from before `device_mem` was recorded)
+    gpu_mem = profile.get("device_mem") or profile["host_mem"] / w
+    settings = dict(nodes=nodes, gpus_per_node=w, gpu_mem=gpu_mem,
                     intra_bw=link, inter_bw=link, peak_flops=peak, efficiency=rate / peak,
                     mem_bw=entry["mem_bw"], host_bw=entry["mem_bw"],
                     host_mem=profile["host_mem"], name=f"local ({w} ranks)", curves=curves,

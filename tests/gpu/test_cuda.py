@@ -123,3 +123,30 @@ def test_the_stopwatch_times_the_gpu_work_not_its_launch():
     end = watch.mark()
     assert watch.seconds(end) > watch.seconds(begin) >= 0
     assert watch.seconds(end) - watch.seconds(begin) > 1e-4   # 20 matmuls of 4096^2: > 0.1 ms
+
+
+def test_the_peak_meter_reads_the_memory_the_caching_allocator_reserves():
+    """From an emptied cache a 64 MiB block (a multiple of the allocator's 2 MiB rounding of
+    large blocks) reserves exactly 64 MiB more; a second one, served from the cache, nothing."""
+    from meshtrain.measure.peaks import DevicePeak, peak_meter
+
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize(gpu)
+    torch.cuda.empty_cache()
+    meter = peak_meter(gpu)
+    assert isinstance(meter, DevicePeak)
+    for grows in (64 * 2**20, 0):
+        meter.start()
+        block = torch.empty(64 * 2**20, dtype=torch.uint8, device=gpu)
+        del block
+        assert meter.stop() == grows
+
+
+def test_verify_meters_a_gpu_ranks_peak_on_the_gpu():
+    """`plan --verify` on a GPU rank: the peak is the GPU memory reserved over the window,
+    which held the model states and the step's peak of live tensors."""
+    from meshtrain.measure.verify import verify_rank
+
+    tiny = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=32)
+    r = run_ranks(1, verify_rank, tiny, {"dp": 1}, 4, 2, 1, device="cuda")[0]
+    assert r["peak_growth"] >= r["peak_alloc"] > r["model_states"] > 0

@@ -44,7 +44,7 @@ def wide() -> nn.Module:
 
 
 def resident_after_steps(zero: int, offload: str, directory: str) -> dict:
-    from meshtrain.measure.verify import ResidentPeak
+    from meshtrain.measure.peaks import ResidentPeak
 
     def resident() -> int:
         return ResidentPeak._status()["RssAnon"] + ResidentPeak._status()["RssFile"]
