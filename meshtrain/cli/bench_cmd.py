@@ -40,6 +40,8 @@ def add_parser(sub) -> None:
                    help="GPT preset (default small: 4 layers, d_model 256, seq 128; single: "
                         "gpt2-124m on CUDA, tiny on CPU)")
     p.add_argument("--batch", type=int, default=16, help="global batch")
+    p.add_argument("--seq", type=int, default=None,
+                   help="slowlink: sequence length (default: the preset's)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
     p.add_argument("--reps", type=int, default=10, help="repetitions, alternating")
     p.add_argument("--warmup", type=int, default=3)
@@ -98,6 +100,7 @@ def run(args) -> int:
         from meshtrain.bench import slowlink
         result = slowlink.run(args.out, nproc=max(args.world), link=args.link,
                               steps=args.train_steps, batch=args.batch,
+                              model=args.model or "tiny", seq=args.seq,
                               eval_every=args.eval_every,
                               methods=slowlink.pick(args.methods),
                               sync_warmup=args.sync_warmup_steps, progress=progress)
