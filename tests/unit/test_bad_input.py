@@ -118,6 +118,8 @@ CASES = [
     ("bench slowlink --methods ddp nosuch", "unknown slowlink method(s) ['nosuch']"),
     ("bench slowlink --sync-warmup-steps 128", "--sync-warmup-steps 128: give 0 or more"),
     ("bench slowlink --eval-every 0", "--eval-every 0: give a whole number of steps"),
+    ("bench slowlink --seq 0", "--seq 0: give a sequence length >= 1"),
+    ("bench slowlink --batch 6", "--batch 6: give a multiple of the 4 ranks (--world)"),
     ("bench pp --microbatches 0", "--microbatches 0: each must be >= 1"),
     ("bench tp --model nosuch", "--model 'nosuch': the benchmarks run a GPT preset"),
     ("bench survival --runs 0", "--runs 0: give a whole number >= 1"),
