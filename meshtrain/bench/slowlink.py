@@ -145,7 +145,7 @@ def _plot(rows: dict, path: Path, link: str) -> str:
         ax.plot(*zip(*row["curve"]), marker="o", label=name)
     ax.set_xlabel("training seconds (sum of step times)")
     ax.set_ylabel("validation loss")
-    ax.set_title(f"{LABEL} {link}: validation loss against wall-clock")
+    ax.set_title(f"{LABEL} {link}: validation loss against wall-clock", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
