@@ -1,7 +1,7 @@
 """torch's own PowerSGD (the DDP comm hook) on `meshtrain train`'s default case: the peer
 against which meshtrain's PowerSGD's validation loss is read.
 
-The same corpus, model, seed, batches, AdamW, learning-rate warm-up and validation batches as
+The same corpus, model, seed, batches, optimizer (AdamW, or `--optimizer sgd`), learning-rate warm-up and validation batches as
 `meshtrain train` (run.py), but the model wrapped in torch's DistributedDataParallel with
 `powerSGD_hook` (torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook) registered:
 
@@ -17,7 +17,8 @@ import argparse
 import torch
 
 
-def train(steps: int, rank: int, start_iter: int, batch: int = 32, seed: int = 0) -> float:
+def train(steps: int, rank: int, start_iter: int, optimizer: str = "adamw", batch: int = 32,
+          seed: int = 0) -> float:
     """One rank's run; returns the validation loss after `steps` steps."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
@@ -26,10 +27,11 @@ def train(steps: int, rank: int, start_iter: int, batch: int = 32, seed: int = 0
     from meshtrain.data.corpus import load_corpus
     from meshtrain.data.sampler import BatchSampler, eval_batches
     from meshtrain.models.registry import build_model
-    from meshtrain.train.config import RunConfig, learning_rate
-    from meshtrain.train.optimizers import default_adamw
+    from meshtrain.train.config import DEFAULT_LR, RunConfig, learning_rate
+    from meshtrain.train.optimizers import run_optimizer
 
-    config = RunConfig(run_dir="", steps=steps, batch_size=batch, seed=seed)
+    config = RunConfig(run_dir="", steps=steps, batch_size=batch, seed=seed,
+                       optimizer=optimizer, lr=DEFAULT_LR[optimizer])
     corpus = load_corpus(config.data)
     torch.manual_seed(config.seed)
     built = build_model(config.model, config.model_overrides, config.seq_len)
@@ -40,7 +42,8 @@ def train(steps: int, rank: int, start_iter: int, batch: int = 32, seed: int = 0
     state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                start_powerSGD_iter=start_iter, random_seed=0)
     ddp.register_comm_hook(state, psgd.powerSGD_hook)
-    opt = default_adamw(ddp.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    opt = run_optimizer(ddp.parameters(), config.optimizer, config.lr, config.weight_decay,
+                        config.momentum)
     world, me = dist.get_world_size(), dist.get_rank()
     sampler = BatchSampler(corpus.train, config.batch_size, seq, config.seed, me, world)
     for step in range(steps):
@@ -67,11 +70,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--start-iter", type=int, default=2)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="as `meshtrain train --optimizer` (its default learning rate)")
     a = p.parse_args()
-    losses = launch(train, nproc=a.nproc, args=(a.steps, a.rank, a.start_iter),
+    losses = launch(train, nproc=a.nproc, args=(a.steps, a.rank, a.start_iter, a.optimizer),
                        timeout_s=3600)
     print(f"torch powerSGD_hook rank {a.rank}, start_powerSGD_iter {a.start_iter}, "
-          f"{a.steps} steps, {a.nproc} ranks: val loss {losses[0]:.4f}")
+          f"{a.optimizer}, {a.steps} steps, {a.nproc} ranks: val loss {losses[0]:.4f}")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def pick(names: list[str] | None) -> dict | None:
 
 
 def run(out: str, nproc: int = 4, link: str = "dp=1Gb/s,5ms", steps: int = 128,
-        eval_every: int = 4, batch: int = 16, model: str = "tiny",
+        eval_every: int = 4, batch: int = 16, model: str = "tiny", seq: int | None = None,
         methods: dict | None = None, sync_warmup: int = 0, progress=print) -> dict:
     """Train each method once (every one but DDP after `sync_warmup` DDP steps), evaluated
     every `eval_every` steps (outside the step times); returns
@@ -60,14 +60,16 @@ def run(out: str, nproc: int = 4, link: str = "dp=1Gb/s,5ms", steps: int = 128,
         cmd = [sys.executable, "-m", "meshtrain", "train", "--nproc", str(nproc), "--steps",
                str(steps), "--eval-every", str(eval_every), "--batch", str(batch), "--model",
                model, "--link", link, "--seed", "0", "--ckpt-every", str(steps),
-               "--run-dir", str(run_dir), *flags]
+               "--run-dir", str(run_dir), "--no-progress",
+               *(["--seq", str(seq)] if seq else []), *flags]
         progress(f"slowlink: {name} ({LABEL} {link})")
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         rows[name] = _row(run_dir, bw)
-    _compare(rows, methods, dict(model=model, nproc=nproc, batch=batch,
+    _compare(rows, methods, dict(model=model, nproc=nproc, batch=batch, seq=seq,
                                  latency=dp_link.latency))
     png = _plot(rows, Path(out) / "slowlink.png", link)
     return {"link": link, "emulated": LABEL, "nproc": nproc, "steps": steps, "batch": batch,
+            "seq": seq,
             "sync_warmup": sync_warmup, "methods": rows, "png": png}
 
 
@@ -118,7 +120,7 @@ def _compare(rows: dict, methods: dict, link: dict) -> None:
         row["speedup"] = row["ddp_s_to_target"] / row["s_to_target"]
         row["crossover_Bps"] = xover.measured_crossover(theirs, mine)
         row["planner_crossover_Bps"] = xover.planner_crossover_at_target(
-            link["model"], link["nproc"], link["batch"], link["latency"],
+            link["model"], link["nproc"], link["batch"], link.get("seq"), link["latency"],
             plan, (theirs[0], xover.upto(ddp["compute"], theirs[0])),
             (mine[0], xover.upto(warmed["compute"], mine[0])))
 
@@ -143,7 +145,7 @@ def _plot(rows: dict, path: Path, link: str) -> str:
         ax.plot(*zip(*row["curve"]), marker="o", label=name)
     ax.set_xlabel("training seconds (sum of step times)")
     ax.set_ylabel("validation loss")
-    ax.set_title(f"{LABEL} {link}: validation loss against wall-clock")
+    ax.set_title(f"{LABEL} {link}: validation loss against wall-clock", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
@@ -159,8 +161,9 @@ def format_report(result: dict) -> str:
     head = ("method", "step ms (median)", "bytes/step", "val loss", "common loss",
             "steps to it (method / DDP)", "s to it (method / DDP)", "speed-up",
             "crossover measured", "crossover planner")
+    seq = f" x seq {result['seq']}" if result.get("seq") else ""
     lines = [f"{LABEL} {result['link']} ({result['nproc']} ranks, {result['steps']} steps, "
-             f"batch {result['batch']}, {result.get('sync_warmup', 0)} DDP warm-up steps "
+             f"batch {result['batch']}{seq}, {result.get('sync_warmup', 0)} DDP warm-up steps "
              "before each other method): all times include the link's modelled sleeps",
              " | ".join(head)]
     for name, r in result["methods"].items():

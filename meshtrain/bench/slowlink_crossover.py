@@ -79,7 +79,7 @@ def plan_of(flags: list[str], nproc: int) -> Plan:
     return Plan(**kw)
 
 
-def _priced(model: str, nproc: int, batch: int, latency: float):
+def _priced(model: str, nproc: int, batch: int, seq: int | None, latency: float):
     """The planner's view of the bench: the model's spec, the setup, DDP's candidate, and a
     cluster of one rank per node whose dp axis is the emulated link (its bandwidth set where
     a crossover is searched), on which arithmetic costs nothing (the measured compute
@@ -88,10 +88,11 @@ def _priced(model: str, nproc: int, batch: int, latency: float):
                   optimizer="adam", recompute="none")
     free = Cluster(nodes=nproc, gpus_per_node=1, inter_bw=HIGH, inter_latency=latency,
                    peak_flops=1e30, mem_bw=1e30, overlap=0.0, name="emulated")
-    return preset(model), setup, Candidate(Plan(dp=nproc), micro_batch=batch // nproc), free
+    return preset(model, seq), setup, Candidate(Plan(dp=nproc), micro_batch=batch // nproc), free
 
 
-def planner_crossover_at_target(model: str, nproc: int, batch: int, latency: float,
+def planner_crossover_at_target(model: str, nproc: int, batch: int, seq: int | None,
+                                latency: float,
                                 plan: Plan, ddp: tuple[float, float],
                                 method: tuple[float, float]) -> float | None:
     """Bytes/s below which the planner predicts `plan` reaches the target sooner than DDP;
@@ -100,7 +101,7 @@ def planner_crossover_at_target(model: str, nproc: int, batch: int, latency: flo
     it took (the module's doc); None where the planner does not price `plan`."""
     if plan.compression != "none":
         return None
-    spec, setup, ddp_cand, free = _priced(model, nproc, batch, latency)
+    spec, setup, ddp_cand, free = _priced(model, nproc, batch, seq, latency)
     cand = Candidate(plan, micro_batch=ddp_cand.micro_batch)
     link = lambda c, bw: step_time(spec, c, setup, free.with_(inter_bw=bw)).total
     k, (n_ddp, c_ddp), (n, c) = plan.sync_warmup_steps, ddp, method

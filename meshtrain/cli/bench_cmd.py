@@ -37,9 +37,11 @@ def add_parser(sub) -> None:
                    help="pp: micro-batch counts (4 8)")
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (2 4)")
     p.add_argument("--model", default=None,
-                   help="GPT preset (default small: 4 layers, d_model 256, seq 128; single: "
-                        "gpt2-124m on CUDA, tiny on CPU)")
+                   help="GPT preset (default small: 4 layers, d_model 256, seq 128; slowlink: "
+                        "tiny; single: gpt2-124m on CUDA, tiny on CPU)")
     p.add_argument("--batch", type=int, default=16, help="global batch")
+    p.add_argument("--seq", type=int, default=None,
+                   help="slowlink: sequence length (default: the preset's)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
     p.add_argument("--reps", type=int, default=10, help="repetitions, alternating")
     p.add_argument("--warmup", type=int, default=3)
@@ -98,6 +100,7 @@ def run(args) -> int:
         from meshtrain.bench import slowlink
         result = slowlink.run(args.out, nproc=max(args.world), link=args.link,
                               steps=args.train_steps, batch=args.batch,
+                              model=args.model, seq=args.seq,
                               eval_every=args.eval_every,
                               methods=slowlink.pick(args.methods),
                               sync_warmup=args.sync_warmup_steps, progress=progress)
@@ -188,6 +191,11 @@ def check_bench_args(args) -> str | None:
         from meshtrain.bench.slowlink import pick
         if args.train_steps < 1:
             return f"--train-steps {args.train_steps}: give a whole number >= 1"
+        if args.seq is not None and args.seq < 1:
+            return f"--seq {args.seq}: give a sequence length >= 1"
+        if args.batch < 1 or args.batch % max(args.world):
+            return (f"--batch {args.batch}: give a multiple of the {max(args.world)} ranks "
+                    "(--world)")
         if not 1 <= args.eval_every <= args.train_steps:
             return (f"--eval-every {args.eval_every}: give a whole number of steps from 1 to "
                     f"--train-steps {args.train_steps}")
@@ -214,6 +222,8 @@ def check_bench_args(args) -> str | None:
         except DeviceError as e:
             return str(e)
         args.model = args.model or default_model(args.device)
+    if args.strategy == "slowlink":   # trains each method to a loss: the smallest preset
+        args.model = args.model or "tiny"
     args.model = args.model or "small"
     if args.strategy not in NO_MODEL and args.model not in PRESETS:
         return f"--model {args.model!r}: the benchmarks run a GPT preset ({', '.join(PRESETS)})"

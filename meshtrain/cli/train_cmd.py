@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 from meshtrain.cli.summary import print_summary
+from meshtrain.cli.train_checks import check_batch_split, check_model_plan
 from meshtrain.core.plan import COMPILE_BACKENDS, Plan, PlanError
+from meshtrain.train.config import DEFAULT_LR, OPTIMIZERS
 
 
 def add_parser(sub) -> None:
@@ -65,7 +67,12 @@ def _add_run_options(p) -> None:
     p.add_argument("--steps", type=int, help="optimizer steps (default 250; with --resume, "
                                            "the run's own or a new total)")
     p.add_argument("--batch", type=int, default=32, help="global batch in sequences")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="adamw (weight decay 0.1) or sgd (with --momentum, no weight decay)")
+    p.add_argument("--lr", type=float,
+                   help=f"peak learning rate (default {DEFAULT_LR['adamw']:g} for adamw, "
+                        f"{DEFAULT_LR['sgd']:g} for sgd)")
+    p.add_argument("--momentum", type=float, default=0.9, help="sgd: momentum (0.9)")
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-grad-norm", type=float,
@@ -225,7 +232,9 @@ def build_config(args):
                      model_overrides=overrides, seq_len=None if is_gpt else args.seq,
                      loss=args.loss, data=args.data,
                      steps=250 if args.steps is None else args.steps,
-                     batch_size=args.batch, lr=args.lr, warmup=args.warmup, seed=args.seed,
+                     batch_size=args.batch, optimizer=args.optimizer,
+                     lr=DEFAULT_LR[args.optimizer] if args.lr is None else args.lr,
+                     momentum=args.momentum, warmup=args.warmup, seed=args.seed,
                      eval_every=args.eval_every, ckpt_every=args.ckpt_every,
                      progress=not args.no_progress, tensorboard=args.tensorboard,
                      collective_timeout=300.0 if args.collective_timeout is None
@@ -279,16 +288,10 @@ def run(args) -> int:
                              "ranks resume from the latest checkpoint on their own)")
         check_model_spec(config.model, config.model_overrides)   # here, not on N ranks
         check_model_plan(config, plan)
+        check_batch_split(config, plan)
         if config.tensorboard:
             from meshtrain.train.tensorboard import require_tensorboard
             require_tensorboard()
-        if plan.dp and config.batch_size % plan.dp:
-            raise PlanError(f"global batch {config.batch_size} does not split over dp="
-                            f"{plan.dp} ranks; use --batch a multiple of {plan.dp}")
-        if (config.batch_size // plan.dp) % plan.microbatches:
-            raise PlanError(f"each dp rank's batch of {config.batch_size // plan.dp} does not "
-                            f"split into --microbatches {plan.microbatches}; use --batch a "
-                            f"multiple of {plan.dp * plan.microbatches}")
         if config.resume:   # refuse a bad checkpoint here, before any rank starts
             ckpt = latest_checkpoint(config.run_dir)
             if ckpt is not None:
@@ -335,46 +338,6 @@ def run(args) -> int:
     print_summary(summary)
     print_report(config.run_dir)
     return 0
-
-
-def check_model_plan(config, plan: Plan) -> None:
-    """Refuse, before any rank starts, what this model cannot do under this plan."""
-    from meshtrain.models.gpt import gpt_config
-    from meshtrain.models.registry import kind_of
-
-    if kind_of(config.model) == "gpt":
-        from meshtrain.strategies.tensor_parallel.gpt import check_tensor_parallel
-        gpt = gpt_config(config.model, **config.model_overrides)
-        check_tensor_parallel(gpt, plan)
-        stages = plan.pp * plan.virtual_stages
-        if plan.pp > 1 and stages > gpt.n_layer + 2:
-            raise PlanError(f"--pp {plan.pp} x --virtual-stages {plan.virtual_stages} = "
-                            f"{stages} stages, but {config.model!r} has {gpt.n_layer + 2} layers "
-                            f"(embedding, {gpt.n_layer} blocks, head); use fewer stages or "
-                            "--layers")
-    elif kind_of(config.model) in ("transformers", "hf-preset"):
-        check_transformers_plan(config.model, plan)
-    elif plan.tp > 1:
-        raise PlanError(f"--tp {plan.tp}: tensor parallel from the command line shards "
-                        f"meshtrain's GPT presets and transformers causal LMs; {config.model!r} "
-                        "needs a tp_plan, which the Python API takes (Plan(tp=T, tp_plan={...}))")
-
-
-def check_transformers_plan(spec: str, plan: Plan) -> None:
-    """The Trainer's own refusals for a transformers causal LM (heads tp does not divide,
-    more stages than layers...), on the model built without memory (meta tensors)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from meshtrain.models import hf
-    from meshtrain.models.registry import transformers_config
-    from meshtrain.strategies import pipeline
-    from meshtrain.train.trainer import check_layer_sharding
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(transformers_config(spec))
-    check_layer_sharding(model, plan, hf.tp_plan_of(model, plan.tp) if plan.tp > 1 else None)
-    pipeline.check(model, plan)
 
 
 def print_report(run_dir) -> None:

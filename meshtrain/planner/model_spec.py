@@ -156,7 +156,8 @@ def preset(name: str, seq: int | None = None) -> ModelSpec:
             raise ModelSpecError(f"unknown model preset {name!r}; choose one of "
                                  f"{', '.join(known)}, or describe it with --layers --hidden "
                                  f"--heads --vocab --seq")
-        shape = GPT_SHAPES[key]
+        # a sequence override resizes the GPT's learned position table (seq x d_model)
+        shape = dict(GPT_SHAPES[key], seq_len=seq or GPT_SHAPES[key]["seq_len"])
         spec = replace(from_gpt_shape(**shape, name=key), measured_params=gpt_num_params(
             shape["vocab_size"], shape["seq_len"], shape["n_layer"], shape["d_model"]))
     return replace(spec, seq=seq) if seq else spec

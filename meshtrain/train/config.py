@@ -15,6 +15,10 @@ from pathlib import Path
 from meshtrain.train.errors import CheckpointError
 
 
+OPTIMIZERS = ("adamw", "sgd")
+DEFAULT_LR = {"adamw": 3e-3, "sgd": 0.1}   # each tuned for the default tiny GPT and batch
+
+
 @dataclass
 class RunConfig:
     run_dir: str
@@ -27,9 +31,11 @@ class RunConfig:
     data: str | None = None
     steps: int = 250
     batch_size: int = 32          # global batch, sequences
+    optimizer: str = "adamw"       # "adamw" | "sgd" (with momentum, no weight decay)
     lr: float = 3e-3
+    momentum: float = 0.9          # sgd's
     warmup: int = 30
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1      # adamw's (decoupled)
     seed: int = 0
     eval_every: int = 100
     eval_batches: int = 8
@@ -81,6 +87,10 @@ def check_run_config(config: RunConfig) -> None:
         raise ValueError(f"--seed {config.seed}: give a number below 2**63")
     if not config.lr > 0:
         raise ValueError(f"--lr {config.lr:g}: the learning rate must be a positive number")
+    if config.optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer {config.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if not 0 <= config.momentum < 1:
+        raise ValueError(f"--momentum {config.momentum:g}: give a number in [0, 1)")
     if not config.collective_timeout > 0:
         raise ValueError(f"--collective-timeout {config.collective_timeout:g}: give a positive "
                          "number of seconds")

@@ -42,7 +42,7 @@ from meshtrain.data.sampler import BatchSampler, eval_batches
 from meshtrain.models.registry import build_model, token_cross_entropy
 from meshtrain.strategies.compile import limit_compile_workers
 from meshtrain.train import faults
-from meshtrain.train.optimizers import default_adamw
+from meshtrain.train.optimizers import run_optimizer
 from meshtrain.train.trainer import Trainer
 
 
@@ -161,12 +161,12 @@ def _train_steps(trainer: Trainer, config: RunConfig, sampler: BatchSampler, val
 
 
 def _build_trainer(config: RunConfig, plan: Plan, built) -> tuple[Trainer, str | None]:
-    """The run's Trainer (AdamW at the run's learning rate), and the emulated link's label
+    """The run's Trainer (its optimizer at the run's learning rate), and the emulated link's label
     where the run emulates one."""
     if plan.offload == "disk" and plan.offload_dir is None:   # the run folder's, wherever it is
         plan = dataclasses.replace(plan, offload_dir=str(Path(config.run_dir) / "offload"))
-    trainer = Trainer(built.module, plan, optimizer=lambda ps: default_adamw(
-        ps, lr=config.lr, weight_decay=config.weight_decay),
+    trainer = Trainer(built.module, plan, optimizer=lambda ps: run_optimizer(
+        ps, config.optimizer, config.lr, config.weight_decay, config.momentum),
         loss_fn=token_cross_entropy if config.loss == "cross-entropy" else built.loss)
     if not config.link:
         return trainer, None

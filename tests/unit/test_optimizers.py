@@ -1,7 +1,7 @@
 """The default AdamW: fused on CUDA, foreach elsewhere, and the same numbers as the plain loop."""
 import torch
 
-from meshtrain.train.optimizers import adamw_implementation, default_adamw
+from meshtrain.train.optimizers import adamw_implementation, default_adamw, run_optimizer
 
 
 def test_cpu_params_get_foreach_and_match_the_loop_implementation():
@@ -29,3 +29,22 @@ def test_cuda_params_get_fused():
         def is_floating_point(self):
             return True
     assert adamw_implementation([FakeCuda(), {"params": [FakeCuda()]}]) == {"fused": True}
+
+
+def test_the_run_optimizer_is_adamw_or_sgd_with_momentum_and_no_weight_decay():
+    p = [torch.nn.Parameter(torch.ones(3))]
+    adamw = run_optimizer(p, "adamw", lr=1e-3, weight_decay=0.1, momentum=0.9)
+    assert type(adamw) is torch.optim.AdamW and adamw.defaults["weight_decay"] == 0.1
+    sgd = run_optimizer(p, "sgd", lr=0.1, weight_decay=0.1, momentum=0.8)
+    assert type(sgd) is torch.optim.SGD and sgd.defaults["foreach"] is True
+    assert (sgd.defaults["momentum"], sgd.defaults["weight_decay"], sgd.defaults["lr"]) == (0.8, 0, 0.1)
+
+
+def test_train_takes_the_optimizers_own_default_learning_rate():
+    from meshtrain.cli.main import build_parser
+    from meshtrain.cli.train_cmd import build_config
+    for argv, optimizer, lr in ((["train"], "adamw", 3e-3),
+                                (["train", "--optimizer", "sgd"], "sgd", 0.1),
+                                (["train", "--optimizer", "sgd", "--lr", "0.05"], "sgd", 0.05)):
+        config = build_config(build_parser().parse_args(argv + ["--device", "cpu"]))
+        assert (config.optimizer, config.lr, config.momentum) == (optimizer, lr, 0.9)

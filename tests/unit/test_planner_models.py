@@ -168,6 +168,14 @@ def test_from_gpt_config_matches_module_when_available():
     assert replace(spec, measured_params=0).num_params == pytest.approx(config.num_params(), rel=1e-2)
 
 
+def test_a_gpt_preset_with_another_sequence_counts_its_position_table():
+    gpt = pytest.importorskip("meshtrain.models.gpt")
+    for seq in (32, 128, 512):   # the learned position table is seq x d_model
+        spec = preset("tiny", seq)
+        assert spec.seq == seq
+        assert spec.num_params == gpt.gpt_config("tiny", seq_len=seq).num_params()
+
+
 def test_unknown_preset_is_clear():
     with pytest.raises(ValueError, match="unknown model preset 'gpt5'.*choose one of"):
         preset("gpt5")

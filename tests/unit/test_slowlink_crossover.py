@@ -47,7 +47,7 @@ def test_the_planners_ddp_link_time_is_the_ring_formula():
     # (the gradients and the statistics that ride with them)
     assert link == pytest.approx(6 * lat + 1.5 * spec.num_params * 4 / bw, rel=1e-4)
     powersgd = xover.plan_of(["--compression", "powersgd", "--compression-rank", "4"], nproc)
-    assert xover.planner_crossover_at_target("tiny", nproc, batch, lat, powersgd,
+    assert xover.planner_crossover_at_target("tiny", nproc, batch, None, lat, powersgd,
                                              (100, 10.0), (100, 9.0)) is None
 
 

@@ -1,0 +1,58 @@
+"""`meshtrain train`'s refusals of a model, plan and batch that cannot train together, in the
+command's process before any rank starts (the model built on the meta device where one is
+needed)."""
+from __future__ import annotations
+
+from meshtrain.core.plan import Plan, PlanError
+
+
+def check_batch_split(config, plan: Plan) -> None:
+    """The global batch must split evenly over the dp ranks, and each rank's over its
+    micro-batches."""
+    if plan.dp and config.batch_size % plan.dp:
+        raise PlanError(f"global batch {config.batch_size} does not split over dp="
+                        f"{plan.dp} ranks; use --batch a multiple of {plan.dp}")
+    if (config.batch_size // plan.dp) % plan.microbatches:
+        raise PlanError(f"each dp rank's batch of {config.batch_size // plan.dp} does not "
+                        f"split into --microbatches {plan.microbatches}; use --batch a "
+                        f"multiple of {plan.dp * plan.microbatches}")
+
+
+def check_model_plan(config, plan: Plan) -> None:
+    """Refuse, before any rank starts, what this model cannot do under this plan."""
+    from meshtrain.models.gpt import gpt_config
+    from meshtrain.models.registry import kind_of
+
+    if kind_of(config.model) == "gpt":
+        from meshtrain.strategies.tensor_parallel.gpt import check_tensor_parallel
+        gpt = gpt_config(config.model, **config.model_overrides)
+        check_tensor_parallel(gpt, plan)
+        stages = plan.pp * plan.virtual_stages
+        if plan.pp > 1 and stages > gpt.n_layer + 2:
+            raise PlanError(f"--pp {plan.pp} x --virtual-stages {plan.virtual_stages} = "
+                            f"{stages} stages, but {config.model!r} has {gpt.n_layer + 2} layers "
+                            f"(embedding, {gpt.n_layer} blocks, head); use fewer stages or "
+                            "--layers")
+    elif kind_of(config.model) in ("transformers", "hf-preset"):
+        check_transformers_plan(config.model, plan)
+    elif plan.tp > 1:
+        raise PlanError(f"--tp {plan.tp}: tensor parallel from the command line shards "
+                        f"meshtrain's GPT presets and transformers causal LMs; {config.model!r} "
+                        "needs a tp_plan, which the Python API takes (Plan(tp=T, tp_plan={...}))")
+
+
+def check_transformers_plan(spec: str, plan: Plan) -> None:
+    """The Trainer's own refusals for a transformers causal LM (heads tp does not divide,
+    more stages than layers...), on the model built without memory (meta tensors)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from meshtrain.models import hf
+    from meshtrain.models.registry import transformers_config
+    from meshtrain.strategies import pipeline
+    from meshtrain.train.trainer import check_layer_sharding
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(transformers_config(spec))
+    check_layer_sharding(model, plan, hf.tp_plan_of(model, plan.tp) if plan.tp > 1 else None)
+    pipeline.check(model, plan)
