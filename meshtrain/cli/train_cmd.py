@@ -18,7 +18,7 @@ from pathlib import Path
 from meshtrain.cli.summary import print_summary
 from meshtrain.cli.train_checks import check_batch_split, check_model_plan
 from meshtrain.core.plan import COMPILE_BACKENDS, Plan, PlanError
-from meshtrain.train.config import DEFAULT_LR, OPTIMIZERS
+from meshtrain.train.config import DEFAULT_LR, OPTIMIZERS, latest_checkpoint
 
 
 def add_parser(sub) -> None:
@@ -185,6 +185,7 @@ def build_config(args):
         old = Plan.from_dict(config.plan)
         if world and world != old.world_size and old.dp_mode != "dp":
             # checkpoints load under any plan: keep the run's own, with dp over the new world
+            _check_local_steps_resume(config, old, world)
             if world % (old.pp * old.tp):
                 raise PlanError(f"the run's plan has pp*tp = {old.pp * old.tp}, which does not "
                                 f"divide --nproc {world}; resume on a multiple of it")
@@ -243,6 +244,15 @@ def build_config(args):
                      straggler=straggler, trace=args.trace, link=args.link)
 
 
+def _check_local_steps_resume(config, old: Plan, world: int) -> None:
+    """A DiLoCo / local-SGD checkpoint holds each worker's parameters and inner state: it
+    resumes on the dp it was saved with, refused here rather than on every rank."""
+    if old.dp_mode in ("diloco", "local-sgd") and latest_checkpoint(config.run_dir):
+        raise PlanError(f"this {old.dp_mode} run's checkpoint holds {old.dp} workers' own "
+                        f"parameters and optimizer states; resume it with --nproc "
+                        f"{old.world_size} (its dp={old.dp}), not {world}")
+
+
 def make_run_dir(run_dir) -> None:
     """Create the run folder (and its checkpoints/), refusing in one line a path that
     cannot hold it (unwritable, under a file, in a pseudo file system such as /proc)."""
@@ -275,7 +285,7 @@ def run(args) -> int:
     from meshtrain.launch import LaunchError, launch
     from meshtrain.models.registry import check_model_spec
     from meshtrain.train import errors
-    from meshtrain.train.config import check_run_config, latest_checkpoint
+    from meshtrain.train.config import check_run_config
 
     try:
         config = build_config(args)

@@ -118,3 +118,24 @@ def test_cli_compile_flag_reaches_the_plan(flag, value, tmp_path, monkeypatch):
     plan = Plan.from_dict(config.plan)
     assert plan.compile == value
     assert plan.compile_backend == {False: None, True: "inductor"}.get(value, value)
+
+
+@pytest.mark.parametrize("mode", ["diloco", "local-sgd"])
+def test_a_local_steps_checkpoint_resumes_on_its_own_dp_refused_before_any_rank(
+        mode, tmp_path, monkeypatch, capsys):
+    from meshtrain.train.config import RunConfig, write_latest
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    plan = Plan(dp=2, dp_mode=mode, sync_every=4)
+    RunConfig(run_dir=str(run), plan=plan.to_dict(), batch_size=8, steps=8).save()
+    launched = _no_launch(monkeypatch)
+    # no checkpoint yet: a new --nproc is a new dp, as for every dp mode
+    assert main(["train", "--resume", str(run), "--nproc", "4", "--no-progress"]) == 0
+    assert Plan.from_dict(launched[0]["args"][0].plan).dp == 4
+    write_latest(run, "step_00000004")
+    assert main(["train", "--resume", str(run), "--nproc", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert len(launched) == 1 and "Traceback" not in err
+    assert (f"this {mode} run's checkpoint holds 2 workers' own parameters and optimizer "
+            "states; resume it with --nproc 2 (its dp=2), not 4") in err
