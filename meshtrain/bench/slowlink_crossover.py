@@ -94,13 +94,11 @@ def _priced(model: str, nproc: int, batch: int, seq: int | None, latency: float)
 def planner_crossover_at_target(model: str, nproc: int, batch: int, seq: int | None,
                                 latency: float,
                                 plan: Plan, ddp: tuple[float, float],
-                                method: tuple[float, float]) -> float | None:
+                                method: tuple[float, float]) -> float:
     """Bytes/s below which the planner predicts `plan` reaches the target sooner than DDP;
     `ddp`, `method`: (steps to the target, measured compute over them in seconds). Each
     run's predicted time is its compute plus the planner's link time at B for every step
-    it took (the module's doc); None where the planner does not price `plan`."""
-    if plan.compression != "none":
-        return None
+    it took (the module's doc)."""
     spec, setup, ddp_cand, free = _priced(model, nproc, batch, seq, latency)
     cand = Candidate(plan, micro_batch=ddp_cand.micro_batch)
     link = lambda c, bw: step_time(spec, c, setup, free.with_(inter_bw=bw)).total

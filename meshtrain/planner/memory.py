@@ -5,11 +5,12 @@ per role (pipeline stage, parameter server or worker) and on the busiest rank.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from meshtrain.core.plan import LOCAL_STEP_MODES
 from meshtrain.planner.activations import (forward_traffic, full_layer_bytes, inflight_microbatches,
                                            layer_activation_bytes, output_bytes, transient_bytes)
+from meshtrain.planner.compression import powersgd_traffic
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
 from meshtrain.planner.states import (local_step_states, master_states, model_states,
@@ -123,6 +124,10 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
         states = master_states(psi, setup, p.dp)
     elif p.dp_mode in LOCAL_STEP_MODES:
         states = local_step_states(psi, setup)
+    elif p.compression == "powersgd":   # each compressed matrix's residual and Q, counted
+        # with the gradients as powersgd.py's memory() does
+        kept = powersgd_traffic(spec, p.compression_rank, p.compression_min_rate).kept
+        states = replace(states, grads=states.grads + kept * setup.grad_bytes)
     per_layer = layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
                                        cand.recompute, setup.act_bytes)
     layers_here = math.ceil(spec.layers / p.pp)

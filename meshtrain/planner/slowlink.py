@@ -25,6 +25,11 @@ QUALITY_CAVEAT = ("fewer syncs can cost validation loss: measured +2.4% (diloco,
                   "outer momentum 0.5, after 64 DDP steps of 256) to +23.3% (outer momentum "
                   "0.9, no DDP warm-up) against DDP at equal tokens on a tiny GPT "
                   "(docs/diloco.md); measure on your model before switching")
+POWERSGD_CAVEAT = ("compressed gradients can cost validation loss: PowerSGD at rank 4 measured "
+                   "+0.9% with SGD and momentum and +6.0% with AdamW against DDP at equal "
+                   "tokens on a tiny GPT (docs/powersgd.md); measure on your model before "
+                   "switching")
+PSGD_RANK = 4   # the rank the advice proposes (rank 1 measured +13.6%: docs/powersgd.md)
 LOW, HIGH = 1e3, 1e14   # bytes/s searched: 8 kb/s to 800 Tb/s
 
 
@@ -79,10 +84,10 @@ def equal_time_bandwidth(time_a: Callable[[float], float],
 def slow_link_advice(spec: ModelSpec, setup: Setup, cluster: Cluster, best: Candidate,
                      sync_every: int = 32, mode: str = "diloco",
                      top_time: float = math.inf) -> str | None:
-    """A sentence proposing `mode` (sync every `sync_every` steps) in place of `best`'s DDP
-    when its dp axis crosses nodes over a link slower than the crossover at which DDP's step
-    takes WORTH times the local-step mode's, and the fastest plan (`top_time` seconds) is
-    slower than that too; None otherwise."""
+    """A sentence proposing, in place of `best`'s DDP whose dp axis crosses nodes, `mode`
+    (sync every `sync_every` steps) and PowerSGD at rank 4, each where the link is slower
+    than the crossover at which DDP's step takes WORTH times the method's and the fastest
+    plan (`top_time` seconds) is slower than that too; None where neither is."""
     p = best.plan
     if mode not in LOCAL_STEP_MODES or p.dp_mode != "ddp" or p.zero or p.pp > 1 or p.dp < 2:
         return None
@@ -90,18 +95,28 @@ def slow_link_advice(spec: ModelSpec, setup: Setup, cluster: Cluster, best: Cand
         return None
     local = replace(best, plan=Plan(dp=p.dp, tp=p.tp, microbatches=p.microbatches,
                                     dp_mode=mode, sync_every=sync_every))
-    bw = crossover_bandwidth(spec, setup, cluster, best, local, WORTH)
-    if cluster.inter_bw >= bw:
-        return None
+    options = [(f"dp_mode={mode!r}, sync_every={sync_every}", local, setup, QUALITY_CAVEAT)]
+    if p.tp == 1:   # meshtrain's PowerSGD is DDP's, in fp32: its step is priced in fp32
+        options.append((f"compression='powersgd', compression_rank={PSGD_RANK} (fp32)",
+                        replace(best, plan=Plan(dp=p.dp, microbatches=p.microbatches,
+                                                compression="powersgd",
+                                                compression_rank=PSGD_RANK)),
+                        replace(setup, precision="fp32"), POWERSGD_CAVEAT))
     t_ddp = _time(spec, best, setup, cluster, cluster.inter_bw)
-    t_loc = _time(spec, local, setup, cluster, cluster.inter_bw)
-    if top_time < WORTH * t_loc:   # another plan already comes close without the caveat
+    clauses = []
+    for name, cand, its_setup, caveat in options:
+        t = lambda bw: _time(spec, cand, its_setup, cluster, bw)
+        bw = equal_time_bandwidth(lambda b: _time(spec, best, setup, cluster, b),
+                                  lambda b: WORTH * t(b))
+        t_here = t(cluster.inter_bw)
+        if cluster.inter_bw < bw and top_time >= WORTH * t_here:   # no plan comes close
+            clauses.append(f"{name} ({t_here * 1e3:.4g} ms/step predicted; DDP's step takes "
+                           f"{WORTH}x as long below {bw * 8 / 1e9:.3g} Gb/s): {caveat}")
+    if not clauses:
         return None
     return (f"the dp axis crosses a {cluster.inter_bw * 8 / 1e9:.3g} Gb/s inter-node link, "
-            f"below the {bw * 8 / 1e9:.3g} Gb/s at which DDP's step takes {WORTH}x as long for this "
-            f"model: consider "
-            f"dp_mode={mode!r}, sync_every={sync_every} ({t_loc * 1e3:.4g} ms/step predicted "
-            f"against DDP's {t_ddp * 1e3:.4g} ms); {QUALITY_CAVEAT}")
+            f"where DDP takes {t_ddp * 1e3:.4g} ms/step for this model: consider "
+            + "; or ".join(clauses))
 
 
 def slow_link_note(advice) -> str | None:
@@ -116,24 +131,3 @@ def slow_link_note(advice) -> str | None:
             return (f"for {ev.cand.label()}, {note} (the top plan, {top.cand.label()}, "
                     f"{top.time.total * 1e3:.4g} ms/step)")
     return None
-
-
-def matrix_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
-    """The model's weight matrices (rows, cols) from its spec: q, k, v, o and the MLP's per
-    block (q, k, v apart: a fused qkv module compresses as one h x (h + 2 kv) matrix),
-    the token and position embeddings, and the head if untied."""
-    h, f, kv = spec.hidden, spec.ffn_hidden, spec.kv_dim
-    block = [(h, h), (h, kv), (h, kv), (h, h)] + [(h, f)] * (3 if spec.mlp == "swiglu" else 2)
-    rest = [(spec.vocab, h)] + ([(spec.seq, h)] if spec.learned_pos else [])
-    return block * spec.layers + rest + ([] if spec.tied else [(spec.vocab, h)])
-
-
-def powersgd_dp_bytes(spec: ModelSpec, setup: Setup, dp: int, rank: int) -> float:
-    """Bytes one rank sends per step under PowerSGD (Vogels et al. 2019, Alg. 1) at `rank`:
-    each M x N gradient matrix all-reduces P (M x r) and Q (N x r), (M + N) r numbers,
-    unless that is no smaller than M N; vectors (biases, norms) go uncompressed. Ring share
-    2(dp-1)/dp as DDP's (axis_bytes)."""
-    shapes = matrix_shapes(spec)
-    sent = sum(min((m + n) * rank, m * n) for m, n in shapes)
-    vectors = spec.num_params - sum(m * n for m, n in shapes)
-    return 2 * (dp - 1) / dp * (sent + vectors) * setup.grad_bytes

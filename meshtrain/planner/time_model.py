@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from meshtrain.core.plan import LOCAL_STEP_MODES
+from meshtrain.planner.compression import powersgd_traffic
 from meshtrain.planner.flops import forward_flops_per_token
 from meshtrain.planner.hardware import Cluster, nearest
 from meshtrain.planner.states import model_states, stage_params
@@ -234,6 +235,15 @@ def dp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluste
         last = coll("all_gather", unit) + coll("reduce_scatter", last_bucket)
     if p.dp_mode.startswith("ps-") or p.dp_mode == "dp":
         t_dp, last = family_exchange(psi, setup, p, cluster), 0.0
+    if p.compression == "powersgd" and p.dp > 1:
+        # three all-reduces once backward has ended (P needs the whole gradient): what
+        # travels whole with the statistics, every P, then every Q; none hides. The
+        # factors' matmuls and QR (about 4 M N r FLOPs a matrix) are left out
+        t = powersgd_traffic(spec, p.compression_rank, p.compression_min_rate)
+        t_dp = (coll("all_reduce", t.whole * setup.grad_bytes + stats_bytes)
+                + coll("all_reduce", t.p * setup.grad_bytes)
+                + coll("all_reduce", t.q * setup.grad_bytes))
+        return t_dp, t_dp, 0.0
     if p.dp_mode in LOCAL_STEP_MODES:   # one parameter all-reduce every H steps (DiLoCo
         # §2), amortised per step, latency included; the sync step's loss all-reduce too
         t_dp, last = coll("all_reduce", param_bytes) / p.sync_every, 0.0
@@ -355,6 +365,9 @@ def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None
             out["dp"] = (grads * (k - 1) / k + (p.dp - 1) * params / k) if server else grads
         elif p.dp_mode in LOCAL_STEP_MODES:   # the parameters, every sync_every steps
             out["dp"] = 2 * share * params / p.sync_every
+        elif p.compression == "powersgd":   # the factors, and what is sent whole
+            t = powersgd_traffic(spec, p.compression_rank, p.compression_min_rate)
+            out["dp"] = 2 * share * (t.whole + t.p + t.q) * setup.grad_bytes
         elif p.zero == 0:
             out["dp"] = 2 * share * grads
         elif p.zero == 1:

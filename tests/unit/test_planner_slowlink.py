@@ -82,9 +82,10 @@ def test_plan_words_carry_the_slow_link_advice():
         assert ("Slow link: for dp" in text) == said
 
 
-def test_powersgd_bytes_from_the_layer_shapes():
+def test_powersgd_bytes_time_and_memory_from_the_layer_shapes():
     from meshtrain.planner import from_description
-    from meshtrain.planner.slowlink import matrix_shapes, powersgd_dp_bytes
+    from meshtrain.planner.compression import matrix_shapes, powersgd_traffic
+    from meshtrain.planner.memory import memory
     spec = from_description(layers=2, hidden=64, heads=4, vocab=100, seq=32)
     shapes = matrix_shapes(spec)
     assert sum(m * n for m, n in shapes) == spec.num_params - spec.layers * (
@@ -93,12 +94,46 @@ def test_powersgd_bytes_from_the_layer_shapes():
     # (100+64)4 and (32+64)4; the rest (biases, norms) whole
     compressed = 2 * (4 * 128 * 4 + 2 * 320 * 4) + 164 * 4 + 96 * 4
     vectors = spec.num_params - sum(m * n for m, n in shapes)
-    assert powersgd_dp_bytes(spec, SETUP, 4, 4) == pytest.approx(
+    psgd = Candidate(Plan(dp=4, compression="powersgd", compression_rank=4), micro_batch=1)
+    ddp = Candidate(Plan(dp=4), micro_batch=1)
+    assert axis_bytes(spec, psgd, SETUP)["dp"] == pytest.approx(
         1.5 * (compressed + vectors) * SETUP.grad_bytes)
     # a rank past a matrix's size sends it whole: DDP's bytes
-    ddp = Candidate(Plan(dp=4), micro_batch=1)
-    assert powersgd_dp_bytes(spec, SETUP, 4, 10**6) == pytest.approx(
-        axis_bytes(spec, ddp, SETUP)["dp"])
+    whole = Candidate(Plan(dp=4, compression="powersgd", compression_rank=10**6), 1)
+    assert axis_bytes(spec, whole, SETUP)["dp"] == pytest.approx(axis_bytes(spec, ddp, SETUP)["dp"])
+    # so does a matrix whose rate M N / ((M + N) r) is at most min_rate: at rank 16 the
+    # 64 x 64 ones (rate 2) go whole, the MLP's (3.2) and the token embedding's (2.4) not
+    t = powersgd_traffic(spec, 16)
+    assert t.p + t.q == 2 * 2 * 320 * 16 + 164 * 16
+    assert t.whole == vectors + 2 * 4 * 64 * 64 + 32 * 64
+    # time: three all-reduces after backward (the whole part with the statistics, P, Q),
+    # none hidden behind compute
+    cluster = make_cluster("A100-80GB", nodes=4, gpus_per_node=1, inter_bw="1Gb/s")
+    t4 = powersgd_traffic(spec, 4)
+    t_dp, last, stats = dp_comm_time(spec, psgd, SETUP, cluster, spec.num_params)
+    coll = lambda elements: cluster.collective_time("all_reduce", elements, 4, 4)
+    stats_bytes = 4 * (1 + 13 * spec.layers)
+    assert t_dp == pytest.approx(coll(t4.whole * SETUP.grad_bytes + stats_bytes)
+                                 + coll(t4.p * SETUP.grad_bytes) + coll(t4.q * SETUP.grad_bytes))
+    assert last == t_dp and stats == 0.0
+    st = step_time(spec, psgd, SETUP, cluster)
+    assert st.dp_exposed == pytest.approx(t_dp)
+    # memory: each compressed matrix's residual (M N) and Q (N r) beside the gradients
+    kept = sum(m * n + n * 4 for m, n in shapes)
+    assert memory(spec, psgd, SETUP).grads - memory(spec, ddp, SETUP).grads == pytest.approx(
+        kept * SETUP.grad_bytes)
+
+
+def test_advice_proposes_powersgd_in_fp32_beside_diloco():
+    from meshtrain.planner.slowlink import POWERSGD_CAVEAT
+    ddp, _ = _cands()
+    slow = make_cluster("A100-80GB", nodes=2, gpus_per_node=8, inter_bw="1Gb/s")
+    text = slow_link_advice(SPEC, SETUP, slow, ddp)
+    assert "compression='powersgd', compression_rank=4 (fp32)" in text and POWERSGD_CAVEAT in text
+    psgd = Candidate(Plan(dp=16, compression="powersgd", compression_rank=4), 64 // 16)
+    fp32 = Setup(global_batch=64, precision="fp32")
+    t = step_time(SPEC, psgd, fp32, slow).total
+    assert f"({t * 1e3:.4g} ms/step predicted" in text   # priced in fp32, as it runs
 
 
 def test_memory_counts_diloco_anchor_momentum_and_sync_buffer():

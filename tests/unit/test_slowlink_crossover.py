@@ -46,9 +46,6 @@ def test_the_planners_ddp_link_time_is_the_ring_formula():
     # DDP's link time at 1 Gb/s, 5 ms: one bucket, 6 ring steps of latency, 1.5x the bytes
     # (the gradients and the statistics that ride with them)
     assert link == pytest.approx(6 * lat + 1.5 * spec.num_params * 4 / bw, rel=1e-4)
-    powersgd = xover.plan_of(["--compression", "powersgd", "--compression-rank", "4"], nproc)
-    assert xover.planner_crossover_at_target("tiny", nproc, batch, None, lat, powersgd,
-                                             (100, 10.0), (100, 9.0)) is None
 
 
 def test_reach_interpolates_the_step_the_loss_crosses_the_target_at():
@@ -181,3 +178,32 @@ def test_a_methods_warm_up_is_timed_by_ddps_run(tmp_path):
         assert rows["busy"][key] == rows["calm"][key]
     assert rows["calm"]["s_to_target"] == pytest.approx(
         sum(rows["ddp"]["step_s"][:32]) + xover.upto(rows["calm"]["step_s"][32:], 99.5 - 32))
+
+
+def test_the_planners_powersgd_link_terms_are_what_the_emulated_link_charges():
+    """PowerSGD's step all-reduces what travels whole (1-D gradients, matrices too small to
+    gain, the loss and the used flags), then every P, then every Q (powersgd.py): the
+    planner's latency is the link's exactly, its bytes the link's but for the used flags
+    (13 per block against the GPT's 15) and the loss."""
+    params = list(GPT(gpt_config("tiny")).parameters())
+    rank, whole, p_numel, q_numel = 4, 0, 0, 0
+    for p in params:
+        rows, cols = p.shape[0], p.numel() // p.shape[0]
+        r = min(rank, rows, cols)
+        if p.dim() >= 2 and rows * cols > 2.0 * (rows + cols) * r:
+            p_numel, q_numel = p_numel + rows * r, q_numel + cols * r
+        else:
+            whole += p.numel()
+    link = LinkModel({"dp": Link(BW, LAT)}, sleep=lambda s: None)
+    _charged(link, whole + 1 + len(params), p_numel, q_numel)
+    plan = xover.plan_of(["--compression", "powersgd", "--compression-rank", "4"], NPROC)
+    lat, nbytes = _planner_link(plan)
+    assert lat == pytest.approx(3 * 6 * LAT, rel=1e-12)
+    link_bytes = (link.charged["dp"] - lat) * BW
+    assert link_bytes - nbytes == pytest.approx(1.5 * 4 * (len(params) - 13 * 4), abs=1e-3)
+    # and the bench's planner crossover prices it from those terms
+    bw = xover.planner_crossover_at_target("tiny", NPROC, BATCH, None, LAT, plan,
+                                           (100, 10.0), (100, 10.5))
+    ddp_lat, ddp_bytes = _planner_link(Plan(dp=NPROC))
+    assert 10.0 + 100 * (ddp_lat + ddp_bytes / bw) == pytest.approx(
+        10.5 + 100 * (lat + nbytes / bw), rel=1e-6)
