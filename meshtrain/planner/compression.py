@@ -1,11 +1,11 @@
 """PowerSGD's traffic and memory from the model's layer shapes (Vogels et al. 2019), as
 meshtrain's PowerSGD sends and keeps them (strategies/data_parallel/powersgd.py).
 
-Each weight matrix M x N travels as two factors, P (M x r) and Q (N x r), in two all-reduces
-a step (every matrix's P in one, then every Q), with r = min(rank, M, N), where its
-compression rate M N / ((M + N) r) exceeds `min_rate`; every other matrix and every vector
-(biases, norms) travels whole, with the step's statistics, in a third all-reduce. Each
-compressed matrix keeps a residual (M x N) and its Q (N x r) between steps.
+Each weight matrix M x N travels as two factors, P (M x r) and Q (N x r), with r = min(rank,
+M, N), where its compression rate M N / ((M + N) r) exceeds `min_rate`; every other matrix
+and every vector (biases, norms) travels whole. Two all-reduces a step: every P with what
+travels whole and the step's statistics, then every Q. Each compressed matrix keeps a
+residual (M x N) and its Q (N x r) between steps.
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def matrix_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class PowerSGDTraffic:
-    """Elements per step of each of PowerSGD's three all-reduces, and what it keeps."""
+    """Elements per step PowerSGD sends (its first all-reduce: `whole` and `p`; its second:
+    `q`), and what it keeps."""
     whole: float       # uncompressed matrices and every vector (the statistics aside)
     p: float           # the P factors, sum of M r
     q: float           # the Q factors, sum of N r

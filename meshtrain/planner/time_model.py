@@ -236,12 +236,11 @@ def dp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluste
     if p.dp_mode.startswith("ps-") or p.dp_mode == "dp":
         t_dp, last = family_exchange(psi, setup, p, cluster), 0.0
     if p.compression == "powersgd" and p.dp > 1:
-        # three all-reduces once backward has ended (P needs the whole gradient): what
-        # travels whole with the statistics, every P, then every Q; none hides. The
+        # two all-reduces once backward has ended (P needs the whole gradient): every P
+        # with what travels whole and the statistics, then every Q; none hides. The
         # factors' matmuls and QR (about 4 M N r FLOPs a matrix) are left out
         t = powersgd_traffic(spec, p.compression_rank, p.compression_min_rate)
-        t_dp = (coll("all_reduce", t.whole * setup.grad_bytes + stats_bytes)
-                + coll("all_reduce", t.p * setup.grad_bytes)
+        t_dp = (coll("all_reduce", (t.whole + t.p) * setup.grad_bytes + stats_bytes)
                 + coll("all_reduce", t.q * setup.grad_bytes))
         return t_dp, t_dp, 0.0
     if p.dp_mode in LOCAL_STEP_MODES:   # one parameter all-reduce every H steps (DiLoCo

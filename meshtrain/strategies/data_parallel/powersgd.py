@@ -13,9 +13,11 @@ factors of the averaged gradient (the buckets hold each gradient pre-divided by 
   on every rank, on the gradient's device.
 - A matrix whose compression rate M N / ((M + N) r) does not exceed `min_rate` (torch's
   `min_compression_rate`, 2 by default) gains too little: it travels uncompressed, with every
-  1-D gradient, in one flat all-reduce that also carries the step's statistics (the loss and
-  the used flags, as DDP's last bucket does). A rank above min(M, N) means min(M, N): the
-  factors are then exact and PowerSGD reproduces DDP to round-off.
+  1-D gradient and the step's statistics (the loss and the used flags, as DDP's last bucket
+  carries them), in the same all-reduce as the P factors: two all-reduces a step, P with the
+  rest, then Q (torch's hook sends the uncompressed ones apart: three latencies on a slow
+  link). A rank above min(M, N) means min(M, N): the factors are then exact and PowerSGD
+  reproduces DDP to round-off.
 
 - Warm-up: the first `warmup_steps` steps are plain DDP (buckets all-reduced during
   backward), as torch's `start_powerSGD_iter`: early gradients are the most sensitive to
@@ -87,35 +89,36 @@ class PowerSGD(DDP):
         self.grads.flush()
         grads = {id(p): bucket.grad_view(i)
                  for p, (bucket, i) in ((p, self.grads.slot(p)) for p in self.params)}
-        plain = torch.cat([grads[id(p)].reshape(-1) for p in self.plain] + [stats])
-        work = self.comm.all_reduce(plain, self.axis, tag="grad", async_op=True)
-        compressed = [(self.factors[id(p)], grads[id(p)]) for p in self.params
-                      if id(p) in self.factors]
+        compressed = [(self.factors[id(p)], grads[id(p)].view(self.factors[id(p)].rows, -1))
+                      for p in self.params if id(p) in self.factors]
+        for f, m in compressed:
+            m.add_(f.residual)            # error feedback
+        # one all-reduce carries every P = M Q and, after them, what travels whole and the
+        # step's statistics: a slow link's latency is paid twice a step (this, then Q), not
+        # three times
+        p_len = sum(f.rows * f.r for f, _ in compressed)
+        flat = torch.cat([(m @ f.q).reshape(-1) for f, m in compressed]
+                         + [grads[id(p)].reshape(-1) for p in self.plain] + [stats])
+        self.comm.all_reduce(flat, self.axis, tag="powersgd_p" if compressed else "grad")
         if compressed:
-            self._compress(compressed)
-        work.wait()
-        offset = 0
+            self._finish_factors(compressed, flat[:p_len])
+        offset = p_len
         for p in self.plain:
             g = grads[id(p)]
-            g.copy_(plain[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
-        loss, *users = plain[offset:].tolist()   # one host sync
+        loss, *users = flat[offset:].tolist()   # one host sync
         for p, used_by in zip(self.params, users):
             p.grad = grads[id(p)] if used_by else None
         return loss / self.comm.mesh.size(self.axis)
 
-    def _compress(self, compressed: list[tuple["_Factors", torch.Tensor]]) -> None:
-        """One power iteration per matrix, each factor kind in one all-reduce."""
-        mats = []
-        for f, g in compressed:
-            m = g.view(f.rows, f.cols)
-            m.add_(f.residual)            # error feedback
-            mats.append(m)
-        ps = torch.cat([(m @ f.q).reshape(-1) for (f, _), m in zip(compressed, mats)])
-        self.comm.all_reduce(ps, self.axis, tag="powersgd_p")
+    def _finish_factors(self, compressed: list[tuple["_Factors", torch.Tensor]],
+                        summed_p: torch.Tensor) -> None:
+        """From the summed P factors: orthonormalise each, all-reduce every Q = M^T P in
+        one call, keep this rank's residual and leave P Q^T in each gradient."""
         qs, orth, offset = [], [], 0
-        for (f, _), m in zip(compressed, mats):
-            p = ps[offset:offset + f.rows * f.r].view(f.rows, f.r)
+        for f, m in compressed:
+            p = summed_p[offset:offset + f.rows * f.r].view(f.rows, f.r)
             offset += f.rows * f.r
             orth.append(torch.linalg.qr(p).Q)   # identical on every rank: same summed P
             qs.append((m.t() @ orth[-1]).reshape(-1))
@@ -123,7 +126,7 @@ class PowerSGD(DDP):
         qflat = local_q.clone()
         self.comm.all_reduce(qflat, self.axis, tag="powersgd_q")
         offset = 0
-        for (f, _), m, p in zip(compressed, mats, orth):
+        for (f, m), p in zip(compressed, orth):
             span = slice(offset, offset + f.cols * f.r)
             offset += f.cols * f.r
             f.q.copy_(qflat[span].view(f.cols, f.r))
