@@ -26,7 +26,7 @@ QUALITY_CAVEAT = ("fewer syncs can cost validation loss: measured +2.4% (diloco,
                   "0.9, no DDP warm-up) against DDP at equal tokens on a tiny GPT "
                   "(docs/diloco.md); measure on your model before switching")
 POWERSGD_CAVEAT = ("compressed gradients can cost validation loss: PowerSGD at rank 4 measured "
-                   "+0.9% with SGD and momentum and +6.0% with AdamW against DDP at equal "
+                   "+0.9% with SGD and momentum and +6-7% with AdamW against DDP at equal "
                    "tokens on a tiny GPT (docs/powersgd.md); measure on your model before "
                    "switching")
 PSGD_RANK = 4   # the rank the advice proposes (rank 1 measured +13.6%: docs/powersgd.md)
