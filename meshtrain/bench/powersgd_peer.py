@@ -65,12 +65,13 @@ def train(steps: int, rank: int, start_iter: int, optimizer: str = "adamw", batc
 
 def main() -> None:
     from meshtrain.launch import launch
+    from meshtrain.train.config import OPTIMIZERS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--start-iter", type=int, default=2)
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="as `meshtrain train --optimizer` (its default learning rate)")
     a = p.parse_args()
     losses = launch(train, nproc=a.nproc, args=(a.steps, a.rank, a.start_iter, a.optimizer),

@@ -120,7 +120,7 @@ def _compare(rows: dict, methods: dict, link: dict) -> None:
         row["speedup"] = row["ddp_s_to_target"] / row["s_to_target"]
         row["crossover_Bps"] = xover.measured_crossover(theirs, mine)
         row["planner_crossover_Bps"] = xover.planner_crossover_at_target(
-            link["model"], link["nproc"], link["batch"], link.get("seq"), link["latency"],
+            link["model"], link["nproc"], link["batch"], link["seq"], link["latency"],
             plan, (theirs[0], xover.upto(ddp["compute"], theirs[0])),
             (mine[0], xover.upto(warmed["compute"], mine[0])))
 

@@ -61,7 +61,7 @@ def command() -> None:
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
-    atexit._run_exitfuncs()
+    atexit._run_exitfuncs()   # CPython's own: the handlers sys.exit would run, in order
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

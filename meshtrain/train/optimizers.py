@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 
 
-def adamw_implementation(params: list) -> dict:
-    """{'fused': True} when every parameter is a floating CUDA tensor, else {'foreach': True}."""
+def fastest_implementation(params: list) -> dict:
+    """torch.optim keyword for AdamW or SGD: {"fused": True} when every parameter is a floating
+    CUDA tensor, else {"foreach": True}."""
     tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
     if tensors and all(t.is_cuda and t.is_floating_point() for t in tensors):
         return {"fused": True}
@@ -19,7 +20,7 @@ def adamw_implementation(params: list) -> dict:
 def default_adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
     params = list(params)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
-                             **adamw_implementation(params))
+                             **fastest_implementation(params))
 
 
 def run_optimizer(params, name: str, lr: float, weight_decay: float, momentum: float
@@ -29,5 +30,5 @@ def run_optimizer(params, name: str, lr: float, weight_decay: float, momentum: f
     if name == "sgd":
         params = list(params)
         return torch.optim.SGD(params, lr=lr, momentum=momentum,
-                               **adamw_implementation(params))
+                               **fastest_implementation(params))
     return default_adamw(params, lr, weight_decay)

@@ -113,7 +113,7 @@ def test_measured_and_planner_crossovers_agree_where_the_link_charges_the_planne
     _write_run(tmp_path / "m", round_link, reach_at=96, seed=2)
     rows = {"ddp": slowlink._row(tmp_path / "ddp", BW), "m": slowlink._row(tmp_path / "m", BW)}
     slowlink._compare(rows, {"ddp": [], "m": flags},
-                      dict(model="tiny", nproc=NPROC, batch=BATCH, latency=LAT))
+                      dict(model="tiny", nproc=NPROC, batch=BATCH, seq=None, latency=LAT))
     row = rows["m"]
     assert (row["steps_to_target"], row["ddp_steps_to_target"]) == (
         pytest.approx(96), pytest.approx(70.5))
@@ -173,7 +173,7 @@ def test_a_methods_warm_up_is_timed_by_ddps_run(tmp_path):
         busy[key][:32] = [x + 0.1 for x in busy[key][:32]]
     busy["records"][:32] = [(c + 0.1, s) for c, s in busy["records"][:32]]
     slowlink._compare(rows, {"ddp": [], "calm": flags, "busy": flags},
-                      dict(model="tiny", nproc=NPROC, batch=BATCH, latency=LAT))
+                      dict(model="tiny", nproc=NPROC, batch=BATCH, seq=None, latency=LAT))
     for key in ("s_to_target", "crossover_Bps", "planner_crossover_Bps"):
         assert rows["busy"][key] == rows["calm"][key]
     assert rows["calm"]["s_to_target"] == pytest.approx(
