@@ -8,18 +8,21 @@
 #     bash meshtrain/bench/gpu_checks.sh                 # every step, from the repository root
 #     bash meshtrain/bench/gpu_checks.sh env tier        # only these steps
 #
-# Steps: install env default gpt2 offload recompute single tier. A step that fails is
-# recorded and the next one runs. Runs train in a scratch folder (checkpoints stay out of $OUT).
+# Steps: install env default gpt2 offload recompute single compile tier calibrate verify. A
+# step that fails, or outlasts $STEP_TIMEOUT seconds (default 600), is recorded and the next one
+# runs. Runs train in a scratch folder (checkpoints stay out of $OUT). The timing steps (single,
+# compile, calibrate, verify) want the GPU to themselves; the others can share it.
 set -u
 cd "$(dirname "$0")/../.."   # the repository root (this file is meshtrain/bench/gpu_checks.sh)
-ALL="install env default gpt2 offload recompute single tier"
+ALL="install env default gpt2 offload recompute single compile tier calibrate verify"
 STEPS=${*:-$ALL}
 for s in $STEPS; do
     case " $ALL " in *" $s "*) ;; *) echo "unknown step $s (steps: $ALL)" >&2; exit 2 ;; esac
 done
 OUT=${OUT:-$PWD/gpu-checks}
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/meshtrain-gpu-checks.XXXXXX")
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
+STEP_TIMEOUT=${STEP_TIMEOUT:-600}
 mkdir -p "$OUT/runs"
 : > "$OUT/results.txt"
 
@@ -27,7 +30,7 @@ step() {   # step NAME COMMAND...: run it, log to $OUT/NAME.log, record its exit
     local name=$1; shift
     echo "== $name: $*" | tee -a "$OUT/results.txt"
     local start=$SECONDS
-    "$@" > "$OUT/$name.log" 2>&1
+    timeout -k 10 "$STEP_TIMEOUT" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     echo "   $name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/results.txt"
 }
@@ -44,10 +47,6 @@ keep() {    # keep NAME RUN_DIR: the run's summary, metrics, config and report i
         2>/dev/null || true
 }
 
-default_run() {   # the README's command, exactly: no flags, its own runs/<date-time> folder
-    (cd "$SCRATCH" && "$PY" -m meshtrain train) || return $?
-    keep default "$(ls -d "$SCRATCH"/runs/* | tail -n 1)"
-}
 
 for s in $STEPS; do
     case $s in
@@ -55,7 +54,9 @@ for s in $STEPS; do
     env) step env bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, \
 torch.version.cuda, torch.cuda.is_available(), torch.cuda.device_count(), \
 torch.cuda.nccl.version() if torch.cuda.is_available() else None)'" ;;
-    default) step train-default default_run ;;
+    default)   # the README's command, exactly: no flags, its own runs/<date-time> folder
+        step train-default bash -c "cd '$SCRATCH' && meshtrain train"
+        keep default "$(ls -d "$SCRATCH"/runs/* 2>/dev/null | tail -n 1)" ;;
     gpt2) train gpt2-bf16 --model gpt2-124m --precision bf16 --steps 50 ;;
     offload)   # GPU peak without and with the optimizer states on the host (one rank)
         for o in none cpu; do
@@ -70,10 +71,14 @@ torch.cuda.nccl.version() if torch.cuda.is_available() else None)'" ;;
     single)   # GPT-2 124M, B=8, bf16, one GPU: torch and meshtrain, eager and compiled
         step bench-single "$PY" -m meshtrain bench single --device cuda --model gpt2-124m \
             --batch 8 --precision bf16 --steps 5 --reps 6 --warmup 3 \
-            --json "$OUT/bench-single.json"
-        train gpt2-bf16-compile --model gpt2-124m --precision bf16 --steps 50 --compile ;;
-    tier) step tier "$PY" -m pytest -m cuda tests/gpu -v -rs -p no:cacheprovider \
-            --junitxml "$OUT/tier.xml" ;;
+            --json "$OUT/bench-single.json" ;;
+    compile) train gpt2-bf16-compile --model gpt2-124m --precision bf16 --steps 50 --compile ;;
+    tier) step tier "$PY" -m pytest -m cuda tests/gpu -v -rs -p no:cacheprovider -o addopts= \
+            -n "${TIER_WORKERS:-4}" --dist load --junitxml "$OUT/tier.xml" ;;
+    calibrate)   # the planner's profile of this GPU, kept beside the logs
+        step calibrate "$PY" -m meshtrain plan --calibrate
+        cp ~/.cache/meshtrain/profiles/*.json "$OUT/" 2>/dev/null || true ;;
+    verify) step verify "$PY" -m meshtrain plan --verify --json ;;
     esac
 done
 

@@ -53,7 +53,10 @@ from meshtrain.train.trainer import Trainer
 # recomputation and disk offload; tensor parallel at tp 2 and 4 (every tp rank feeds the same
 # batch), with sequence parallel at tp 2; pipeline stages under 1F1B, GPipe and interleaved
 # 1F1B (every stage is fed the same batch; memory is the busiest stage's).
-PLANS = (({"dp": 1}, 8), ({"dp": 1, "microbatches": 2}, 16), ({"dp": 2}, 8),
+PLANS = (({"dp": 1}, 8), ({"dp": 1, "microbatches": 2}, 16),
+         # one rank's other plans (on one GPU, what verify can run): batch, recomputation
+         ({"dp": 1}, 4), ({"dp": 1}, 16), ({"dp": 1, "recompute": "full"}, 8),
+         ({"dp": 1, "microbatches": 4}, 16), ({"dp": 2}, 8),
          ({"dp": 2, "microbatches": 2}, 16), ({"dp": 4}, 4), ({"dp": 4}, 8),
          ({"dp": 2, "zero": 1}, 8), ({"dp": 2, "zero": 2, "microbatches": 2}, 16),
          ({"dp": 4, "zero": 2}, 8), ({"dp": 2, "zero": 3}, 8),
