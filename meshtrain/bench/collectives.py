@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from meshtrain.core.comm import Comm
+from meshtrain.core.comm import Comm, all_gather_single, reduce_scatter_single
 from meshtrain.core.device import synchronize
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import Plan
@@ -43,11 +43,11 @@ def _variants(comm: Comm, n: int, r: int, numel: int) -> dict[str, dict]:
             "ring": lambda: ring_all_reduce(comm, full, "dp"),
             "parameter server": lambda: parameter_server_all_reduce(comm, full, "dp")},
         "reduce_scatter": {
-            "c10d": lambda: dist.reduce_scatter_single(shard, full),
+            "c10d": lambda: reduce_scatter_single(shard, full),
             "meshtrain": lambda: comm.reduce_scatter(shard, full, "dp"),
             "ring": lambda: ring_reduce_scatter(comm, ring_order(list(full.tensor_split(n))), "dp")},
         "all_gather": {
-            "c10d": lambda: dist.all_gather_single(full, mine),
+            "c10d": lambda: all_gather_single(full, mine),
             "meshtrain": lambda: comm.all_gather(full, mine, "dp"),
             "ring": lambda: ring_all_gather(comm, ring_order(list(full.tensor_split(n))), "dp")},
     }

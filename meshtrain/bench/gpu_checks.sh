@@ -8,13 +8,13 @@
 #     bash meshtrain/bench/gpu_checks.sh                 # every step, from the repository root
 #     bash meshtrain/bench/gpu_checks.sh env tier        # only these steps
 #
-# Steps: install env default gpt2 offload recompute single compile tier calibrate verify. A
+# Steps: install env default gpt2 offload recompute single compile profile tier calibrate verify. A
 # step that fails, or outlasts $STEP_TIMEOUT seconds (default 600), is recorded and the next one
 # runs. Runs train in a scratch folder (checkpoints stay out of $OUT). The timing steps (single,
-# compile, calibrate, verify) want the GPU to themselves; the others can share it.
+# compile, profile, calibrate, verify) want the GPU to themselves; the others can share it.
 set -u
 cd "$(dirname "$0")/../.."   # the repository root (this file is meshtrain/bench/gpu_checks.sh)
-ALL="install env default gpt2 offload recompute single compile tier calibrate verify"
+ALL="install env default gpt2 offload recompute single compile profile tier calibrate verify"
 STEPS=${*:-$ALL}
 for s in $STEPS; do
     case " $ALL " in *" $s "*) ;; *) echo "unknown step $s (steps: $ALL)" >&2; exit 2 ;; esac
@@ -72,6 +72,9 @@ torch.cuda.nccl.version() if torch.cuda.is_available() else None)'" ;;
         step bench-single "$PY" -m meshtrain bench single --device cuda --model gpt2-124m \
             --batch 8 --precision bf16 --steps 5 --reps 6 --warmup 3 \
             --json "$OUT/bench-single.json" ;;
+    profile)   # where bench single's steps spend their time, eager and compiled
+        step profile "$PY" -m meshtrain.bench.profile_step --model gpt2-124m --batch 8 \
+            --precision bf16 ;;
     compile) train gpt2-bf16-compile --model gpt2-124m --precision bf16 --steps 50 --compile ;;
     tier) step tier "$PY" -m pytest -m cuda tests/gpu -v -rs -p no:cacheprovider -o addopts= \
             -n "${TIER_WORKERS:-4}" --dist load --junitxml "$OUT/tier.xml" ;;

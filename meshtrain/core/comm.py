@@ -54,6 +54,12 @@ import torch.distributed as dist
 from meshtrain.core.mesh import AXES, Mesh
 from meshtrain.core.watchdog import CollectiveLog
 
+# torch 2.13 names the flat collectives *_single and deprecates the older names, which are all
+# that releases before it have (torch 2.11 on the GPU machines meshtrain runs on)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                         or dist.reduce_scatter_tensor)
+
 
 @dataclass
 class Traffic:
@@ -260,7 +266,7 @@ class Comm:
         self._account(axis, "reduce_scatter", tag, nbytes, nbytes, input)
         group = self.group(axis)
         if dist.get_backend(group) != "gloo" and output.dtype == input.dtype:
-            return dist.reduce_scatter_single(output, input, op=_REDUCE_OPS[op], group=group,
+            return reduce_scatter_single(output, input, op=_REDUCE_OPS[op], group=group,
                                               async_op=async_op)
         received = torch.empty_like(input)   # (N, k): row j is rank j's slice for us
         work = dist.all_to_all_single(received, input.reshape(-1), group=group, async_op=True)
@@ -286,7 +292,7 @@ class Comm:
         self._account(axis, "all_gather", tag, nbytes, nbytes, input)
         group = self.group(axis)
         if dist.get_backend(group) != "gloo" or not output.is_contiguous():
-            return dist.all_gather_single(output, input, group=group, async_op=async_op)
+            return all_gather_single(output, input, group=group, async_op=async_op)
         # see [Note: all-gather as an all-to-all]
         repeated = input.reshape(1, -1).expand(n, -1).contiguous()
         return dist.all_to_all_single(output.view(-1), repeated.view(-1), group=group,
@@ -334,7 +340,7 @@ class Comm:
                       rank: int) -> None:
         nbytes = ring_half_elements(output.numel(), self.mesh.world_size, rank) * output.element_size()
         self._account("world", "all_gather", tag, nbytes, nbytes, input)
-        dist.all_gather_single(output, input)
+        all_gather_single(output, input)
 
     # ---- point to point -----------------------------------------------------------------
     # `channel` is c10d's message tag: messages between two ranks on one channel are matched

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from meshtrain.core.loss_chunks import chunk_rows
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
 
@@ -78,6 +79,19 @@ def logits_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int) -> float:
     return 4 * seq * micro_batch * spec.vocab / tp
 
 
+def lean_loss(cand: Candidate) -> bool:
+    """Whether the loss keeps no fp32 copy of the logits: recomputation plans train meshtrain's
+    GPT with `lean_cross_entropy`, which keeps their gradient in the logits' own buffer."""
+    return cand.recompute != "none"
+
+
+def kept_logits_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
+    """What the loss keeps for backward: the fp32 logits (Korthikanti's 4 s b V / t), or with
+    the lean loss their gradient in the compute dtype, in place of the logits."""
+    fp32 = logits_bytes(spec, spec.seq, cand.micro_batch, cand.plan.tp)
+    return fp32 * setup.act_bytes / 4 if lean_loss(cand) else fp32
+
+
 def transient_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     """Working tensors that exist beside the saved activations at the step's peak (derived).
 
@@ -91,21 +105,27 @@ def transient_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     meshtrain's GPT: exact when an h x 4h matrix is the largest (the absorb transient then
     coincides with the logits' gradients); when the vocabulary dominates, the second term
     does not coincide with the first and this over-states the peak by that one gradient.
+    The lean loss of recomputation plans makes no logits-shaped fp32 tensor: its two fp32
+    chunks as forward ends, or the absorb transient, whichever is larger.
     """
     p = cand.plan
-    logits = 2 * logits_bytes(spec, spec.seq, cand.micro_batch, p.tp)
     absorb = setup.grad_bytes * spec.largest_tensor_params / p.tp
+    if lean_loss(cand):   # its fp32 working chunk and logsumexp's, as forward ends
+        rows = min(spec.seq * cand.micro_batch, chunk_rows(spec.vocab))
+        return max(2 * 4 * rows * spec.vocab, absorb)
+    logits = 2 * logits_bytes(spec, spec.seq, cand.micro_batch, p.tp)
     return logits + absorb
 
 
 def output_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     """The output layer's activations for one micro-batch, on the last stage: the final
     norm's and the projection's inputs (2 s b h elements; under sequence parallel both a
-    slice, the projection's gathered again in backward) and the fp32 logits."""
+    slice, the projection's gathered again in backward) and what the loss keeps of the
+    logits (`kept_logits_bytes`)."""
     p = cand.plan
     sbh = setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden
     split = p.tp if cand.sp else 1
-    return 2 * sbh / split + logits_bytes(spec, spec.seq, cand.micro_batch, p.tp)
+    return 2 * sbh / split + kept_logits_bytes(spec, cand, setup)
 
 
 def full_layer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:

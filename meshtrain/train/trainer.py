@@ -24,6 +24,8 @@ from meshtrain.core.memory import ActivationMeter, MemoryReport, peak_process_by
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.models import hf
+from meshtrain.models.gpt import GPT
+from meshtrain.models.lean_cross_entropy import lean_cross_entropy
 from meshtrain.models.registry import logits_of
 from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchLoop, NoSharding,
                                         Stages, StepDriver, WholeModel)
@@ -123,7 +125,10 @@ class Trainer:
         self.watchdog = watch(self.comm)   # names the culprit when a collective fails
         self.model = model.to(self.mesh.device)
         self.loss_fn = loss_fn or model.loss
-        if plan.precision != "fp32":   # the loss in fp32 whatever the compute precision
+        if loss_fn is None and isinstance(model, GPT) and plan.recompute != "none":
+            # recomputed layers keep little; the loss's fp32 copies would then dominate
+            self.loss_fn = lean_cross_entropy   # in fp32 too, without keeping them
+        elif plan.precision != "fp32":   # the loss in fp32 whatever the compute precision
             self.loss_fn = _loss_in_fp32(self.loss_fn)
         self.layout = StateLayout.of(self.model)   # names and shapes, before any slot
         # 1. tensor parallel first: stages and gradient sync then see the shards

@@ -275,21 +275,26 @@ def assert_equivalent(result: dict, ref: dict, atol: float = 1e-5, what: str = "
 def train_torch_ddp(model: str = "gpt", optimizer: str = "adamw", steps: int = 10,
                     microbatches: int = 1) -> dict:
     """The peer: torch's own DistributedDataParallel on this rank's share of the same
-    batches (no_sync for all but the last micro-batch); returns what `reference` returns."""
+    batches (no_sync for all but the last micro-batch), on this rank's device (as `train`);
+    returns what `reference` returns, on the host."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from meshtrain.core.device import rank_device
+
+    device = rank_device()
     build, loss_fn, _, _ = MODELS[model]
     torch.manual_seed(0)
-    net = build()
+    net = build().to(device)
     loss_fn = loss_fn or net.loss
-    ddp = DistributedDataParallel(net)
+    ddp = DistributedDataParallel(net, device_ids=[device] if device.type == "cuda" else None)
     opt = OPTIMIZERS[optimizer](ddp.parameters())
     names = {id(p): n for n, p in net.named_parameters()}
     losses = []
     for x, y in batches(model, steps, dist.get_rank(), dist.get_world_size()):
+        x, y = x.to(device), y.to(device)
         opt.zero_grad(set_to_none=True)
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         for i, (xm, ym) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
             last = i == microbatches - 1
             with (ddp.no_sync() if not last else _nothing()):
@@ -301,8 +306,8 @@ def train_torch_ddp(model: str = "gpt", optimizer: str = "adamw", steps: int = 1
         losses.append(total.item() / dist.get_world_size())
     state = {names[id(p)]: {k: v.clone() if isinstance(v, torch.Tensor) else v
                             for k, v in s.items()} for p, s in opt.state.items()}
-    return {"losses": losses, "state": {k: v.clone() for k, v in net.state_dict().items()},
-            "optimizer": state, "norms": []}
+    return on_host({"losses": losses, "state": {k: v.clone() for k, v in net.state_dict().items()},
+                    "optimizer": state, "norms": []})
 
 
 def drift(result: dict, ref: dict) -> float:

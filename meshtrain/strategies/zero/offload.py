@@ -123,7 +123,8 @@ class Offloader:
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` where it lives between steps (a file-backed copy for "disk", pinned
         host memory for "cpu" beside a GPU)."""
-        if self.store is None:
+        if self.store is None:   # a GPU's tensor comes to the host first (pinning needs one)
+            tensor = tensor.to(self.host)
             return tensor.pin_memory() if self.pinned and not tensor.is_pinned() else tensor
         out = self.store.tensor(tensor)
         self._placed.add(out.untyped_storage().data_ptr())
