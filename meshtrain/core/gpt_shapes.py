@@ -9,14 +9,18 @@ from __future__ import annotations
 # `gpt2-medium` configs): vocab 50257, context 1024. "gpt2-1.3b" is GPT-3 XL (Brown et al. 2020,
 # Table 2.1: 24 layers, d_model 2048, d_head 128, context 2048); the paper's "24 heads" does not
 # divide 2048 by 128, so we take 16 heads of 128. Counts differ from the papers' because
-# lm_head is untied and the key projection has no bias here (e.g. gpt2-124m: 124,439,808 tied
-# + 38,597,376 untied lm_head - 12 * 768 key biases = 163,027,968).
+# lm_head is untied and the key projection has no bias here, and the GPT-2 vocabulary is padded
+# from 50257 to 50304, a multiple of 64, as nanoGPT pads it: on an H100, the output layer's three
+# matmuls at 50257 ran on unaligned kernels and took 15.4 ms of a 45 ms step (GPT-2 124M, bf16,
+# 8 x 1024 tokens; `python -m meshtrain.bench.profile_step`). E.g. gpt2-124m: 124,439,808 tied
+# + 38,633,472 untied lm_head + 47 * 768 padded embedding rows - 12 * 768 key biases.
+GPT2_VOCAB = 50304   # 50257 tokens, padded to a multiple of 64 (the extra rows are never targets)
 GPT_SHAPES: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128),
     "small": dict(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256),
-    "gpt2-124m": dict(vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, d_model=768),
-    "gpt2-350m": dict(vocab_size=50257, seq_len=1024, n_layer=24, n_head=16, d_model=1024),
-    "gpt2-1.3b": dict(vocab_size=50257, seq_len=2048, n_layer=24, n_head=16, d_model=2048),
+    "gpt2-124m": dict(vocab_size=GPT2_VOCAB, seq_len=1024, n_layer=12, n_head=12, d_model=768),
+    "gpt2-350m": dict(vocab_size=GPT2_VOCAB, seq_len=1024, n_layer=24, n_head=16, d_model=1024),
+    "gpt2-1.3b": dict(vocab_size=GPT2_VOCAB, seq_len=2048, n_layer=24, n_head=16, d_model=2048),
 }
 
 

@@ -140,11 +140,16 @@ def plan_inputs(plan: dict, batch: int, model: dict = MODEL):
     return spec, Candidate(p, micro, p.recompute, p.sequence_parallel), setup
 
 
-def predict_cluster(profile: dict, plan: dict):
-    """The calibrated cluster of the plan's ranks; DP's replicas run as threads of one
-    process, one per core share, as that many ranks would."""
+def profile_world(plan: dict) -> int:
+    """The calibrated world size that prices `plan`: its ranks; DP's replicas run as threads
+    of one process, one per core share, as that many ranks would."""
     p = Plan(**plan)
-    return cluster_from_profile(profile, p.dp if p.dp_mode == "dp" else p.world_size)
+    return p.dp if p.dp_mode == "dp" else p.world_size
+
+
+def predict_cluster(profile: dict, plan: dict):
+    """The calibrated cluster of the plan's ranks (`profile_world`)."""
+    return cluster_from_profile(profile, profile_world(plan))
 
 
 def predict(profile: dict, plan: dict, batch: int, model: dict = MODEL):
@@ -313,8 +318,9 @@ def verify_command(args) -> int:
     profile = load_profile(args.profile, kind)
     device = resolve_device()
     most = gpu_count() if device == "cuda" else float("inf")   # one rank per GPU
-    plans = tuple((plan, batch) for plan, batch in PLANS if world_of(plan) <= most)
-    missing = sorted({world_of(p) for p, _ in plans} - {int(w) for w in profile["worlds"]})
+    plans = tuple((plan, batch) for plan, batch in PLANS
+                  if max(world_of(plan), profile_world(plan)) <= most)
+    missing = sorted({profile_world(p) for p, _ in plans} - {int(w) for w in profile["worlds"]})
     if missing:
         raise HardwareError(f"the profile {profile_path(args.profile, kind)} has no measurements at "
                             f"{missing} ranks, which --verify runs; calibrate them with "

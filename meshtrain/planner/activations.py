@@ -80,9 +80,10 @@ def logits_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int) -> float:
 
 
 def lean_loss(cand: Candidate) -> bool:
-    """Whether the loss keeps no fp32 copy of the logits: recomputation plans train meshtrain's
-    GPT with `lean_cross_entropy`, which keeps their gradient in the logits' own buffer."""
-    return cand.recompute != "none"
+    """Whether the loss keeps no fp32 copy of the logits: recomputation plans without tensor
+    parallelism (whose loss is vocab-parallel) train with `lean_cross_entropy`, which keeps
+    their gradient in the logits' own buffer."""
+    return cand.recompute != "none" and cand.plan.tp == 1
 
 
 def kept_logits_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:

@@ -24,7 +24,6 @@ from meshtrain.core.memory import ActivationMeter, MemoryReport, peak_process_by
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.models import hf
-from meshtrain.models.gpt import GPT
 from meshtrain.models.lean_cross_entropy import lean_cross_entropy
 from meshtrain.models.registry import logits_of
 from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchLoop, NoSharding,
@@ -40,6 +39,7 @@ from meshtrain.strategies.compile import apply_compile
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.strategies.zero.zero3 import ZeRO3
+from meshtrain.strategies.tensor_parallel.sharding import is_token_cross_entropy
 from meshtrain.train import checkpoint
 from meshtrain.core.state import StateLayout
 
@@ -125,9 +125,9 @@ class Trainer:
         self.watchdog = watch(self.comm)   # names the culprit when a collective fails
         self.model = model.to(self.mesh.device)
         self.loss_fn = loss_fn or model.loss
-        if loss_fn is None and isinstance(model, GPT) and plan.recompute != "none":
+        if plan.recompute != "none" and plan.tp == 1 and is_token_cross_entropy(self.loss_fn):
             # recomputed layers keep little; the loss's fp32 copies would then dominate
-            self.loss_fn = lean_cross_entropy   # in fp32 too, without keeping them
+            self.loss_fn = _lean_token_loss   # in fp32 too, without keeping them
         elif plan.precision != "fp32":   # the loss in fp32 whatever the compute precision
             self.loss_fn = _loss_in_fp32(self.loss_fn)
         self.layout = StateLayout.of(self.model)   # names and shapes, before any slot
@@ -333,6 +333,10 @@ class Trainer:
             peak_process=peak_process_bytes(),
             host_pinned=storage_bytes(self.data_parallel.pinned_buffers()),   # offload's
             **(device_memory(self.mesh.device) or {}))
+
+
+def _lean_token_loss(output, targets: torch.Tensor) -> torch.Tensor:
+    return lean_cross_entropy(logits_of(output), targets)
 
 
 def _loss_in_fp32(loss_fn: Callable) -> Callable:

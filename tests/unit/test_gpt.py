@@ -32,9 +32,12 @@ def test_num_params_matches_module_on_meta_device(name):
 
 
 def test_gpt2_124m_count_matches_published_value():
-    # nanoGPT's GPT-2 124M with tied lm_head: 124,439,808; ours is untied (+ 50257 * 768) and
-    # has no key bias (- 12 layers * 768).
-    assert PRESETS["gpt2-124m"].num_params() == 124_439_808 + 50257 * 768 - 12 * 768
+    # nanoGPT's GPT-2 124M with tied lm_head: 124,439,808; ours is untied (+ 50304 * 768),
+    # pads the vocabulary to 50304 (+ 47 * 768 embedding rows) and has no key bias
+    # (- 12 layers * 768).
+    assert PRESETS["gpt2-124m"].vocab_size == 50304
+    assert PRESETS["gpt2-124m"].num_params() == (124_439_808 + 50304 * 768 + 47 * 768
+                                                 - 12 * 768)
 
 
 def test_config_errors_name_value_and_fix():
