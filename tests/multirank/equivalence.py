@@ -243,10 +243,11 @@ def train(plan: mt.Plan, model: str = "gpt", optimizer: str = "sgd", steps: int 
     return on_host(out)
 
 
-def train_many(cases: list[tuple[dict, str, float | None]]) -> list[dict]:
+def train_many(cases: list[tuple[dict, str, float | None]], steps: int = 10) -> list[dict]:
     """`train` for each (plan fields, model, max_grad_norm) on this rank, in one launch: a
     world starts once and checks many plans (a start costs more than a small plan's run)."""
-    return [train(mt.Plan(**plan), model, max_grad_norm=clip) for plan, model, clip in cases]
+    return [train(mt.Plan(**plan), model, max_grad_norm=clip, steps=steps)
+            for plan, model, clip in cases]
 
 
 def assert_equivalent(result: dict, ref: dict, atol: float = 1e-5, what: str = "") -> None:
