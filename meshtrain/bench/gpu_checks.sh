@@ -11,7 +11,15 @@
 # Steps: install env default gpt2 offload recompute single compile profile tier calibrate verify. A
 # step that fails, or outlasts $STEP_TIMEOUT seconds (default 600), is recorded and the next one
 # runs. Runs train in a scratch folder (checkpoints stay out of $OUT). The timing steps (single,
-# compile, profile, calibrate, verify) want the GPU to themselves; the others can share it.
+# compile, profile, calibrate, verify) want the GPU to themselves; the others can share it,
+# e.g. in one call of about four minutes on an H100 (docs/gpu.md was measured this way):
+#
+#     export STEP_TIMEOUT=150; S=meshtrain/bench/gpu_checks.sh
+#     OUT=/tmp/gc/setup bash $S install env
+#     OUT=/tmp/gc/tier TIER_WORKERS=8 bash $S tier > /dev/null &
+#     OUT=/tmp/gc/runs bash $S default gpt2 offload recompute; wait
+#     OUT=/tmp/gc/quiet bash $S single profile calibrate verify
+#     tar czf gpu-checks.tgz -C /tmp/gc .
 set -u
 cd "$(dirname "$0")/../.."   # the repository root (this file is meshtrain/bench/gpu_checks.sh)
 ALL="install env default gpt2 offload recompute single compile profile tier calibrate verify"

@@ -3,8 +3,9 @@ PyTorch), on a tied nn.Sequential and on the GPT; the runtime's activation accou
 the bytes each stage boundary carries, from the Comm counters; a failed stage does not
 block its neighbour.
 
-Each world starts once and runs all its cases (SGD with momentum, 10 steps, 1e-5 on losses,
-every parameter and optimizer state). The tied model clips at 1.0 (as test_zero does): its
+Each world starts once and runs all its cases (SGD with momentum, 1e-5 on losses, every
+parameter and optimizer state; the schedule sweep, 22 cases a world, over 6 steps, the
+compositions over 10). The tied model clips at 1.0 (as test_zero does): its
 lr of 0.5 makes it chaotic enough that one thread against two already moves it 1.4e-5; the
 clip also checks that a weight tied across stages is counted once in the global norm.
 """
@@ -22,6 +23,7 @@ from meshtrain.testing import run_ranks
 from tests.multirank import equivalence as eq
 
 MODELS = {"tied_pipe": 1.0, "gpt_pipe": None}   # model -> max_grad_norm
+SWEEP_STEPS = 6
 
 
 def schedules(p: int) -> list[tuple[str, int, int]]:
@@ -34,13 +36,14 @@ def train_cases() -> dict:
     p = dist.get_world_size()
     return {(model, case): eq.train(mt.Plan(pp=p, schedule=case[0], microbatches=case[1],
                                             virtual_stages=case[2]), model,
-                                    max_grad_norm=clip)
+                                    max_grad_norm=clip, steps=SWEEP_STEPS)
             for model, clip in MODELS.items() for case in schedules(p)}
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {model: eq.reference(model, max_grad_norm=clip) for model, clip in MODELS.items()}
+    return {model: eq.reference(model, max_grad_norm=clip, steps=SWEEP_STEPS)
+            for model, clip in MODELS.items()}
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
