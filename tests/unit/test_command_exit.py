@@ -4,13 +4,15 @@ streams flushed, and the command's exit code."""
 import subprocess
 import sys
 
+# the thread starts after "buffered" is written (not before the import, which a loaded
+# machine can make outlast the thread's sleep), so the order on stdout is fixed
 SCRIPT = """
 import atexit, sys, threading, time
 atexit.register(lambda: print("atexit ran"))
-threading.Thread(target=lambda: (time.sleep(0.2), print("thread finished"))).start()
 from meshtrain.cli.main import command
 sys.argv = ["meshtrain", "report", "/nonexistent-run"]
 print("buffered", end="")
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread finished"))).start()
 command()
 print("never printed")
 """
