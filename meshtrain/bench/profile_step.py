@@ -12,6 +12,7 @@ by its kernels, which the table names.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -80,7 +81,6 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--contenders", nargs="+", default=list(single.CONTENDERS))
     args = parser.parse_args(argv)
-    import os
     os.environ[DEVICE_ENV] = args.device
     where = torch.device(args.device)
     config = gpt_config(args.model)

@@ -267,7 +267,7 @@ class Comm:
         group = self.group(axis)
         if dist.get_backend(group) != "gloo" and output.dtype == input.dtype:
             return reduce_scatter_single(output, input, op=_REDUCE_OPS[op], group=group,
-                                              async_op=async_op)
+                                         async_op=async_op)
         received = torch.empty_like(input)   # (N, k): row j is rank j's slice for us
         work = dist.all_to_all_single(received, input.reshape(-1), group=group, async_op=True)
 

@@ -115,8 +115,9 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     report = trainer.memory_report()
     peak_alloc = sent = None
     # after the peak's window: the profiler's own records would inflate the resident memory,
-    # and on CUDA allocated_peak resets the peak statistics the window reads. DP's copies never leave its process, and the profiler sees this thread's allocations
-    # only, not its replicas' threads'
+    # and on CUDA allocated_peak resets the peak statistics the window reads. DP's copies
+    # never leave its process, and the profiler sees this thread's allocations only, not
+    # its replicas' threads'
     if exact and plan.get("dp_mode") != "dp":
         trainer.comm.stats.reset()   # one more step, counted
         trainer.step(x, y)

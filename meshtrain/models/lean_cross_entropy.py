@@ -26,8 +26,9 @@ class _LeanCrossEntropy(torch.autograd.Function):
         n = flat.size(0)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         keep_grad = ctx.needs_input_grad[0]
-        for start in range(0, n, chunk_rows(vocab)):
-            part = flat[start:start + chunk_rows(vocab)]
+        step = chunk_rows(vocab)
+        for start in range(0, n, step):
+            part = flat[start:start + step]
             target = rows[start:start + part.size(0)]
             z = part.float() if part.dtype != torch.float32 else part.clone()
             lse = torch.logsumexp(z, dim=-1, keepdim=True)

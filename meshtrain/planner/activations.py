@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from meshtrain.core.loss_chunks import chunk_rows
+from meshtrain.core.loss_chunks import chunk_rows, uses_lean_loss
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
 
@@ -80,10 +80,9 @@ def logits_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int) -> float:
 
 
 def lean_loss(cand: Candidate) -> bool:
-    """Whether the loss keeps no fp32 copy of the logits: recomputation plans without tensor
-    parallelism (whose loss is vocab-parallel) train with `lean_cross_entropy`, which keeps
-    their gradient in the logits' own buffer."""
-    return cand.recompute != "none" and cand.plan.tp == 1
+    """Whether the loss keeps no fp32 copy of the logits (`lean_cross_entropy` keeps their
+    gradient in the logits' own buffer)."""
+    return uses_lean_loss(cand.recompute, cand.plan.tp)
 
 
 def kept_logits_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:

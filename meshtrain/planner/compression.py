@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshtrain.core.low_rank import factor_rank
 from meshtrain.planner.model_spec import ModelSpec
 
 
@@ -38,8 +39,8 @@ def powersgd_traffic(spec: ModelSpec, rank: int, min_rate: float = 2.0) -> Power
     whole, p, q, kept = 0.0, 0.0, 0.0, 0.0
     matrices = matrix_shapes(spec)
     for m, n in matrices:
-        r = min(rank, m, n)
-        if m * n > min_rate * (m + n) * r:
+        r = factor_rank(m, n, rank, min_rate)
+        if r:
             p, q, kept = p + m * r, q + n * r, kept + m * n + n * r
         else:
             whole += m * n

@@ -20,6 +20,7 @@ from meshtrain.core.admit import check_plan
 from meshtrain.core.comm import Comm
 from meshtrain.core.watchdog import CollectiveFailure, is_communication_error, watch
 from meshtrain.core.device import device_memory
+from meshtrain.core.loss_chunks import uses_lean_loss
 from meshtrain.core.memory import ActivationMeter, MemoryReport, peak_process_bytes, storage_bytes
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
@@ -125,7 +126,7 @@ class Trainer:
         self.watchdog = watch(self.comm)   # names the culprit when a collective fails
         self.model = model.to(self.mesh.device)
         self.loss_fn = loss_fn or model.loss
-        if plan.recompute != "none" and plan.tp == 1 and is_token_cross_entropy(self.loss_fn):
+        if uses_lean_loss(plan.recompute, plan.tp) and is_token_cross_entropy(self.loss_fn):
             # recomputed layers keep little; the loss's fp32 copies would then dominate
             self.loss_fn = _lean_token_loss   # in fp32 too, without keeping them
         elif plan.precision != "fp32":   # the loss in fp32 whatever the compute precision

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from meshtrain.core.comm import Comm
+from meshtrain.core.low_rank import factor_rank
 from meshtrain.strategies.data_parallel.ddp import DDP
 from meshtrain.strategies.shared.buckets import Bucket
 
@@ -58,8 +59,8 @@ class PowerSGD(DDP):
         self.factors: dict[int, _Factors] = {}   # id(param) -> its compression state
         for p in self.params:
             rows, cols = _matrix_shape(p)
-            r = min(rank, rows, cols)
-            if p.dim() >= 2 and rows * cols > min_rate * (rows + cols) * r:
+            r = factor_rank(rows, cols, rank, min_rate)
+            if p.dim() >= 2 and r:
                 if generator is None:
                     generator = torch.Generator(device=p.device).manual_seed(SEED)
                 self.factors[id(p)] = _Factors(rows, cols, r, p, generator)
