@@ -21,7 +21,9 @@ The hooks, buckets and launch order are shared with ZeRO (gradient_buckets.py).
 With Plan(precision="bf16") parameters and buckets are bf16; a bucket is reduced as a
 reduce-scatter whose sums are taken in fp32 (Comm.reduce_scatter's all-to-all), rounded once
 to bf16, then all-gathered: the bytes of a bf16 all-reduce, without N-1 bf16 roundings. The
-optimizer steps fp32 master weights (precision.py).
+optimizer steps fp32 master weights (precision.py), laid out as the buckets are, and the
+parameters too: a step's cast of the gradients to fp32 and the write-back of the updated
+masters are one copy per bucket, not one per parameter.
 
 [Note: parameters without a gradient]
 A parameter unused in a step never gets a gradient; its slot is zeroed at the end. One
@@ -70,6 +72,8 @@ class DDP(GradientSync):
         self.grads = GradientBuckets(self.params, buckets, self._launch, scale=1.0 / n,
                                      hold_last=not self.mixed)
         self.buckets = buckets
+        if self.mixed:   # masters laid out as the buckets: one cast and one write-back each
+            self.masters.flatten([b.params for b in buckets])
         self.zero_grad()
 
     @property
@@ -118,7 +122,11 @@ class DDP(GradientSync):
         return self.optimizer
 
     def step(self) -> None:
-        self.masters.set_grads([p.grad for p in self.params])
+        if self.mixed:
+            self.masters.set_group_grads([b.buffer[:b.gradient_numel] for b in self.buckets],
+                                         [p.grad is not None for p in self.params])
+        else:
+            self.masters.set_grads([p.grad for p in self.params])
         self.optimizer.step()
         self.masters.write_back()
 

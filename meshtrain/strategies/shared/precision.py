@@ -8,7 +8,9 @@ parameters are their own masters: nothing is copied.
 
 `MasterWeights` pairs each compute tensor (a parameter, or a flat shard of parameters) with
 the tensor the optimizer owns: give it the reduced gradients before the optimizer step, and
-it writes the updated masters back into the compute tensors after.
+it writes the updated masters back into the compute tensors after. `flatten` lays them out
+in one flat tensor per group (DDP's buckets), so that a step's gradient cast and write-back
+are one copy per group instead of one per parameter (each a kernel launch on a GPU).
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ class MasterWeights:
                         else nn.Parameter(t.detach())
                         for t, v in zip(compute, initial or compute)]
         self._host_grads: list[torch.Tensor | None] = [None] * len(self.masters)
+        self._groups: list[_FlatGroup] = []   # flatten's
+        self._grad_views: list[torch.Tensor] = []   # master i's gradient, in its group's flat
 
     def set_grads(self, grads: list[torch.Tensor | None]) -> None:
         """The gradients the optimizer sees (fp32, where the masters are; a None skips that
@@ -77,9 +81,51 @@ class MasterWeights:
         return self._host_grads[i]
 
     @torch.no_grad()
+    def flatten(self, groups: list[list[torch.Tensor]]) -> None:
+        """Lay each group's compute tensors out in one flat tensor, in the group's order, and
+        their masters likewise (values kept, each tensor now a view of its group's flat):
+        then `set_group_grads` and `write_back` copy whole groups. Mixed precision only (in
+        fp32 the masters are the compute tensors). The groups' fp32 gradients live only from
+        `set_group_grads` to `write_back`, as `set_grads`' per-parameter copies do."""
+        index = {id(t): i for i, t in enumerate(self.compute)}
+        views = [None] * len(self.masters)
+        for group in groups:
+            order = [index[id(t)] for t in group]
+            compute = torch.cat([self.compute[i].detach().reshape(-1) for i in order])
+            masters = torch.cat([self.masters[i].detach().reshape(-1) for i in order])
+            grads = torch.empty_like(masters)
+            offset = 0
+            for i in order:
+                shape, n = self.compute[i].shape, self.compute[i].numel()
+                self.compute[i].data = compute[offset:offset + n].view(shape)
+                self.masters[i].data = masters[offset:offset + n].view(shape)
+                views[i] = grads[offset:offset + n].view(shape)
+                offset += n
+            grads.untyped_storage().resize_(0)   # allocated by each set_group_grads
+            self._groups.append(_FlatGroup(compute, masters, grads))
+        self._grad_views = views
+
+    @torch.no_grad()
+    def set_group_grads(self, flats: list[torch.Tensor], used: list[bool]) -> None:
+        """`set_grads` for flattened masters: each group's gradients as one flat tensor laid
+        out as the group (a bucket), cast into the masters' dtype in one copy; `used[i]`
+        False leaves master i without a gradient (the optimizer skips it)."""
+        for group, flat in zip(self._groups, flats):
+            group.grads.untyped_storage().resize_(group.grads.numel() * group.grads.itemsize)
+            group.grads.copy_(flat)
+        for master, view, is_used in zip(self.masters, self._grad_views, used):
+            master.grad = view if is_used else None
+
+    @torch.no_grad()
     def write_back(self) -> None:
         """After the optimizer step: the compute tensors take the updated masters."""
-        if self.separate:
+        if self._groups:
+            for group in self._groups:
+                group.compute.copy_(group.masters)
+                group.grads.untyped_storage().resize_(0)
+            for master in self.masters:
+                master.grad = None
+        elif self.separate:
             for master, tensor in zip(self.masters, self.compute):
                 # from pinned host memory (offload beside a GPU): queued on the stream, the
                 # master left untouched until `_copied_out` sees the copy done
@@ -102,6 +148,15 @@ class MasterWeights:
             master.copy_(value)
             if self.separate:
                 tensor.copy_(value)
+
+
+class _FlatGroup:
+    """One group of `MasterWeights.flatten`: its compute tensors', masters' and the masters'
+    gradients' flat tensors (the gradients' storage empty between steps)."""
+
+    def __init__(self, compute: torch.Tensor, masters: torch.Tensor,
+                 grads: torch.Tensor) -> None:
+        self.compute, self.masters, self.grads = compute, masters, grads
 
 
 @torch.no_grad()
