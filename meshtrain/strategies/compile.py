@@ -28,6 +28,14 @@ Each block's `forward` is replaced by its compiled version; the module stays whe
 
 Graphs are static (`dynamic=False`): one per input shape, grad mode and parameter layout;
 blocks of one class share them, since parameters are inputs.
+
+The token cross-entropy (the GPT's `loss`, `token_cross_entropy`) is compiled too, with its
+upcast to fp32 (`compiled_token_loss`): eagerly the loss makes fp32 copies of the logits
+(the upcast, the log-probabilities, backward's gradient and its cast back), each a pass
+over B x T x V elements, the largest tensors of a small model's step; compiled, the upcast
+and the softmax fuse into a few passes that read the logits as they are. Without tensor
+parallel only: a vocab-parallel loss keeps its collectives eager. Any other loss runs as
+given (a user's loss could break the graph anywhere).
 """
 from __future__ import annotations
 
@@ -35,8 +43,10 @@ import os
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.models.registry import logits_of
 from meshtrain.models.structure import units_of
 
 
@@ -59,6 +69,22 @@ def apply_compile(model: nn.Module, backend: str | None) -> list[str]:
     for block in blocks:
         _compile_block(block, backend)
     return [names[id(b)] for b in blocks]
+
+
+def compiled_token_loss(backend: str):
+    """The mean token cross-entropy of (output, targets), compiled with the logits' upcast
+    to fp32 (module docstring)."""
+    compiled = torch.compile(_token_loss_in_fp32, backend=backend, dynamic=False)
+
+    def loss(output, targets: torch.Tensor) -> torch.Tensor:
+        return compiled(logits_of(output), targets)
+    return loss
+
+
+def _token_loss_in_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if logits.dtype in (torch.bfloat16, torch.float16):   # a float64 model keeps its own
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def _compile_block(block: nn.Module, backend: str) -> None:

@@ -36,7 +36,7 @@ from meshtrain.strategies.data_parallel.master_dp import MasterDP
 from meshtrain.strategies.data_parallel.parameter_server import ParameterServer
 from meshtrain.strategies.data_parallel.powersgd import PowerSGD
 from meshtrain.strategies.data_parallel.ps_async import AsyncParameterServer
-from meshtrain.strategies.compile import apply_compile
+from meshtrain.strategies.compile import apply_compile, compiled_token_loss
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.strategies.zero.zero3 import ZeRO3
@@ -129,6 +129,8 @@ class Trainer:
         if uses_lean_loss(plan.recompute, plan.tp) and is_token_cross_entropy(self.loss_fn):
             # recomputed layers keep little; the loss's fp32 copies would then dominate
             self.loss_fn = _lean_token_loss   # in fp32 too, without keeping them
+        elif plan.compile_backend and plan.tp == 1 and is_token_cross_entropy(self.loss_fn):
+            self.loss_fn = compiled_token_loss(plan.compile_backend)   # in fp32, fused
         elif plan.precision != "fp32":   # the loss in fp32 whatever the compute precision
             self.loss_fn = _loss_in_fp32(self.loss_fn)
         self.layout = StateLayout.of(self.model)   # names and shapes, before any slot

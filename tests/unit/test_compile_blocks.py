@@ -66,3 +66,31 @@ def test_compile_workers_are_the_ranks_share_of_the_cores(monkeypatch):
             assert config.compile_threads == 32
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_token_loss_is_compiled_in_fp32_beside_the_blocks():
+    """Plan(compile=...) compiles the token cross-entropy with its upcast (not under tp, nor
+    where recomputation takes the lean loss); the compiled loss is the fp32 loss of the
+    logits as given, and a float64 model's loss stays float64."""
+    from torch._dynamo.utils import counters
+
+    from meshtrain.strategies.compile import compiled_token_loss
+
+    loss = compiled_token_loss("aot_eager")
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=gen)
+    targets = torch.randint(0, 11, (2, 5), generator=gen)
+    for given in (logits.bfloat16(), logits.double()):
+        expected = nn.functional.cross_entropy(
+            (given.float() if given.dtype == torch.bfloat16 else given).reshape(-1, 11),
+            targets.reshape(-1))
+        got = loss(given, targets)
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+    before = counters["stats"]["unique_graphs"]
+    trainer = mt.Trainer(GPT(eq.CONFIG), mt.Plan(compile="aot_eager"), optimizer=eq.sgd)
+    x = torch.randint(0, eq.CONFIG.vocab_size, (2, eq.CONFIG.seq_len))
+    trainer.step(x, x)
+    assert counters["stats"]["unique_graphs"] - before == 2   # a block's graph, the loss's
+    lean = mt.Trainer(GPT(eq.CONFIG), mt.Plan(compile="aot_eager", recompute="full"),
+                      optimizer=eq.sgd)
+    assert lean.loss_fn.__name__ == "_lean_token_loss"
