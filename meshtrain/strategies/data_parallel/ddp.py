@@ -90,6 +90,8 @@ class DDP(GradientSync):
         return self.grads.paused()
 
     def _launch(self, bucket: Bucket):
+        if self.comm.mesh.size(self.axis) == 1:   # one replica: its gradients are the mean
+            return None
         if not self.mixed:
             return self.comm.all_reduce(bucket.buffer, self.axis, op="sum", tag="grad",
                                         async_op=True)
