@@ -156,6 +156,7 @@ class Trainer:
         # 5. the step driver
         self.driver = drive_steps(self.model, self.stages, plan, self.comm, self.loss_fn,
                                   self.activations, self.data_parallel)
+        self._held = {name for name, _ in self.stages.named_parameters()}   # this rank's
         self.steps_done = 0
         self._grad_norm: torch.Tensor | None = None   # read by `last_grad_norm`
 
@@ -205,7 +206,7 @@ class Trainer:
         """Gradients the dp sync leaves partial along another axis: a weight tied across
         pipeline stages (summed over the stages holding it), a LayerNorm under sequence
         parallel (summed over tp)."""
-        held = {name for name, _ in self.stages.named_parameters()}
+        held = self._held
 
         def reduced(name: str):   # None for what another pipeline stage holds
             return self.data_parallel.reduced_gradient(name) if name in held else None
