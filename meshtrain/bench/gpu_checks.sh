@@ -78,7 +78,7 @@ torch.cuda.nccl.version() if torch.cuda.is_available() else None)'" ;;
         done ;;
     single)   # GPT-2 124M, B=8, bf16, one GPU: torch and meshtrain, eager and compiled
         step bench-single "$PY" -m meshtrain bench single --device cuda --model gpt2-124m \
-            --batch 8 --precision bf16 --steps 5 --reps 6 --warmup 3 \
+            --batch 8 --precision bf16 --steps 5 --reps 20 --warmup 3 \
             --json "$OUT/bench-single.json" ;;
     profile)   # where bench single's steps spend their time, eager and compiled
         step profile "$PY" -m meshtrain.bench.profile_step --model gpt2-124m --batch 8 \
