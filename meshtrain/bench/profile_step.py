@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--top", type=int, default=20)
-    parser.add_argument("--contenders", nargs="+", default=list(single.CONTENDERS))
+    parser.add_argument("--contenders", nargs="+",
+                        default=list(single.CONTENDERS) + [single.OURS_CUDA_GRAPHS])
     args = parser.parse_args(argv)
     os.environ[DEVICE_ENV] = args.device
     where = torch.device(args.device)
@@ -89,7 +90,9 @@ def main(argv=None) -> int:
              single.TORCH_COMPILED: lambda: single._plain(config, where, args.precision,
                                                           "inductor", x, y),
              single.OURS_EAGER: lambda: single._ours(config, args.precision, None, x, y),
-             single.OURS_COMPILED: lambda: single._ours(config, args.precision, "inductor", x, y)}
+             single.OURS_COMPILED: lambda: single._ours(config, args.precision, "inductor", x, y),
+             single.OURS_CUDA_GRAPHS: lambda: single._ours(config, args.precision, "cudagraphs",
+                                                           x, y)}
     sync = fence(where, barrier=False)
     for name in args.contenders:
         print(f"{name}: {args.model} GPT, batch {args.batch} x {config.seq_len}, "

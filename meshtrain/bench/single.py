@@ -3,7 +3,8 @@
 Four contenders train the same GPT on the same batch from the same seed, alternating in one
 process (bench/timing.py): plain PyTorch eager, plain PyTorch with each block compiled
 (strategies/compile.py's `apply_compile`, the same blocks `Plan(compile=True)` compiles),
-meshtrain's `Trainer` under `Plan()`, and under `Plan(compile=True)`. Every step ends with
+meshtrain's `Trainer` under `Plan()`, and under `Plan(compile=True)`; on a GPU a fifth,
+`Plan(compile="cudagraphs")` (the compiled blocks and loss replayed as CUDA graphs). Every step ends with
 the loss on the host (`.item()`, as `Trainer.step` returns it) and is timed between device
 synchronisations. In bf16, plain PyTorch runs under autocast and meshtrain with bf16
 parameters beside fp32 master weights (`Plan(precision="bf16")`).
@@ -32,6 +33,7 @@ from meshtrain.train.trainer import Trainer
 
 TORCH_EAGER, TORCH_COMPILED = "torch eager", "torch compiled"
 OURS_EAGER, OURS_COMPILED = "meshtrain Plan()", "meshtrain compile"
+OURS_CUDA_GRAPHS = "meshtrain cudagraphs"   # Plan(compile="cudagraphs"): on a GPU only
 CONTENDERS = (TORCH_EAGER, TORCH_COMPILED, OURS_EAGER, OURS_COMPILED)
 LR = 1e-4
 
@@ -100,6 +102,8 @@ def run(device: str = "cpu", model_name: str | None = None, batch: int = 16,
                   TORCH_COMPILED: _plain(config, where, precision, backend, x, y),
                   OURS_EAGER: _ours(config, precision, None, x, y),
                   OURS_COMPILED: _ours(config, precision, backend, x, y)}
+    if device == "cuda" and backend == "inductor":
+        contenders[OURS_CUDA_GRAPHS] = _ours(config, precision, "cudagraphs", x, y)
     losses = {}
 
     def last_loss(name):
@@ -121,8 +125,11 @@ def run(device: str = "cpu", model_name: str | None = None, batch: int = 16,
 
 def compile_speedup(rows: dict[str, dict]) -> dict[str, float]:
     """Each side's eager step time over its compiled one (above 1: compile is faster)."""
-    return {"torch": rows[TORCH_EAGER]["step_s"] / rows[TORCH_COMPILED]["step_s"],
-            "meshtrain": rows[OURS_EAGER]["step_s"] / rows[OURS_COMPILED]["step_s"]}
+    out = {"torch": rows[TORCH_EAGER]["step_s"] / rows[TORCH_COMPILED]["step_s"],
+           "meshtrain": rows[OURS_EAGER]["step_s"] / rows[OURS_COMPILED]["step_s"]}
+    if OURS_CUDA_GRAPHS in rows:
+        out[OURS_CUDA_GRAPHS] = rows[OURS_EAGER]["step_s"] / rows[OURS_CUDA_GRAPHS]["step_s"]
+    return out
 
 
 def format_report(result: dict) -> str:
@@ -130,15 +137,17 @@ def format_report(result: dict) -> str:
              f"{result['precision']} on {result['device']}, AdamW, compile backend "
              f"{result['backend']}; median step of {result['reps']} alternating repetitions x "
              f"{result['steps']} steps",
-             f"  {'contender':<18} {'step':>10} {'tokens/s':>11} {'MFU':>7} "
+             f"  {'contender':<20} {'step':>10} {'tokens/s':>11} {'MFU':>7} "
              f"{'x torch eager':>14} {'last loss':>10}"]
     for name, row in result["contenders"].items():
-        lines.append(f"  {name:<18} {row['step_s'] * 1e3:>8.1f}ms {row['tokens_per_s']:>11,.0f} "
+        lines.append(f"  {name:<20} {row['step_s'] * 1e3:>8.1f}ms {row['tokens_per_s']:>11,.0f} "
                      f"{row['mfu'] * 100:>6.2f}% {row['vs_torch_eager']:>14.3f} "
                      f"{row['last_loss']:>10.4f}")
     speedup = result["compile_speedup"]
+    graphs = (f", meshtrain with CUDA graphs {speedup[OURS_CUDA_GRAPHS]:.3f}x"
+              if OURS_CUDA_GRAPHS in speedup else "")
     lines += [f"compile's speed-up over its own eager: torch {speedup['torch']:.3f}x, "
-              f"meshtrain {speedup['meshtrain']:.3f}x",
+              f"meshtrain {speedup['meshtrain']:.3f}x{graphs}",
               f"MFU: {result['flops_per_token']:.3g} FLOPs/token (6N + 12·L·d·T) against "
               f"{result['peak_flops'] / 1e12:.4g} TFLOP/s ({result['peak_source']})"]
     return "\n".join(lines)

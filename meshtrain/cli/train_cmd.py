@@ -124,6 +124,7 @@ def _add_plan_options(plan) -> None:
     plan.add_argument("--compile", nargs="?", const=True, default=False,
                       choices=list(COMPILE_BACKENDS), metavar="BACKEND",
                       help="torch.compile each transformer block (default backend inductor; "
+                           "cudagraphs: inductor replayed as CUDA graphs on a GPU; "
                            "aot_eager traces without generating code)")
     plan.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                       help="bf16: bf16 compute and gradients, fp32 master weights")

@@ -65,6 +65,25 @@ def _check_compile(plan: Plan) -> None:
                         "input and weight gradients, but a compiled block's backward is one "
                         "graph that computes both, so the weight work would run twice; use "
                         "schedule='1f1b' (or another), or drop compile")
+    if plan.compile == "cudagraphs":
+        _check_cuda_graphs(plan)
+
+
+def _check_cuda_graphs(plan: Plan) -> None:
+    """CUDA graphs replay fixed addresses, one step's graphs after another: what moves
+    parameters or interleaves steps' graphs is refused."""
+    conflicts = {"zero=3 frees and regathers each unit's parameters at new addresses":
+                 plan.zero == 3,
+                 "tensor parallel's collectives split each block into many graphs": plan.tp > 1,
+                 "a pipeline runs micro-batches' forwards between others' backwards": plan.pp > 1,
+                 "recomputation runs a block's forward again inside backward":
+                 plan.recompute != "none",
+                 f"dp_mode={plan.dp_mode!r} runs replicas or servers in threads":
+                 plan.dp_mode not in ("ddp",) + LOCAL_STEP_MODES}
+    for why, refused in conflicts.items():
+        if refused:
+            raise PlanError(f"compile='cudagraphs' with this plan: {why}; use compile=True "
+                            f"(inductor without CUDA graphs)")
 
 
 def _check_max_grad_norm(plan: Plan) -> None:

@@ -16,7 +16,7 @@ SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTES = ("none", "full", "selective")
 COMPRESSIONS = ("none", "powersgd")
-COMPILE_BACKENDS = ("inductor", "aot_eager")   # compile=True is "inductor"
+COMPILE_BACKENDS = ("inductor", "aot_eager", "cudagraphs")   # compile=True is "inductor"
 
 
 class PlanError(ValueError):
@@ -79,9 +79,12 @@ class Plan:
     compression_min_rate: float = 2.0
     """powersgd only: an M x N gradient is compressed where MN / ((M+N) r) exceeds this."""
     compile: bool | str = False
-    """torch.compile each transformer block (True: the "inductor" backend; "aot_eager"
-    traces and partitions the same graphs without generating code, for debugging). Module
-    hooks, gradient hooks and collectives stay outside the compiled regions."""
+    """torch.compile each transformer block (True: the "inductor" backend; "cudagraphs":
+    inductor whose graphs are replayed as CUDA graphs, torch.compile's mode="reduce-overhead",
+    which takes the host's launch work out of a step on a GPU (inductor alone on a CPU);
+    "aot_eager" traces and partitions the same graphs without generating code, for
+    debugging). Module hooks, gradient hooks and collectives stay outside the compiled
+    regions."""
     sync_warmup_steps: int = 0
     """diloco / local-sgd / powersgd: the first K steps all-reduce whole gradients every
     step, as DDP does; the slow-link method starts at step K (DiLoCo's anchor is the
@@ -174,7 +177,12 @@ class Plan:
         """The torch.compile backend the blocks are compiled with; None: run eagerly."""
         if self.compile is False:
             return None
-        return "inductor" if self.compile is True else self.compile
+        return "inductor" if self.compile in (True, "cudagraphs") else self.compile
+
+    @property
+    def compile_mode(self) -> str | None:
+        """torch.compile's mode: "reduce-overhead" (CUDA graphs) for compile="cudagraphs"."""
+        return "reduce-overhead" if self.compile == "cudagraphs" else None
 
     @property
     def world_size(self) -> int:

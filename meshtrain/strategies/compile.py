@@ -26,6 +26,13 @@ Each block's `forward` is replaced by its compiled version; the module stays whe
 - Zero bubble (zb-h1) is refused (core/admit.py): a compiled backward is one graph that
   computes input and weight gradients together.
 
+With compile="cudagraphs" (inductor, mode="reduce-overhead") each compiled graph is
+replayed as a CUDA graph: one launch instead of a launch per kernel, for a step whose host
+work outlasts its GPU work (a small model, a small batch). CUDA graph trees keep a recording
+per block (each reads its own parameters at fixed addresses) and assume one step's graphs
+run after another's; admit.py refuses the plans that break this (ZeRO-3, tensor parallel,
+pipelines, recomputation, replicas in threads).
+
 Graphs are static (`dynamic=False`): one per input shape, grad mode and parameter layout;
 blocks of one class share them, since parameters are inputs.
 
@@ -59,22 +66,23 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     return [u for u in units if repeats[type(u)] > 1] or units
 
 
-def apply_compile(model: nn.Module, backend: str | None) -> list[str]:
-    """Compile each block's forward in place with `backend`; returns the blocks' names
-    (none where `backend` is None)."""
+def apply_compile(model: nn.Module, backend: str | None, mode: str | None = None) -> list[str]:
+    """Compile each block's forward in place with `backend` (and torch.compile's `mode`:
+    "reduce-overhead" replays CUDA graphs); returns the blocks' names (none where `backend`
+    is None)."""
     if backend is None:
         return []
     names = {id(m): n for n, m in model.named_modules()}
     blocks = blocks_of(model)
     for block in blocks:
-        _compile_block(block, backend)
+        _compile_block(block, backend, mode)
     return [names[id(b)] for b in blocks]
 
 
-def compiled_token_loss(backend: str):
+def compiled_token_loss(backend: str, mode: str | None = None):
     """The mean token cross-entropy of (output, targets), compiled with the logits' upcast
     to fp32 (module docstring)."""
-    compiled = torch.compile(_token_loss_in_fp32, backend=backend, dynamic=False)
+    compiled = torch.compile(_token_loss_in_fp32, backend=backend, mode=mode, dynamic=False)
 
     def loss(output, targets: torch.Tensor) -> torch.Tensor:
         return compiled(logits_of(output), targets)
@@ -87,9 +95,9 @@ def _token_loss_in_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def _compile_block(block: nn.Module, backend: str) -> None:
-    block.forward = torch.compile(block.forward, backend=backend, dynamic=False)
-    block._compile_backend = backend   # kept by deepcopy: see recompile_copy
+def _compile_block(block: nn.Module, backend: str, mode: str | None = None) -> None:
+    block.forward = torch.compile(block.forward, backend=backend, mode=mode, dynamic=False)
+    block._compile_backend = backend, mode   # kept by deepcopy: see recompile_copy
 
 
 def recompile_copy(model: nn.Module) -> None:
@@ -100,7 +108,7 @@ def recompile_copy(model: nn.Module) -> None:
         backend = block.__dict__.get("_compile_backend")
         if backend is not None:
             del block.forward   # the instance attribute: back to the class's forward
-            _compile_block(block, backend)
+            _compile_block(block, *backend)
 
 
 def limit_compile_workers() -> None:

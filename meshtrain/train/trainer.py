@@ -130,7 +130,7 @@ class Trainer:
             # recomputed layers keep little; the loss's fp32 copies would then dominate
             self.loss_fn = _lean_token_loss   # in fp32 too, without keeping them
         elif plan.compile_backend and plan.tp == 1 and is_token_cross_entropy(self.loss_fn):
-            self.loss_fn = compiled_token_loss(plan.compile_backend)   # in fp32, fused
+            self.loss_fn = compiled_token_loss(plan.compile_backend, plan.compile_mode)   # in fp32, fused
         elif plan.precision != "fp32":   # the loss in fp32 whatever the compute precision
             self.loss_fn = _loss_in_fp32(self.loss_fn)
         self.layout = StateLayout.of(self.model)   # names and shapes, before any slot
@@ -141,7 +141,7 @@ class Trainer:
                             if plan.measure_activations else None)
         # compiled blocks after tensor parallel (they trace the sharded layers) and before
         # recomputation, whose checkpoint then wraps the compiled forward (strategies/compile.py)
-        self.compiled = apply_compile(self.model, plan.compile_backend)
+        self.compiled = apply_compile(self.model, plan.compile_backend, plan.compile_mode)
         # recomputation after tensor parallel, before stages and data parallel (torchtitan's
         # order): it wraps the layers as they will run
         self.recomputed = apply_recompute(self.model, plan.recompute,

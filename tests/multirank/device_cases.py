@@ -70,6 +70,10 @@ CASES = {
     "compile-zero3": Case(2, dict(dp=2, zero=3, compile=True)),
     "compile-tp-sp": Case(2, dict(tp=2, sequence_parallel=True, compile=True), model="gpt_tp",
                           clip=0.2),
+    # ... replayed as CUDA graphs (inductor alone where the ranks are CPUs): accumulation
+    # over micro-batches (a step's graphs after another's), and gradient hooks beside them
+    "cudagraphs-world1": Case(1, dict(dp=1, microbatches=2, compile="cudagraphs"), clip=0.3),
+    "cudagraphs-ddp": Case(2, dict(dp=2, compile="cudagraphs")),
 }
 
 

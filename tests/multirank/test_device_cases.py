@@ -19,9 +19,10 @@ def test_the_cases_cover_every_strategy():
     assert any(p.tp > 1 and p.sequence_parallel for p in plans)
     assert any(p.dp > 1 and p.pp > 1 and p.tp > 1 for p in plans)   # 3D
     assert all(case.world == mt.Plan(**case.plan).world_size for case in dc.CASES.values())
-    assert {p.compile for p in plans} == {False, True}
+    assert {p.compile for p in plans} == {False, True, "cudagraphs"}
     assert sorted(n for n, c in dc.CASES.items() if c.world == 1) == [
-        "bf16-world1", "compile-world1", "ddp-world1", "dp-master", "zero3-world1"]
+        "bf16-world1", "compile-world1", "cudagraphs-world1", "ddp-world1", "dp-master",
+        "zero3-world1"]
 
 
 # one of each kind: a world-1 plan, bf16's own check, disk offload's folder, a pipeline

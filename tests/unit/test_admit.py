@@ -33,6 +33,13 @@ REFUSALS = [
     (dict(dp=2), None, 3, "needs dp*pp*tp = 2 ranks but the world has 3", "--nproc 2"),
     (dict(pp=2, microbatches=2, schedule="zb-h1", compile=True), None, None,
      "compile with schedule='zb-h1'", "use schedule='1f1b'"),
+    *[(dict(fields, compile="cudagraphs"), None, None,
+       f"compile='cudagraphs' with this plan: {why}", "use compile=True")
+      for fields, why in [(dict(dp=2, zero=3), "zero=3 frees"),
+                          (dict(tp=2), "tensor parallel's collectives"),
+                          (dict(pp=2, microbatches=2), "a pipeline runs"),
+                          (dict(recompute="selective"), "recomputation runs"),
+                          (dict(dp=2, dp_mode="ps-async"), "dp_mode='ps-async' runs")]],
 ]
 
 
@@ -110,14 +117,17 @@ def test_resume_reads_the_whole_plan_from_config(plan, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("flag, value", [([], False), (["--compile"], True),
-                                         (["--compile", "aot_eager"], "aot_eager")])
+                                         (["--compile", "aot_eager"], "aot_eager"),
+                                         (["--compile", "cudagraphs"], "cudagraphs")])
 def test_cli_compile_flag_reaches_the_plan(flag, value, tmp_path, monkeypatch):
     launched = _no_launch(monkeypatch)
     assert main(["train", "--nproc", "2", "--run-dir", str(tmp_path / "run"), *flag]) == 0
     (config,) = launched[0]["args"]
     plan = Plan.from_dict(config.plan)
     assert plan.compile == value
-    assert plan.compile_backend == {False: None, True: "inductor"}.get(value, value)
+    assert plan.compile_backend == {False: None, True: "inductor",
+                                    "cudagraphs": "inductor"}.get(value, value)
+    assert plan.compile_mode == ("reduce-overhead" if value == "cudagraphs" else None)
 
 
 @pytest.mark.parametrize("mode", ["diloco", "local-sgd"])

@@ -18,6 +18,8 @@ def test_ratios_tokens_and_mfu_from_given_times():
     assert rows[single.OURS_EAGER]["vs_torch_eager"] == pytest.approx(0.25 / 0.255)
     assert single.compile_speedup(rows) == pytest.approx({"torch": 2.0,
                                                           "meshtrain": 0.255 / 0.2})
+    rows[single.OURS_CUDA_GRAPHS] = {"step_s": 0.17}   # the GPU's fifth contender
+    assert single.compile_speedup(rows)[single.OURS_CUDA_GRAPHS] == pytest.approx(1.5)
 
 
 def test_tokens_and_mfu_come_from_the_benches_one_helper(monkeypatch):
