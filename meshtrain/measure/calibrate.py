@@ -49,12 +49,13 @@ from meshtrain.core.device import gpu_count, resolve_device, total_memory
 from meshtrain.launch import launch
 from meshtrain.measure.fit import fit_runtime_memory, fit_strategies, fit_trainer
 from meshtrain.measure.probe import add_efficiencies, combine, mean_of_rounds, measure_rank
-from meshtrain.measure.runs import (BUDGET_S, MEMORY_RUNS, ROUNDS, SQUARE, run_model,
-                                    strategy_runs)
+from meshtrain.measure.runs import (BUDGET_S, GPU_ROUNDS, MEMORY_RUNS, ROUNDS, SQUARE,
+                                    reference_gpt, run_model, run_plan, strategy_runs)
 from meshtrain.measure.verify import plan_inputs, verify_rank
 from meshtrain.planner.activations import forward_traffic, transient_bytes
 from meshtrain.planner.hardware import GPUS
-from meshtrain.planner.profile import REFERENCE_GPT, kind_path, save_profile
+from meshtrain.planner.memory import optimizer_step_bytes
+from meshtrain.planner.profile import kind_path, save_profile
 from meshtrain.core.units import fmt_rate
 
 
@@ -70,18 +71,22 @@ def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S
     memory: dict[int, list[list[tuple[float, float]]]] = {w: [] for w in worlds}
     strategies: dict[int, list[dict]] = {w: [] for w in worlds}
     runs = sum(1 + len(MEMORY_RUNS) + len(strategy_runs(w)) for w in worlds)
+    device = resolve_device()
     bar = tqdm(total=rounds * runs, unit="run", desc="calibrating", disable=not progress,
                file=sys.stderr)
     for _ in range(rounds):
         for w in worlds:
             rates[w].append(combine(launch(measure_rank, nproc=w, kwargs={"budget_s": budget_s})))
             bar.update()
-            memory[w].append([runtime_memory_point(w, b, layers, m) for layers, b, m in MEMORY_RUNS])
+            # on CUDA, this round's optimizer temporaries (CPU ranks measure none)
+            step = [rates[w][-1]["optimizer_temporaries"]] if device == "cuda" else []
+            memory[w].append([runtime_memory_point(w, b, layers, m, *step)
+                              for layers, b, m in MEMORY_RUNS])
             bar.update(len(MEMORY_RUNS))
             if w > 1:
                 strategies[w].append(strategy_points(w, bar.update))
     bar.close()
-    profile.update(device_figures(resolve_device(), rates[worlds[0]][0]["device_kind"]))
+    profile.update(device_figures(device, rates[worlds[0]][0]["device_kind"]))
     kind = profile["device"]["kind"]
     for w in worlds:
         entry = mean_of_rounds(rates[w])
@@ -110,8 +115,10 @@ def strategy_points(world: int, tick=lambda: None) -> dict:
     a plan: the highest rank's resident growth (and each role's: pipeline stages) and the
     median rank's step time."""
     points = {}
+    device = resolve_device()
     for name, (plan, batch) in strategy_runs(world).items():
-        results = launch(verify_rank, nproc=world, args=(run_model(name), plan, batch),
+        results = launch(verify_rank, nproc=world,
+                         args=(run_model(name, device), run_plan(plan, device), batch),
                          kwargs={"steps": 4, "exact": False})
         by_role = {}
         for r in results:
@@ -121,19 +128,26 @@ def strategy_points(world: int, tick=lambda: None) -> dict:
         tick()
     return points
 
-def runtime_memory_point(world: int, batch: int, layers: int = REFERENCE_GPT["n_layer"],
-                         microbatches: int = 1) -> tuple[tuple[float, float], float, float]:
+def runtime_memory_point(world: int, batch: int, layers: int | None = None,
+                         microbatches: int = 1, optimizer_step: float | None = None
+                         ) -> tuple[tuple[float, float], float, float]:
     """((first layer's, the rest's forward traffic), runtime memory, step seconds) of the
-    reference GPT with `layers` blocks at `batch` (in `microbatches`) on `world` ranks, in fresh ranks (a heap
-    already grown by an earlier run would hide this run's growth), run exactly as `--verify`
-    runs a plan; see the module docstring."""
-    model = {**REFERENCE_GPT, "n_layer": layers}
-    plan = {"dp": world, "microbatches": microbatches}
+    reference GPT with `layers` blocks (None: its own) at `batch` (in `microbatches`) on
+    `world` ranks, in fresh ranks (a heap already grown by an earlier run would hide this
+    run's growth), run exactly as `--verify` runs a plan; see the module docstring. With
+    `optimizer_step` (CUDA: the step's temporaries per parameter), the tensors at the peak
+    are those of the larger of backward's moment and the optimizer step's."""
+    device = resolve_device()
+    model = reference_gpt(device, layers)
+    plan = run_plan({"dp": world, "microbatches": microbatches}, device)
     results = launch(verify_rank, nproc=world, args=(model, plan, batch),
                      kwargs={"steps": 4, "exact": False})
     spec, cand, setup = plan_inputs(plan, batch, model)
-    tensors = (max(r["model_states"] for r in results) + max(r["activations"] for r in results)
-               + transient_bytes(spec, cand, setup))
+    states = max(r["model_states"] for r in results)
+    tensors = states + max(r["activations"] for r in results) + transient_bytes(spec, cand, setup)
+    if optimizer_step is not None:
+        optim = max(r["optimizer_states"] for r in results)
+        tensors = max(tensors, states + optimizer_step_bytes(optim, setup, optimizer_step))
     step = statistics.median(r["step"] for r in results)
     return (forward_traffic(spec, cand, setup, 0), max(r["peak_growth"] for r in results)
             - tensors, step)
@@ -223,11 +237,13 @@ def save_calibration(profile: dict, path=None):
     return save_profile(profile, path or kind_path(profile["device"]["kind"]))
 
 
-def calibrate_command(args, rounds: int = ROUNDS, budget_s: float = BUDGET_S) -> int:
-    worlds = calibrate_worlds(args.nproc, resolve_device())
+def calibrate_command(args, rounds: int | None = None, budget_s: float = BUDGET_S) -> int:
+    device = resolve_device()
+    worlds = calibrate_worlds(args.nproc, device)
+    rounds = rounds or (GPU_ROUNDS if device == "cuda" else ROUNDS)
     print(f"calibrating on {worlds} local rank(s), {rounds} rounds of about {budget_s:g} s "
-          f"each, with the runtime memory and each strategy on a reference GPT (about five "
-          f"minutes)...", file=sys.stderr)
+          f"each, with the runtime memory and each strategy on the reference GPT "
+          f"{reference_gpt(device)} ({SQUARE[device][1]}; a few minutes)...", file=sys.stderr)
     profile = calibrate(tuple(worlds), rounds, budget_s)
     path = save_calibration(profile, args.profile)
     print(describe(profile))

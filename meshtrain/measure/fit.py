@@ -7,10 +7,11 @@ import copy
 import itertools
 import statistics
 
-from meshtrain.measure.runs import MEMORY_BATCHES, MEMORY_RUNS, run_model, strategy_runs
+from meshtrain.measure.runs import (MEMORY_BATCHES, MEMORY_RUNS, reference_gpt, run_model,
+                                    run_plan, strategy_runs)
 from meshtrain.measure.verify import plan_inputs, predict, predict_roles
 from meshtrain.planner.activations import forward_traffic
-from meshtrain.planner.profile import REFERENCE_GPT
+from meshtrain.planner.profile import profile_device
 from meshtrain.planner.states import staged_buffer_bytes
 
 
@@ -39,10 +40,12 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
         return max(0.0, statistics.median(values))
 
     fixed = profile["worlds"][str(world)]["runtime_memory"]["fixed"]
-    runs = strategy_runs(world)
+    device = profile_device(profile)
+    runs = {name: (run_plan(plan, device), batch)
+            for name, (plan, batch) in strategy_runs(world).items()}
     fitted, sp_points = {}, {}
     for name, (plan, batch) in runs.items():
-        model = run_model(name)
+        model = run_model(name, device)
         ev = predict(profile, plan, batch, model)   # with nothing fitted yet
         spec, cand, setup = plan_inputs(plan, batch, model)
         late = [r[name]["step"] - ev.time.total for r in rounds]
@@ -78,7 +81,7 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
         plan, batch = runs["pp2tp2"]
         trial = copy.deepcopy(profile)
         trial["worlds"][str(world)]["strategies"] = fitted
-        ev = predict(trial, plan, batch, REFERENCE_GPT)
+        ev = predict(trial, plan, batch, reference_gpt(device))
         left = statistics.median(r["pp2tp2"]["step"] - ev.time.total for r in rounds)
         fitted["pp2tp2"] = min(5.0, max(0.2, 1 + left / ev.time.tp_comm)) if ev.time.tp_comm else 1.0
     fitted["rounds"] = rounds
@@ -93,10 +96,12 @@ def fit_trainer(profile: dict, world: int, rounds: list[list[float]]) -> dict:
     out), nearest to the points (through them, with two); the factor kept within [0.5, 2],
     the fixed cost never below 0."""
     single = [(layers, batch) for layers, batch, m in MEMORY_RUNS if m == 1]
+    device = profile_device(profile)
     points = []
     for (layers, batch), steps in zip(single, zip(*rounds)):
-        model = {**REFERENCE_GPT, "n_layer": layers}
-        ev = predict(profile, {"dp": world}, batch, model)   # with nothing fitted yet
+        model = reference_gpt(device, layers)   # as runtime_memory_point ran it
+        # with nothing fitted yet
+        ev = predict(profile, run_plan({"dp": world}, device), batch, model)
         points.append((statistics.median(steps), ev.time.total, ev.time.compute))
     late = [m - p for m, p, _ in points]
     fit = _least_squares([[c, 1.0] for *_, c in points], late)

@@ -17,14 +17,16 @@ from meshtrain.core.comm import Comm
 from meshtrain.core.device import device_name, rank_device, synchronize
 from meshtrain.core.flops import PRECISION_DTYPES
 from meshtrain.core.mesh import Mesh
+from meshtrain.measure.peaks import allocated_peak
 from meshtrain.core.plan import Plan
 from meshtrain.measure.runs import (ATTENTION_SHAPES, BUDGET_S, COPY_BYTES, GEMM_SHAPES, KINDS,
-                                    LAUNCH_CHAIN, MIN_REPS, SIZES, SQUARE)
+                                    LAUNCH_CHAIN, MIN_REPS, SIZES, SQUARE, optimizer,
+                                    reference_gpt)
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.planner.calibrated import attention_flops, gemm_flops
 from meshtrain.planner.hardware import GPUS, device_kind, ring_factor
 from meshtrain.planner.model_spec import from_gpt_config
-from meshtrain.planner.profile import REFERENCE_BATCH, REFERENCE_GPT, SMALL_BATCH
+from meshtrain.planner.profile import REFERENCE_BATCH, SMALL_BATCH
 from meshtrain.planner.flops import step_flops
 
 
@@ -38,10 +40,15 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
     device = comm.mesh.device   # what a training rank computes on (NCCL: device tensors only)
     work = device_work(device)
     torch.manual_seed(0)
-    config = GPTConfig(**REFERENCE_GPT)
-    model = GPT(config).to(device)
+    config = GPTConfig(**reference_gpt(device.type))
+    # in the run's dtype (runs.py), as the Trainer runs the device's plans
+    model = GPT(config).to(device, PRECISION_DTYPES[SQUARE[device.type][1]])
     x = torch.randint(0, config.vocab_size, (REFERENCE_BATCH, config.seq_len), device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # AdamW over fp32 parameters, as the Trainer's optimizer steps fp32 masters under bf16
+    masters = [p if p.dtype == torch.float32 else
+               torch.zeros_like(p, dtype=torch.float32, requires_grad=True)
+               for p in model.parameters()]
+    opt = optimizer(device.type)(masters)
     big = torch.empty(COPY_BYTES[device.type] // 4, device=device)
     dst = torch.empty_like(big)
 
@@ -52,6 +59,9 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
         model.loss(model(batch), batch).backward()
 
     train_step()   # the gradients AdamW's step needs
+    for p in masters:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     ops = ops_per_block(train_step, config.n_layer)
     small = x[:SMALL_BATCH].clone()
     work |= {"gpt": (train_step, step_flops(spec, REFERENCE_BATCH)),
@@ -99,7 +109,17 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
             "launch_rate": rate["launch"], **shaped(rate),
             "matmul_flops": rate["matmul"], "model_flops": rate["gpt"],
             "model_flops_small": rate["gpt_small"], "mem_bw": rate["copy"], "optimizer_rate": rate["optimizer"], "reps": reps,
-            "collectives": collectives}
+            "collectives": collectives, **_optimizer_temporaries(opt, masters, device)}
+
+
+def _optimizer_temporaries(opt, masters: list[torch.Tensor], device: torch.device) -> dict:
+    """On CUDA, the bytes per parameter the optimizer's step allocates beside its states
+    (the memory model's optimizer moment: Cluster.optimizer_temporaries); a CPU profile
+    keeps its fields."""
+    if device.type != "cuda":
+        return {}
+    return {"optimizer_temporaries": allocated_peak(opt.step, device)
+            / sum(p.numel() for p in masters)}
 
 
 def local_kind(device: torch.device | None = None) -> str:
@@ -186,7 +206,7 @@ def _waited(fn, device: torch.device):
 
 
 RATES = ("matmul_flops", "model_flops", "model_flops_small", "mem_bw", "optimizer_rate",
-         "launch_rate")
+         "launch_rate", "optimizer_temporaries")
 CURVES = ("gemm", "attention")   # FLOP/s per shape
 SAME = ("device_kind", "ops_per_block")   # the same on every rank and round: the first's
 

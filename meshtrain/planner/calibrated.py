@@ -50,20 +50,22 @@ def efficiency_at(curve: dict, flops: float) -> float:
     return Curve(tuple(f for f, _ in points), tuple(e for _, e in points)).at(flops)
 
 
-def model_efficiency(entry: dict, spec: ModelSpec) -> float | None:
+def model_efficiency(entry: dict, spec: ModelSpec, sequences: float = 1) -> float | None:
     """The model's efficiency from a profile entry's GEMM and attention curves (module
-    docstring), at most 1; None where the entry measured no GEMMs."""
+    docstring), at most 1; None where the entry measured no GEMMs. `sequences`: the
+    micro-batch whose GEMMs and attention are priced (one sequence: the smallest)."""
     if not entry.get("gemm"):
         return None
     layer, scores, logits = forward_flops_per_token(spec, spec.seq)
     f_attn = spec.layers * scores
     f_gemm = spec.layers * (layer - scores) + logits
-    e_gemm = efficiency_at(entry["gemm"], gemm_flops(spec.seq, spec.hidden, spec.ffn_hidden))
+    e_gemm = efficiency_at(entry["gemm"], sequences * gemm_flops(spec.seq, spec.hidden,
+                                                                 spec.ffn_hidden))
     attention = entry.get("attention")
     if not attention:
         return min(1.0, e_gemm)
-    e_attn = efficiency_at(attention, attention_flops(1, spec.heads, spec.seq,
-                                                      spec.hidden // spec.heads))
+    e_attn = efficiency_at(attention, sequences * attention_flops(1, spec.heads, spec.seq,
+                                                                  spec.hidden // spec.heads))
     return min(1.0, (f_gemm + f_attn) / (f_gemm / e_gemm + f_attn / e_attn))
 
 

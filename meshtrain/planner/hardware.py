@@ -158,6 +158,14 @@ class Cluster:
                                     # (DP's replica threads: no DDP hooks, no backend threads)
     idle_speedup: float = 1.0       # how much faster a rank computes while others idle
     host_is_device: bool = False    # CPU ranks: "host" memory is the ranks' own memory
+    optimizer_temporaries: float | None = None   # bytes per parameter the optimizer step
+                                    # allocates beside the states (GPU ranks of a local
+                                    # profile; None: the step's moment is not modelled)
+    async_dispatch: bool = False    # GPU ranks of a local profile: the host dispatches a
+                                    # micro-batch while the device runs it (max, not sum)
+    efficiency_curves: dict | None = field(default=None, compare=False)   # the measured GEMM
+                                    # and attention efficiency by size ({"gemm", "attention",
+                                    # "dtype"}: a profile's curves), priced per micro-batch
     tp_overhead: dict = field(default_factory=dict, compare=False)  # tp width -> seconds per
                                     # block per token beyond its FLOPs and collectives (the
                                     # work it cannot split; calibrated)
@@ -281,10 +289,12 @@ class Cluster:
         runtime = self.runtime
         if plan.tp > 1 and self.runtime_line:
             runtime = (self.runtime_line[0], *self.runtime_line[1:2] * 2, self.accumulation_memory)
+        step = ({} if self.optimizer_temporaries is None else
+                {"optimizer_step": self.optimizer_temporaries})
         return dict(runtime=runtime,
                     host_is_device=self.host_is_device,
                     staging=self.staging.get("disk" if plan.offload == "disk" else zero,
-                                             0.0), extra=extra, sp_heap=sp_heap)
+                                             0.0), extra=extra, sp_heap=sp_heap, **step)
 
     def with_(self, **changes) -> "Cluster":
         return replace(self, **changes)

@@ -68,9 +68,12 @@ def role_memories(spec: ModelSpec, cand: Candidate, setup: Setup,
                   bucket_bytes: float | None = None,
                   runtime: tuple[float, ...] = (0.0, 0.0),
                   host_is_device: bool = False, staging: float = 0.0,
-                  extra: float | tuple = 0.0, sp_heap: float = 0.0) -> dict[str, Memory]:
+                  extra: float | tuple = 0.0, sp_heap: float = 0.0,
+                  optimizer_step: float | None = None) -> dict[str, Memory]:
     """Device memory per role (`rank_role`): one entry per pipeline stage, and per server
-    and worker of a parameter server whose shards do not cover every rank."""
+    and worker of a parameter server whose shards do not cover every rank.
+    `optimizer_step`: bytes per parameter the optimizer's step allocates beside the states
+    (`optimizer_step_bytes`); None leaves the step's moment out (CPU ranks and presets)."""
     p = cand.plan
     ps = p.dp_mode.startswith("ps-")
     # one rank of each role (the advisor asks for thousands of plans: never walk the world):
@@ -82,13 +85,14 @@ def role_memories(spec: ModelSpec, cand: Candidate, setup: Setup,
             rank = (stage * p.dp + dp_rank) * p.tp
             roles[rank_role(p, rank)] = _stage_memory(
                 spec, cand, setup, stage, bucket_bytes, runtime, host_is_device,
-                ps and dp_rank < p.ps_shards, staging, extra, sp_heap)
+                ps and dp_rank < p.ps_shards, staging, extra, sp_heap, optimizer_step)
     return roles
 
 
 def memory(spec: ModelSpec, cand: Candidate, setup: Setup, bucket_bytes: float | None = None,
            runtime: tuple[float, ...] = (0.0, 0.0), host_is_device: bool = False,
-           staging: float = 0.0, extra: float | tuple = 0.0, sp_heap: float = 0.0) -> Memory:
+           staging: float = 0.0, extra: float | tuple = 0.0, sp_heap: float = 0.0,
+           optimizer_step: float | None = None) -> Memory:
     """Device memory on the busiest rank of `cand` (the stage that needs most), and what
     offload puts on the host.
 
@@ -98,7 +102,37 @@ def memory(spec: ModelSpec, cand: Candidate, setup: Setup, bucket_bytes: float |
     `meshtrain.measure.fit.fit_runtime_memory`). On GPU presets it is 0: `Cluster.reserve` covers the
     CUDA context and the caching allocator's fragmentation instead."""
     return max(role_memories(spec, cand, setup, bucket_bytes, runtime, host_is_device,
-                             staging, extra, sp_heap).values(), key=lambda m: m.total)
+                             staging, extra, sp_heap, optimizer_step).values(),
+               key=lambda m: m.total)
+
+
+def _zero_buffers(spec: ModelSpec, cand: Candidate, setup: Setup, psi: float,
+                  bucket_bytes: float | None) -> float:
+    """ZeRO's gradient and parameter buffers on a stage of `psi` parameters. DDP and ZeRO-1
+    reduce gradients in place (they are views of the flat buckets, as in PyTorch DDP with
+    gradient_as_bucket_view and meshtrain's DDP); ZeRO-2 needs a bucket to reduce-scatter
+    from before keeping only its shard."""
+    p = cand.plan
+    buffers = 0.0
+    if p.zero == 2:   # a bucket: Plan.bucket_mb, or the stage's gradients if fewer; with
+        # several micro-batches, the last one's reduce-scatter may still hold its bucket
+        # when the next backward fills a fresh one (seen in the allocator's events)
+        bucket = bucket_bytes if bucket_bytes is not None else p.bucket_mb * 2**20
+        buffers = min(bucket, psi * setup.grad_bytes) * (2 if p.microbatches > 1 else 1)
+    if p.zero == 3:  # a gathered unit and the prefetched next one, and its full gradient
+        unit = spec.largest_layer_params / p.tp
+        buffers += unit * (2 * setup.param_bytes + setup.grad_bytes)
+    return buffers
+
+
+def optimizer_step_bytes(optim_states: float, setup: Setup, temporaries: float) -> float:
+    """Bytes the optimizer step allocates beside the model states on a rank that holds
+    `optim_states` bytes of optimizer states (setup.optim_bytes per parameter it steps):
+    under mixed precision the masters' fp32 gradients (made before the step, freed after:
+    strategies/shared/precision.py), and `temporaries` bytes per parameter of the step's own
+    (measured by calibration: PyTorch's fused AdamW none, its foreach one fp32 copy)."""
+    params = optim_states / setup.optim_bytes
+    return params * ((4 if setup.precision != "fp32" else 0) + temporaries)
 
 
 def stage_memories(spec: ModelSpec, cand: Candidate, setup: Setup, **terms) -> list[Memory]:
@@ -113,7 +147,8 @@ def stage_memories(spec: ModelSpec, cand: Candidate, setup: Setup, **terms) -> l
 def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
                   bucket_bytes: float | None, runtime: tuple[float, ...],
                   host_is_device: bool, server: bool = False, staging: float = 0.0,
-                  extra: float | tuple = 0.0, sp_heap: float = 0.0) -> Memory:
+                  extra: float | tuple = 0.0, sp_heap: float = 0.0,
+                  optimizer_step: float | None = None) -> Memory:
     p = cand.plan
     last = stage == p.pp - 1
     psi = stage_params(spec, p.pp, p.tp, stage)
@@ -137,18 +172,7 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     if last:   # the output layer lives on the last stage: the final norm's and the
         # projection's inputs (2 s b h elements) and the fp32 logits, for one micro-batch
         acts += output_bytes(spec, cand, setup)
-    # DDP and ZeRO-1 reduce gradients in place (they are views of the flat buckets, as in
-    # PyTorch DDP with gradient_as_bucket_view and meshtrain's DDP); ZeRO-2 needs a bucket to
-    # reduce-scatter from before keeping only its shard.
-    buffers = 0.0
-    if p.zero == 2:   # a bucket: Plan.bucket_mb, or the stage's gradients if fewer; with
-        # several micro-batches, the last one's reduce-scatter may still hold its bucket
-        # when the next backward fills a fresh one (seen in the allocator's events)
-        bucket = bucket_bytes if bucket_bytes is not None else p.bucket_mb * 2**20
-        buffers = min(bucket, psi * setup.grad_bytes) * (2 if p.microbatches > 1 else 1)
-    if p.zero == 3:  # a gathered unit and the prefetched next one, and its full gradient
-        unit = spec.largest_layer_params / p.tp
-        buffers += unit * (2 * setup.param_bytes + setup.grad_bytes)
+    buffers = _zero_buffers(spec, cand, setup, psi, bucket_bytes)
     # the loss's backward works on logits-shaped tensors: on the last stage only; a stage
     # without the loss peaks in its last block's backward, with every activation still
     # saved, in the MLP's ffn-wide gradients (measured against the allocator's events:
@@ -165,6 +189,10 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     if cand.recompute == "full":  # backward re-runs one layer's forward: its full set is
         # live, and its backward's ffn-wide gradients beside it
         transient += block + full_layer_bytes(spec, cand, setup)
+    if optimizer_step is not None:   # the step's other moment, once backward has freed the
+        # activations: its own tensors beside the states (the larger moment is the peak)
+        step = optimizer_step_bytes(states.optim, setup, optimizer_step)
+        transient = max(transient, step - acts - buffers)
     fixed, per_act, *more = runtime
     per_first = more[0] if more else per_act
     # several micro-batches a step outside a pipeline: the next one's forward runs beside

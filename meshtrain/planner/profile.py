@@ -17,6 +17,13 @@ A profile is kept per device kind (hardware.device_kind: "H100-80GB", "cpu-2"), 
 profiles/<kind>.json: `--cluster local` reads this machine's kind, `--gpu KIND` a named
 GPU's (planner.calibrated), and a profile.json from before kinds still serves.
 
+On CUDA ranks (a profile whose device type is "cuda") the host and the device are two: the
+reference GPT is sized for the GPU (measure/runs.py), a micro-batch's FLOPs run at the
+GEMM and attention efficiency measured at its own shapes against the device's dense peak,
+and its dispatch (the launch cost times the ops a block launches) overlaps the device's
+work instead of adding to it (`gpu_settings`). The Trainer's factor and fixed cost per step
+are fitted on that model as on CPU ranks.
+
 Not measured: how much gradient all-reduce hides behind backward. On CPU ranks gloo's
 threads run on the cores backward uses (one thread per rank, ranks <= cores), so hiding buys
 little; a local cluster takes LOCAL_OVERLAP. (The verified plans put the whole small model
@@ -149,8 +156,36 @@ def cluster_from_profile(profile: dict, world: int | None = None, nodes: int = 1
                         staging={**{z: fitted.get(f"zero{z}", 0.0) for z in (1, 2, 3)},
                                  **({"3+recompute": fitted["zero3r"]} if "zero3r" in fitted else {}),
                                  "disk": fitted.get("disk_memory", 0.0)})
+    if profile_device(profile) == "cuda":
+        settings.update(gpu_settings(entry, peak, profile["device"].get("dtype", "bf16")))
     settings.update(extra)
     return Cluster(**settings)
+
+
+def profile_device(profile: dict) -> str:
+    """The device type ("cpu", "cuda") a profile was measured on; "cpu" for one from before
+    it was recorded."""
+    return profile.get("device", {}).get("type", "cpu")
+
+
+def gpu_settings(entry: dict, measured_peak: float, dtype: str) -> dict:
+    """The Cluster fields of CUDA ranks (module docstring): the device's dense peak (the
+    table's for a GPU it knows: probe.add_efficiencies), the efficiency curves and, for a
+    precision they were not measured in, the reference step's achieved rate against that
+    peak; the dispatch per block from the launch cost, overlapping the device's work; the
+    optimizer step's moment (its temporaries per parameter, measured); every rank its own
+    GPU (no shared cores to gain when others idle), the gradient exchange hidden as on GPU
+    presets (NCCL runs on its own SMs), host memory apart."""
+    peak = entry.get("peak_flops", measured_peak)
+    curves = {family: entry[family] for family in ("gemm", "attention")
+              if entry.get(family, {}).get("efficiency")}
+    ops, launches = entry.get("ops_per_block"), entry.get("launch_rate")
+    return dict(peak_flops=peak, efficiency=min(1.0, entry["model_flops"] / peak),
+                efficiency_curves={**curves, "dtype": dtype} if "gemm" in curves else None,
+                block_overhead=ops / launches if ops and launches else 0.0,
+                optimizer_temporaries=entry.get("optimizer_temporaries", 0.0),
+                async_dispatch=True, idle_speedup=1.0, overlap=1.0, host_is_device=False,
+                host_bw=Cluster.host_bw)
 
 
 def step_costs(entry: dict) -> tuple[float, float]:

@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from meshtrain.core.plan import LOCAL_STEP_MODES
+from meshtrain.planner.calibrated import model_efficiency
 from meshtrain.planner.compression import powersgd_traffic
 from meshtrain.planner.flops import forward_flops_per_token
 from meshtrain.planner.hardware import Cluster, nearest
@@ -98,7 +99,7 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     m = p.microbatches
     b = cand.micro_batch / p.dp if p.dp_mode == "dp" else cand.micro_batch
     compute_scale, step_overhead = trainer_costs(cand, cluster)
-    t_mb = micro_batch_compute(spec, cand, cluster, b) * compute_scale
+    t_mb = micro_batch_compute(spec, cand, cluster, b, setup.precision) * compute_scale
     if p.tp > 1:   # what tensor parallel does not split (norms, residuals, the vocabulary
         # loss's extra passes), calibrated per token and block
         t_mb += tp_overhead(cluster, p.tp) * b * spec.seq * (math.ceil(spec.layers / p.pp) + 1)
@@ -126,10 +127,14 @@ def trainer_costs(cand: Candidate, cluster: Cluster) -> tuple[float, float]:
     return cluster.compute_scale, cluster.step_overhead
 
 
-def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: float) -> float:
+def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: float,
+                        precision: str | None = None) -> float:
     """Seconds of one micro-batch of `b` sequences on one rank, before the Trainer's factor:
     the model's FLOPs over pp stages (the busiest holds ceil(l/p) layers, plus the logit
-    layer) and tp ranks, plus a fixed cost per block that no FLOP count sees."""
+    layer) and tp ranks, plus a fixed cost per block that no FLOP count sees. With measured
+    efficiency curves (a GPU's local profile) in `precision`, the FLOPs run at the
+    efficiency of this micro-batch's GEMMs and attention; where the host dispatches while
+    the device computes (`async_dispatch`), the slower of the two bounds the micro-batch."""
     p = cand.plan
     layer_f, scores_f, logits_f = forward_flops_per_token(spec, spec.seq)
     extra = layer_f if cand.recompute == "full" else scores_f if cand.recompute == "selective" else 0
@@ -140,7 +145,11 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
     dispatch = cluster.block_overhead * (layers_here * (4 / 3 if cand.recompute == "full" else 1) + 1)
     if p.dp_mode == "dp":   # the replicas' threads take turns at Python's interpreter lock
         dispatch *= p.dp
-    return mb_flops / cluster.achievable_flops + dispatch
+    device = mb_flops / cluster.achievable_flops
+    curves = cluster.efficiency_curves
+    if curves and precision == curves["dtype"]:   # one sequence's shapes, times b
+        device = mb_flops / (cluster.peak_flops * model_efficiency(curves, spec, max(1, b)))
+    return max(device, dispatch) if cluster.async_dispatch else device + dispatch
 
 
 def tp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster,

@@ -1,0 +1,108 @@
+"""`--cluster local` and `plan --verify` on GPU ranks (a profile calibrated on CUDA), with no
+GPU: a profile dict shaped like docs/profiles/H100-80GB.json fed to the time and memory
+model, each term against its arithmetic; and the GPTs and dtype chosen per device type, CPU's
+left as they were."""
+import pytest
+import torch
+
+from meshtrain.core.plan import Plan
+from meshtrain.measure import runs, verify
+from meshtrain.models.gpt import GPTConfig
+from meshtrain.planner import memory as mm
+from meshtrain.planner.calibrated import efficiency_at, gemm_flops, model_efficiency
+from meshtrain.planner.flops import forward_flops_per_token
+from meshtrain.planner.model_spec import from_gpt_config
+from meshtrain.planner.profile import REFERENCE_GPT, cluster_from_profile
+from meshtrain.planner.setup import Candidate, Setup
+from meshtrain.planner.time_model import micro_batch_compute
+
+SPEC = from_gpt_config(GPTConfig(**runs.VERIFY_GPTS["cuda"]))
+BF16 = Setup(global_batch=8, precision="bf16")
+GEMMS = [(8192, 1024, 4096), (8192, 4096, 4096)]
+CURVES = {"gemm": {"shapes": [list(s) for s in GEMMS],
+                   "flops_per_call": [gemm_flops(*s) for s in GEMMS], "efficiency": [0.5, 0.9]}}
+ENTRY = {"matmul_flops": 7e14, "model_flops": 4e14, "model_flops_small": 1e14, "mem_bw": 2.6e12,
+         "optimizer_rate": 4e10, "collectives": {}, "peak_flops": 989e12, "launch_rate": 1e5,
+         "ops_per_block": 50.0, "optimizer_temporaries": 4.0, **CURVES}
+GPU = {"created": "t", "cpu_count": 16, "host_mem": 1e12, "device_mem": 80e9,
+       "device": {"kind": "H100-80GB", "type": "cuda", "dtype": "bf16", "count": 1},
+       "worlds": {"1": ENTRY}}
+CPU = {"created": "t", "cpu_count": 2, "host_mem": 8e9, "worlds": {"1": ENTRY}}
+
+
+def _flops(b: int) -> float:
+    layer, _, logits = forward_flops_per_token(SPEC, SPEC.seq)
+    return b * SPEC.seq * (SPEC.layers * 3 * layer + 3 * logits)
+
+
+def test_a_gpu_profile_runs_the_host_beside_the_device():
+    gpu, cpu = cluster_from_profile(GPU, 1), cluster_from_profile(CPU, 1)
+    assert gpu.async_dispatch and not gpu.host_is_device and gpu.idle_speedup == 1.0
+    assert gpu.peak_flops == 989e12 and gpu.overlap == 1.0 and gpu.optimizer_temporaries == 4.0
+    assert gpu.block_overhead == pytest.approx(50 / 1e5)   # ops per block x one launch
+    assert gpu.efficiency_curves == {**CURVES, "dtype": "bf16"}
+    # the same figures without a CUDA device: CPU ranks, as before
+    assert cpu.host_is_device and not cpu.async_dispatch and cpu.efficiency_curves is None
+    assert cpu.optimizer_temporaries is None and cpu.gpu_mem == 8e9
+
+
+@pytest.mark.parametrize("b", [1, 4, 16])
+def test_a_micro_batch_runs_at_the_efficiency_of_its_own_gemms(b):
+    gpu = cluster_from_profile(GPU, 1)
+    cand = Candidate(Plan(precision="bf16"), b, "none")
+    e = efficiency_at(CURVES["gemm"], gemm_flops(b * SPEC.seq, SPEC.hidden, SPEC.ffn_hidden))
+    assert model_efficiency(CURVES, SPEC, b) == pytest.approx(e)
+    device = _flops(b) / (989e12 * e)
+    dispatch = 50 / 1e5 * (SPEC.layers + 1)
+    # the slower of the device's work and the host's dispatch bounds the micro-batch
+    assert micro_batch_compute(SPEC, cand, gpu, b, "bf16") == pytest.approx(max(device, dispatch))
+    # another precision than the curves': the reference step's rate against the peak
+    assert micro_batch_compute(SPEC, cand, gpu, b, "fp32") == pytest.approx(
+        max(_flops(b) / 4e14, dispatch))
+
+
+def test_a_host_bound_micro_batch_costs_its_dispatch_and_cpu_ranks_pay_both():
+    slow_host = cluster_from_profile(GPU, 1).with_(block_overhead=1.0)
+    cand = Candidate(Plan(precision="bf16"), 1, "none")
+    assert micro_batch_compute(SPEC, cand, slow_host, 1, "bf16") == SPEC.layers + 1
+    summed = slow_host.with_(async_dispatch=False)
+    assert micro_batch_compute(SPEC, cand, summed, 1, "bf16") == pytest.approx(
+        SPEC.layers + 1 + _flops(1) / (989e12 * model_efficiency(CURVES, SPEC, 1)))
+
+
+def test_the_optimizer_steps_moment_is_the_peak_when_activations_are_small():
+    gpu = cluster_from_profile(GPU, 1)
+    n = SPEC.num_params
+    for recompute, b in (("full", 8), ("none", 1), ("none", 16)):
+        plan = Plan(precision="bf16", recompute=recompute)
+        cand = Candidate(plan, b, recompute)
+        bare = mm.memory(SPEC, cand, BF16)
+        mem = mm.memory(SPEC, cand, BF16, **gpu.memory_terms(plan))
+        # beside the states: the masters' fp32 gradients (4) and AdamW's temporaries (4)
+        step = bare.model_states + n * (4 + 4)
+        assert mem.allocated == pytest.approx(max(bare.allocated, step))
+    assert mm.optimizer_step_bytes(12 * n, BF16, 0.0) == 4 * n     # fused AdamW: none
+    fp32 = Setup(global_batch=8, precision="fp32")
+    assert mm.optimizer_step_bytes(8 * n, fp32, 4.0) == 4 * n      # its own masters' grads
+
+
+def test_the_cpu_keeps_its_gpts_and_a_gpu_trains_one_sized_for_it_in_bf16():
+    assert runs.reference_gpt("cpu") == REFERENCE_GPT
+    assert verify.MODEL == dict(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256)
+    assert runs.reference_gpt("cpu", 4) == {**REFERENCE_GPT, "n_layer": 4}
+    gpu = runs.reference_gpt("cuda")
+    assert gpu["vocab_size"] % 64 == 0 and gpu["d_model"] >= 1024 and gpu["seq_len"] >= 1024
+    assert runs.VERIFY_GPTS["cuda"] == {**gpu, "n_layer": 4}
+    assert runs.run_plan({"dp": 1}, "cpu") == {"dp": 1}
+    assert runs.run_plan({"dp": 1, "recompute": "full"}, "cuda") == {
+        "dp": 1, "recompute": "full", "precision": "bf16"}
+    w = [torch.nn.Parameter(torch.zeros(2, device="cpu"))]
+    assert runs.optimizer("cuda")(w).defaults["fused"] is True
+    assert not runs.optimizer("cpu")(w).defaults["fused"]
+
+
+def test_a_gpu_is_held_to_five_percent_on_both_peaks():
+    assert verify.GPU_LIMITS == {**verify.LIMITS, "peak_alloc": 0.05, "peak_rss": 0.05}
+    rows = [{"error": {"model_states": 0.0, "peak_alloc": 0.06, "peak_rss": 0.0, "step": 0.1,
+                       "sent": 0.0}}]
+    assert verify.summary(rows)[0] and not verify.summary(rows, verify.GPU_LIMITS)[0]
