@@ -104,9 +104,12 @@ def test_train_trace_saves_the_last_steps_timeline(tmp_path):
     assert (run / "trace.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_train_trace_needs_a_pipeline(tmp_path):
-    out = _meshtrain("train", "--nproc", "2", "--trace", "--run-dir", str(tmp_path / "r"))
-    assert out.returncode == 2 and "--trace records a pipeline's timeline" in out.stderr
+def test_train_trace_needs_a_pipeline(tmp_path, capsys):
+    from meshtrain.cli.main import main   # refused before any rank: in this process
+
+    code = main(["train", "--nproc", "2", "--trace", "--run-dir", str(tmp_path / "r")])
+    assert code == 2 and "--trace records a pipeline's timeline" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 def test_schedule_measure_draws_measured_beside_theory(tmp_path):
