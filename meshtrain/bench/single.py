@@ -4,8 +4,8 @@ Four contenders train the same GPT on the same batch from the same seed, alterna
 process (bench/timing.py): plain PyTorch eager, plain PyTorch with each block compiled
 (strategies/compile.py's `apply_compile`, the same blocks `Plan(compile=True)` compiles),
 meshtrain's `Trainer` under `Plan()`, and under `Plan(compile=True)`; on a GPU a fifth,
-`Plan(compile="cudagraphs")` (the compiled blocks and loss replayed as CUDA graphs). Every step ends with
-the loss on the host (`.item()`, as `Trainer.step` returns it) and is timed between device
+`Plan(compile="cudagraphs")` (the compiled blocks and loss replayed as CUDA graphs). Every
+step ends with the loss on the host (`.item()`, as `Trainer.step` returns it) and is timed between device
 synchronisations. In bf16, plain PyTorch runs under autocast and meshtrain with bf16
 parameters beside fp32 master weights (`Plan(precision="bf16")`).
 

@@ -50,10 +50,9 @@ import os
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from meshtrain.models.registry import logits_of
+from meshtrain.models.registry import logits_of, token_cross_entropy
 from meshtrain.models.structure import units_of
 
 
@@ -92,7 +91,7 @@ def compiled_token_loss(backend: str, mode: str | None = None):
 def _token_loss_in_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if logits.dtype in (torch.bfloat16, torch.float16):   # a float64 model keeps its own
         logits = logits.float()
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    return token_cross_entropy(logits, targets)
 
 
 def _compile_block(block: nn.Module, backend: str, mode: str | None = None) -> None:

@@ -130,7 +130,8 @@ class Trainer:
             # recomputed layers keep little; the loss's fp32 copies would then dominate
             self.loss_fn = _lean_token_loss   # in fp32 too, without keeping them
         elif plan.compile_backend and plan.tp == 1 and is_token_cross_entropy(self.loss_fn):
-            self.loss_fn = compiled_token_loss(plan.compile_backend, plan.compile_mode)   # in fp32, fused
+            # in fp32, the upcast and the softmax fused
+            self.loss_fn = compiled_token_loss(plan.compile_backend, plan.compile_mode)
         elif plan.precision != "fp32":   # the loss in fp32 whatever the compute precision
             self.loss_fn = _loss_in_fp32(self.loss_fn)
         self.layout = StateLayout.of(self.model)   # names and shapes, before any slot
