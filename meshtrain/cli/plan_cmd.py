@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from meshtrain.core.gpus import GPUS
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -28,8 +30,8 @@ def add_parser(subparsers) -> None:
                    "~/.cache/meshtrain/profiles/KIND.json)")
     c.add_argument("--nodes", type=int, default=1)
     c.add_argument("--gpus-per-node", type=int, default=8)
-    c.add_argument("--gpu", help="A100-40GB, A100-80GB, H100-80GB, V100-32GB (with its "
-                   "calibrated profile where one exists, else the published figures)")
+    c.add_argument("--gpu", help=f"{', '.join(GPUS)} (with its calibrated profile where "
+                   "one exists, else the published figures)")
     c.add_argument("--gpu-mem", help="device memory, e.g. 80GB")
     c.add_argument("--intra-bw", help="per-GPU link inside a node, e.g. 600GB/s or nvlink3")
     c.add_argument("--inter-bw", help="per-GPU link across nodes, e.g. 25GB/s, 200Gb/s, ib-hdr")

@@ -3,8 +3,9 @@
 FLOPs per token for a decoder: 6N + 12*L*d*T (PaLM, appendix B): 6N for the forward and
 backward matmuls of N parameters, 12*L*d*T for attention's scores and weighted sum over a
 context of T. Recompute is not counted: MFU measures useful model FLOPs, not hardware FLOPs.
-The peak comes from a table of known accelerators (dense, no sparsity) or, for a device not
-in it, a measured matmul; `Peak.source` says which, so every MFU figure states its basis.
+The peak comes from the data sheets of known GPUs (core/gpus.py: dense, no sparsity) or, for
+a device not in them, a measured matmul; `Peak.source` says which, so every MFU figure states
+its basis.
 """
 from __future__ import annotations
 
@@ -13,15 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Dense peak FLOP/s per device by compute dtype (vendor data sheets; SXM parts).
-PEAK_TABLE: dict[str, dict[str, float]] = {
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494.5e12},
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494.5e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "tf32": 156e12},
-    "A10G": {"bf16": 70e12, "fp16": 70e12, "fp32": 31.2e12, "tf32": 35e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12, "tf32": 60e12},
-    "V100": {"fp16": 125e12, "fp32": 15.7e12},
-}
+from meshtrain.core.gpus import GPUS, device_kind, peak_flops
 
 
 def flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int) -> float:
@@ -57,15 +50,16 @@ def _dtype_key(dtype: torch.dtype) -> str:
 
 
 def table_peak(device_name: str, dtype: torch.dtype) -> Peak | None:
-    """The table's peak for a device whose name contains a known model (e.g.
-    'NVIDIA H100 80GB HBM3'), or None. fp32 on Ampere+ is tf32 when torch allows it."""
+    """The data sheet's peak for a CUDA device of a kind core/gpus.py knows (e.g. 'NVIDIA
+    H100 80GB HBM3' is an H100-80GB), or None. fp32 on Ampere+ is TF32 when torch allows it."""
+    gpu = GPUS.get(device_kind(device_name))
+    if gpu is None:
+        return None
     key = _dtype_key(dtype)
     if key == "fp32" and torch.backends.cuda.matmul.allow_tf32:
         key = "tf32"
-    for model in sorted(PEAK_TABLE, key=len, reverse=True):
-        if model in device_name.upper() and key in PEAK_TABLE[model]:
-            return Peak(PEAK_TABLE[model][key], f"table: {model} {key}")
-    return None
+    flops = peak_flops(gpu, key)
+    return Peak(flops, f"table: {gpu.name} {key}") if flops else None
 
 
 def measured_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 5) -> Peak:

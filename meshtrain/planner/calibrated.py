@@ -16,7 +16,8 @@ profiles/H100-80GB.json), its figures replace the table's:
   the profile's dtype (bf16 on CUDA), so a plan in another precision keeps the table's;
 - mem_bw: the measured device copy bandwidth (the optimizer step is bound by it);
 - block_overhead: seconds per op launch x the ops one block of the reference GPT dispatches
-  in a training step (both measured): the time no FLOP count sees;
+  in a training step (both measured): the host's time, which the device's work hides
+  (a micro-batch costs the slower of the two, as on a local GPU profile);
 - the collective curves, measured over the GPUs of one node at the largest calibrated world
   (> 1), for groups inside a node.
 What a profile cannot measure stays the table's: the peak (the efficiency is against it),
@@ -88,7 +89,9 @@ def calibrated_cluster(cluster: Cluster, profile: dict, spec: ModelSpec, precisi
         peak = entry.get("peak_flops", cluster.peak_flops)
         changes["efficiency"] = min(1.0, efficiency * peak / cluster.peak_flops)
     if entry.get("launch_rate") and entry.get("ops_per_block"):
+        # the host's dispatch, which a GPU runs beside its work: the slower of the two counts
         changes["block_overhead"] = entry["ops_per_block"] / entry["launch_rate"]
+        changes["async_dispatch"] = True
     else:   # a profile from before launches were timed: the reference step's fixed cost
         changes["block_overhead"] = step_costs(entry)[1]
     multi = [w for w, e in worlds.items() if w > 1 and e.get("collectives")]

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import bisect
 import math
-import re
 from dataclasses import dataclass, field, replace
 
+from meshtrain.core.gpus import GPUS, device_kind  # noqa: F401  (presets; profiles name kinds)
 from meshtrain.core.units import parse_bandwidth, parse_bytes, parse_flops
 
 
@@ -28,53 +28,6 @@ def ring_factor(kind: str, n: int) -> float:
     time model divides by that bandwidth with it again."""
     return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
             "all_gather": (n - 1) / n, "broadcast": 1.0, "p2p": 1.0}[kind]
-
-
-@dataclass(frozen=True)
-class GPU:
-    name: str
-    mem: float          # bytes
-    peak_bf16: float    # dense FLOP/s at 16-bit (fp16 tensor cores on V100)
-    peak_fp32: float    # dense FLOP/s at fp32 without TF32
-    link: str           # the intra-node link preset it ships with
-    mem_bw: float       # device memory bytes/s
-
-
-# Vendor data sheets: A100 (NVIDIA A100 Tensor Core GPU datasheet, 2021: 312 TFLOPS bf16 dense,
-# 19.5 TFLOPS fp32); H100 SXM (H100 datasheet, 2023: 989 TFLOPS bf16 dense, 67 TFLOPS fp32);
-# V100 SXM2 (V100 datasheet: 125 TFLOPS fp16 tensor core, 15.7 TFLOPS fp32; no bf16).
-# Memory bandwidth from the same sheets: 1.555 / 2.0 / 3.35 / 0.9 TB/s.
-GPUS = {
-    "A100-40GB": GPU("A100-40GB", 40e9, 312e12, 19.5e12, "nvlink3", 1.555e12),
-    "A100-80GB": GPU("A100-80GB", 80e9, 312e12, 19.5e12, "nvlink3", 2.0e12),
-    "H100-80GB": GPU("H100-80GB", 80e9, 989e12, 67e12, "nvlink4", 3.35e12),
-    "V100-32GB": GPU("V100-32GB", 32e9, 125e12, 15.7e12, "nvlink2", 0.9e12),
-}
-
-# CUDA device names (torch.cuda.get_device_name) -> the GPUS entry whose figures hold for the
-# part: (key, tokens the name must hold, tokens that mark another part's figures). The table
-# quotes SXM parts: an H100 PCIe or NVL (756 / 835 TFLOPS bf16) and a V100 PCIe (112 TFLOPS)
-# are other kinds; an A100 PCIe has the SXM part's peak (its 80 GB's memory is 3% slower).
-_KIND_NAMES = (("H100-80GB", ("h100",), ("pcie", "nvl")),
-               ("A100-80GB", ("a100", "80gb"), ()),
-               ("A100-40GB", ("a100", "40gb"), ()),
-               ("V100-32GB", ("v100", "32gb"), ("pcie",)))
-
-
-def device_kind(device_name: str | None, cpus: int | None = None) -> str:
-    """The kind a calibrated profile is saved under: the GPUS key for a CUDA device name
-    the table describes ("NVIDIA H100 80GB HBM3" -> "H100-80GB"), else the name as a
-    lower-case slug without the vendor ("NVIDIA H100 PCIe" -> "h100-pcie"); CPU ranks (no
-    device name) "cpu-<cores>": a profile measured on 2 cores says nothing of 64."""
-    if device_name is None:
-        return f"cpu-{cpus}"
-    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
-    slug = re.sub(r"^(nvidia-)?(tesla-)?", "", slug)
-    tokens = set(slug.split("-"))
-    for key, needed, other in _KIND_NAMES:
-        if tokens >= set(needed) and not tokens & set(other):
-            return key
-    return slug or "unknown-gpu"
 
 
 # Per-GPU bandwidths: NVLink 2/3/4 total per GPU 300/600/900 GB/s (NVIDIA datasheets);

