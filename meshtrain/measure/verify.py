@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.bench.timing import time_each_step
+from meshtrain.core.admit import check_plan
 from meshtrain.core.device import gpu_count, rank_device, resolve_device
-from meshtrain.core.plan import Plan
+from meshtrain.core.plan import LOCAL_STEP_MODES, Plan, PlanError
 from meshtrain.launch import launch
 from meshtrain.measure.peaks import allocated_peak, peak_meter
 from meshtrain.measure.probe import local_kind
@@ -74,7 +75,12 @@ PLANS = (({"dp": 1}, 8), ({"dp": 1, "microbatches": 2}, 16),
          # the data-parallel family: a parameter server with one root, with 2 shards over 4
          # ranks (servers and workers differ), and DP's one process with 2 replicas
          ({"dp": 2, "dp_mode": "ps-sync"}, 8), ({"dp": 4, "dp_mode": "ps-sync", "ps_shards": 2}, 4),
-         ({"dp": 2, "dp_mode": "dp"}, 8))
+         ({"dp": 2, "dp_mode": "dp"}, 8),
+         # over slow links: DiLoCo and local SGD (a round of 4 steps: timed, counted and
+         # peaked whole), PowerSGD's rank-4 factors
+         ({"dp": 2, "dp_mode": "diloco", "sync_every": 4}, 8),
+         ({"dp": 2, "dp_mode": "local-sgd", "sync_every": 4}, 8),
+         ({"dp": 2, "compression": "powersgd", "compression_rank": 4}, 8))
 
 
 def world_of(plan: dict) -> int:
@@ -116,8 +122,17 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     for _ in range(warmup):   # the first steps build gradients, optimizer states, heap
         sync()
         trainer.step(x, y)
-    times = time_each_step(lambda: trainer.step(x, y), steps, sync, wait_for_all=False)
+    # DiLoCo and local SGD sync every H steps: any H consecutive steps hold one sync, so
+    # the step is timed, counted and peaked over whole rounds of H (the planner amortises)
+    every = trainer.plan.sync_every if trainer.plan.dp_mode in LOCAL_STEP_MODES else 1
+    times = time_each_step(lambda: trainer.step(x, y), max(1, steps // every) * every, sync,
+                           wait_for_all=False)
+    rounds = [sum(times[i:i + every]) / every for i in range(0, len(times), every)]
     peak = meter.stop()
+
+    def one_round():
+        for _ in range(every):
+            trainer.step(x, y)
     report = trainer.memory_report()
     peak_alloc = sent = None
     # after the peak's window: the profiler's own records would inflate the resident memory,
@@ -125,13 +140,14 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int
     # never leave its process, and the profiler sees this thread's allocations only, not
     # its replicas' threads'
     if exact and plan.get("dp_mode") != "dp":
-        trainer.comm.stats.reset()   # one more step, counted
-        trainer.step(x, y)
-        sent = {axis: trainer.comm.stats.total(axis=axis).sent for axis in ("dp", "tp", "pp")}
-        peak_alloc = report.model_states + allocated_peak(lambda: trainer.step(x, y), device)
+        trainer.comm.stats.reset()   # one more step (round), counted
+        one_round()
+        sent = {axis: trainer.comm.stats.total(axis=axis).sent / every
+                for axis in ("dp", "tp", "pp")}
+        peak_alloc = report.model_states + allocated_peak(one_round, device)
     trainer.close()
     role = rank_role(Plan(**plan), dist.get_rank() if dist.is_initialized() else 0)
-    return {"step": statistics.median(times), "peak_growth": peak,
+    return {"step": statistics.median(rounds), "peak_growth": peak,
             "peak_alloc": peak_alloc, "role": role, "sent": sent, **report.to_dict()}
 
 
@@ -321,23 +337,35 @@ def summary(rows: list[dict], limits: dict = LIMITS) -> tuple[bool, str]:
     return ok, "\n".join(lines)
 
 
+def runs_in_its_precision(plan: dict) -> bool:
+    """Whether `plan` runs as `run_plan` made it: in bf16 on a GPU, the data-parallel family
+    but DDP (DP, parameter servers, DiLoCo, local SGD, PowerSGD) is refused (fp32 only)."""
+    try:
+        check_plan(Plan(**plan))
+    except PlanError:
+        return False
+    return True
+
+
 def verify_command(args) -> int:
     kind = local_kind()
     profile = load_profile(args.profile, kind)
     device = resolve_device()
     most = gpu_count() if device == "cuda" else float("inf")   # one rank per GPU
     model = VERIFY_GPTS[device]   # and each plan in the device's dtype (runs.py)
-    plans = tuple((run_plan(plan, device), batch) for plan, batch in PLANS
-                  if max(world_of(plan), profile_world(plan)) <= most)
+    ran = [(run_plan(plan, device), batch) for plan, batch in PLANS]
+    plans = tuple((plan, batch) for plan, batch in ran if runs_in_its_precision(plan)
+                  and max(world_of(plan), profile_world(plan)) <= most)
+    fp32_only = sum(not runs_in_its_precision(plan) for plan, _ in ran)
     missing = sorted({profile_world(p) for p, _ in plans} - {int(w) for w in profile["worlds"]})
     if missing:
         raise HardwareError(f"the profile {profile_path(args.profile, kind)} has no measurements at "
                             f"{missing} ranks, which --verify runs; calibrate them with "
                             f"`meshtrain plan --calibrate --nproc {max(missing)}`")
-    print(f"verifying {len(plans)} plans of meshtrain's GPT {model} (AdamW; "
-          f"{len(PLANS) - len(plans)} need more GPUs), {ROUNDS} rounds, against the profile "
-          f"of {profile['created']}",
-          file=sys.stderr)
+    skipped = f"{len(PLANS) - len(plans) - fp32_only} need more GPUs" + (
+        f", {fp32_only} run in fp32 only" if fp32_only else "")
+    print(f"verifying {len(plans)} plans of meshtrain's GPT {model} (AdamW; {skipped}), "
+          f"{ROUNDS} rounds, against the profile of {profile['created']}", file=sys.stderr)
     table = io.StringIO()
     rows = verify(profile, plans=plans, out=table, model=model, progress=True)
     print(header(device))

@@ -158,7 +158,7 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     elif p.dp_mode == "dp":
         states = master_states(psi, setup, p.dp)
     elif p.dp_mode in LOCAL_STEP_MODES:
-        states = local_step_states(psi, setup)
+        states = local_step_states(psi, setup, p.dp_mode == "diloco" and p.outer_momentum > 0)
     elif p.compression == "powersgd":   # each compressed matrix's residual and Q, counted
         # with the gradients as powersgd.py's memory() does
         kept = powersgd_traffic(spec, p.compression_rank, p.compression_min_rate).kept

@@ -51,12 +51,12 @@ def model_states(psi: float, setup: Setup, zero: int = 0, dp: int = 1,
     return ModelStates(params if zero < 3 else 0.0, grads if zero < 2 else 0.0, 0.0, host)
 
 
-def local_step_states(psi: float, setup: Setup) -> ModelStates:
-    """A DiLoCo / local SGD worker (diloco.py): DDP's states, plus three parameter-sized
-    fp32 buffers counted with the optimizer's: the anchor, the outer momentum and the
-    pseudo-gradient's all-reduce buffer."""
+def local_step_states(psi: float, setup: Setup, outer_momentum: bool = True) -> ModelStates:
+    """A DiLoCo / local SGD worker (diloco.py): DDP's states, plus parameter-sized fp32
+    buffers counted with the optimizer's: the anchor, the pseudo-gradient's all-reduce
+    buffer and, where the outer SGD has momentum (DiLoCo; not local SGD), its momentum."""
     base = model_states(psi, setup)
-    return ModelStates(base.params, base.grads, base.optim + 3 * psi * 4)
+    return ModelStates(base.params, base.grads, base.optim + (2 + outer_momentum) * psi * 4)
 
 
 def server_states(psi: float, setup: Setup, shards: int, server: bool) -> ModelStates:

@@ -1,6 +1,7 @@
 """`meshtrain plan --verify` machinery on a tiny GPT: 2 DDP plans (world 1 and 2), a
 tensor-parallel one (tp 2), two pipeline stages and a parameter server (whose ranks differ,
-so each is reported per role), tensor parallel with sequence parallel, real ranks.
+so each is reported per role), tensor parallel with sequence parallel, DiLoCo syncing every
+2 steps (measured over whole rounds), real ranks.
 
 Model-state bytes and the exact allocated peak are deterministic and asserted against the
 Trainer's accounting; step time and resident memory depend on the machine and its load, so
@@ -15,7 +16,8 @@ from meshtrain.measure import verify
 TINY = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=32)
 PLANS = (({"dp": 1}, 4), ({"dp": 2, "microbatches": 2}, 4), ({"tp": 2}, 4),
          ({"pp": 2, "microbatches": 2}, 4), ({"dp": 2, "dp_mode": "ps-sync"}, 4),
-         ({"tp": 2, "sequence_parallel": True}, 4))
+         ({"tp": 2, "sequence_parallel": True}, 4),
+         ({"dp": 2, "dp_mode": "diloco", "sync_every": 2}, 4))
 
 # A synthetic profile: predictions need rates to exist, not to be right (no timed asserts).
 _CURVE = {"sizes": [256, 2**20], "busbw": [1e6, 1e9]}
@@ -38,12 +40,14 @@ def rows_and_text():
 
 def test_model_states_predicted_equal_the_trainers_accounting(rows_and_text):
     rows, _ = rows_and_text
-    assert [r["world"] for r in rows] == [1, 2, 2, 2, 2, 2]
+    assert [r["world"] for r in rows] == [1, 2, 2, 2, 2, 2, 2]
     for r in [r for row in rows for r in (row, *row.get("roles", ()))]:
         # the planner counts the GPT's parameters exactly: 4 + 4 (bucket) + 8 (AdamW) bytes
-        # each; it leaves out only AdamW's 4-byte step counter per parameter tensor
+        # each; it leaves out only AdamW's 4-byte step counter per parameter tensor, and
+        # DiLoCo's sync buffer's 4 bytes per tensor (which it used) and of the loss
         measured = r["measured"]["model_states"]
-        assert 0 <= measured - r["predicted"]["model_states"] <= 4 * 64  # < 64 tensors here
+        scalars = 2 if r["plan"].startswith("dp=2, dp_mode='diloco'") else 1
+        assert 0 <= measured - r["predicted"]["model_states"] <= scalars * 4 * 64  # < 63 tensors
         assert abs(r["error"]["model_states"]) <= verify.LIMITS["model_states"]
 
 
@@ -113,6 +117,20 @@ def test_ranks_that_differ_are_reported_per_role(rows_and_text):
         # highest role's (which role that is may change from round to round)
         for i, peak in enumerate(row["rounds"]["peak_rss"]):
             assert peak == max(r["rounds"]["peak_rss"][i] for r in row["roles"]), i
+
+
+def test_diloco_is_measured_over_whole_rounds(rows_and_text):
+    """Two steps hold one sync of the parameters, as large as DDP's gradients: per step half
+    of DDP's bytes, counted over the round (one step alone would count a sync or none), and
+    the states DDP's plus three parameter-sized buffers (anchor, outer momentum, sync
+    buffer), both sides."""
+    rows, _ = rows_and_text
+    ddp, diloco = rows[1], rows[6]
+    assert diloco["measured"]["sent"] == pytest.approx(ddp["measured"]["sent"] / 2, rel=0.01)
+    params = ddp["measured"]["model_states"] / 16   # fp32 parameters, gradients, AdamW's 2
+    for side in ("predicted", "measured"):
+        extra = diloco[side]["model_states"] - ddp[side]["model_states"]
+        assert extra == pytest.approx(3 * 4 * params, rel=0.01), side
 
 
 def test_sequence_parallel_activations_are_korthikantis(rows_and_text):

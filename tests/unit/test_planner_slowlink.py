@@ -136,11 +136,13 @@ def test_advice_proposes_powersgd_in_fp32_beside_diloco():
     assert f"({t * 1e3:.4g} ms/step predicted" in text   # priced in fp32, as it runs
 
 
-def test_memory_counts_diloco_anchor_momentum_and_sync_buffer():
+@pytest.mark.parametrize("mode, buffers", [("diloco", 3), ("local-sgd", 2)])
+def test_memory_counts_diloco_anchor_momentum_and_sync_buffer(mode, buffers):
     """A DiLoCo worker holds DDP's states plus three fp32 parameter-sized buffers (the
-    anchor, the outer momentum, the pseudo-gradient's buffer: diloco.py's memory())."""
+    anchor, the outer momentum, the pseudo-gradient's buffer: diloco.py's memory()); local
+    SGD's outer SGD has no momentum, so two."""
     from meshtrain.planner.memory import memory
-    ddp, local = _cands(h=8)
+    ddp, local = _cands(h=8, mode=mode)
     psi = stage_params(SPEC, 1, 1)
     extra = memory(SPEC, local, SETUP).optim - memory(SPEC, ddp, SETUP).optim
-    assert extra == pytest.approx(3 * psi * 4)
+    assert extra == pytest.approx(buffers * psi * 4)
