@@ -113,7 +113,8 @@ class Cluster:
     host_is_device: bool = False    # CPU ranks: "host" memory is the ranks' own memory
     optimizer_temporaries: float | None = None   # bytes per parameter the optimizer step
                                     # allocates beside the states (GPU ranks of a local
-                                    # profile; None: the step's moment is not modelled)
+                                    # profile; None: not measured, and the step's moment
+                                    # counts mixed precision's fp32 gradients only)
     async_dispatch: bool = False    # GPU ranks of a local profile: the host dispatches a
                                     # micro-batch while the device runs it (max, not sum)
     efficiency_curves: dict | None = field(default=None, compare=False)   # the measured GEMM
@@ -242,12 +243,13 @@ class Cluster:
         runtime = self.runtime
         if plan.tp > 1 and self.runtime_line:
             runtime = (self.runtime_line[0], *self.runtime_line[1:2] * 2, self.accumulation_memory)
-        step = ({} if self.optimizer_temporaries is None else
-                {"optimizer_step": self.optimizer_temporaries})
+        # the optimizer step's moment: mixed precision's fp32 gradients of the masters
+        # always, the step's own temporaries where calibration measured them (a GPU's)
         return dict(runtime=runtime,
                     host_is_device=self.host_is_device,
                     staging=self.staging.get("disk" if plan.offload == "disk" else zero,
-                                             0.0), extra=extra, sp_heap=sp_heap, **step)
+                                             0.0), extra=extra, sp_heap=sp_heap,
+                    optimizer_step=self.optimizer_temporaries or 0.0)
 
     def with_(self, **changes) -> "Cluster":
         return replace(self, **changes)

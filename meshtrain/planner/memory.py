@@ -125,6 +125,20 @@ def _zero_buffers(spec: ModelSpec, cand: Candidate, setup: Setup, psi: float,
     return buffers
 
 
+def _rerun_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, block: float,
+                 host_is_device: bool) -> float:
+    """What full recomputation's backward holds beside the saved layer inputs: one layer's
+    forward re-run (its full set) and its backward's ffn-wide gradients (`block`); under
+    ZeRO-3, mid-backward, the units after it still reduce-scattering (at most two in
+    flight), each its whole gradient beside it and, on CPU ranks, a receive buffer as large
+    (gloo's all-to-all): measured 3.7-5.7 units of gradient on CPU ranks."""
+    rerun = block + full_layer_bytes(spec, cand, setup)
+    if cand.plan.zero == 3:
+        unit_grad = setup.grad_bytes * spec.largest_layer_params / cand.plan.tp
+        rerun += 2 * unit_grad * (2 if host_is_device else 1)
+    return rerun
+
+
 def optimizer_step_bytes(optim_states: float, setup: Setup, temporaries: float) -> float:
     """Bytes the optimizer step allocates beside the model states on a rank that holds
     `optim_states` bytes of optimizer states (setup.optim_bytes per parameter it steps):
@@ -186,9 +200,13 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
         # contiguous copy, each a whole activation (measured: 3-12 of them above the saved
         # tensors, varying with when gloo's threads free theirs)
         transient += 3 * setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden
-    if cand.recompute == "full":  # backward re-runs one layer's forward: its full set is
-        # live, and its backward's ffn-wide gradients beside it
-        transient += block + full_layer_bytes(spec, cand, setup)
+    if cand.recompute == "full":   # on the last stage, once the loss's backward is over and
+        # the output layer's tensors are freed: the larger of the two moments is the peak
+        recomputed = _rerun_bytes(spec, cand, setup, block, host_is_device)
+        if last:
+            transient = max(transient, recomputed - output_bytes(spec, cand, setup))
+        else:
+            transient += recomputed
     if optimizer_step is not None:   # the step's other moment, once backward has freed the
         # activations: its own tensors beside the states (the larger moment is the peak)
         step = optimizer_step_bytes(states.optim, setup, optimizer_step)
