@@ -27,8 +27,10 @@ def print_summary(s: dict) -> None:
         extra = "".join([f", on disk {_mib(m['offloaded'])}" if m.get("offloaded") else "",
                          f", gathered at most {_mib(m['gathered_peak'])}"
                          if m.get("gathered_peak") else ""])
+        host = (f" ({_mib(m['optimizer_on_host'])} of it in host memory)"
+                if m.get("optimizer_on_host") else "")
         lines.append(f"memory rank {rank}  params {_mib(m['parameters'])}, grads "
-                     f"{_mib(m['gradients'])}, optimizer {_mib(m['optimizer_states'])}"
+                     f"{_mib(m['gradients'])}, optimizer {_mib(m['optimizer_states'])}{host}"
                      f"{extra}, activations {act}, process peak {_mib(m['peak_process'])}")
         if m.get("device_peak") is not None:
             lines.append(f"  GPU rank {rank}   allocated {_mib(m['device_allocated'])}, peak "

@@ -50,6 +50,7 @@ class MemoryReport:
     device_allocated: int | None = None  # CUDA: the allocator's bytes now (None on CPU)
     device_peak: int | None = None       # CUDA: its peak allocated bytes (None on CPU)
     host_pinned: int = 0             # CUDA: pinned host bytes offload holds (pinned_buffers)
+    optimizer_on_host: int = 0       # CUDA: of optimizer_states, the bytes in host memory
 
     @property
     def model_states(self) -> int:

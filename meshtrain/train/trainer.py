@@ -21,7 +21,8 @@ from meshtrain.core.comm import Comm
 from meshtrain.core.watchdog import CollectiveFailure, is_communication_error, watch
 from meshtrain.core.device import device_memory
 from meshtrain.core.loss_chunks import uses_lean_loss
-from meshtrain.core.memory import ActivationMeter, MemoryReport, peak_process_bytes, storage_bytes
+from meshtrain.core.memory import (ActivationMeter, MemoryReport, optimizer_state_tensors,
+                                   peak_process_bytes, storage_bytes)
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.models import hf
@@ -337,7 +338,18 @@ class Trainer:
             activations=self.activations.last_bytes if self.activations else None,
             peak_process=peak_process_bytes(),
             host_pinned=storage_bytes(self.data_parallel.pinned_buffers()),   # offload's
+            optimizer_on_host=self._optimizer_on_host(),
             **(device_memory(self.mesh.device) or {}))
+
+    def _optimizer_on_host(self) -> int:
+        """Bytes of the optimizer's tensors (its states, the masters it steps) in host
+        memory on a GPU rank: what offload='cpu' keeps off the GPU (not the step counters
+        PyTorch's optimizers keep on the host anyway)."""
+        if self.mesh.device.type != "cuda":
+            return 0
+        held = optimizer_state_tensors(self.optimizer) + [
+            p for group in self.optimizer.param_groups for p in group["params"]]
+        return storage_bytes(t for t in held if t.device.type == "cpu" and t.dim() > 0)
 
 
 def _lean_token_loss(output, targets: torch.Tensor) -> torch.Tensor:

@@ -98,17 +98,24 @@ def pinned_report(zero: int) -> dict:
     for _ in range(2):
         trainer.step(x, x)
     buffers = trainer.data_parallel.pinned_buffers()
-    return {"reported": trainer.memory_report().host_pinned, "pinned": pinned_bytes(buffers),
+    report = trainer.memory_report()
+    moments = [v for s in trainer.optimizer.state.values() for v in s.values() if v.dim() > 0]
+    return {"reported": report.host_pinned, "pinned": pinned_bytes(buffers),
+            # the masters and AdamW's two moments, all on the host
+            "on_host": report.optimizer_on_host,
+            "masters_and_moments": storage_bytes(trainer.data_parallel.masters.masters + moments),
             "all_pinned": all(b.is_pinned() for b in buffers),
             "grad_buffers": storage_bytes(trainer.data_parallel.masters.grad_buffers())}
 
 
 @pytest.mark.parametrize("zero", [1, 3])
 def test_host_pinned_counts_every_pinned_buffer_of_the_offload(zero):
-    """host_pinned is every buffer offload='cpu' pins, the gradients' host buffers too."""
+    """host_pinned is every buffer offload='cpu' pins, the gradients' host buffers too; the
+    optimizer's bytes in host memory are its masters and moments."""
     report = run_ranks(1, pinned_report, zero, device="cuda")[0]
     assert report["all_pinned"] and report["reported"] == report["pinned"]
     assert report["grad_buffers"] > 0
+    assert report["on_host"] == report["masters_and_moments"] > 0
 
 
 def test_the_stopwatch_times_the_gpu_work_not_its_launch():

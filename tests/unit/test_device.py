@@ -195,7 +195,7 @@ def test_host_pinned_is_every_buffer_the_offload_pins(zero):
 def test_the_summary_shows_gpu_memory_when_there_is_some(capsys):
     memory = dict(parameters=2**20, gradients=2**20, optimizer_states=2**21, activations=None,
                   peak_process=2**30, device_allocated=3 * 2**20, device_peak=5 * 2**20,
-                  host_pinned=2**21)
+                  host_pinned=2**21, optimizer_on_host=2**21)
     summary = dict(plan="DDP dp=1", steps=1, resumed_from=0, train_loss_start=2.0,
                    train_loss_end=1.0, val_loss_start=2.0, val_loss_end=1.0,
                    tokens_per_s=1.0, median_step_s=1.0, first_step_after_s=1.0,
@@ -205,6 +205,8 @@ def test_the_summary_shows_gpu_memory_when_there_is_some(capsys):
     summary_module.print_summary(summary)
     out = capsys.readouterr().out
     assert "GPU rank 0   allocated 3.0 MiB, peak allocated 5.0 MiB; host pinned 2.0 MiB" in out
+    # offload='cpu': the optimizer's states are counted, and said to be off the GPU
+    assert "optimizer 2.0 MiB (2.0 MiB of it in host memory), activations" in out
     assert "GPU rank 1" not in out   # a CPU rank's summary is today's
 
 
