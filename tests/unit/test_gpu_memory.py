@@ -121,3 +121,17 @@ def test_a_profile_of_cuda_ranks_gives_each_rank_its_gpus_memory(world):
     # a profile from before the field (and any CPU one): the rank's share of the host's
     assert cluster_from_profile(_profile(), world).gpu_mem == 8e9 / world
     assert "85.5 GB per GPU" in cal.describe(gpu) and "per GPU" not in cal.describe(_profile())
+
+
+def test_verify_on_a_gpu_skips_the_plans_its_bf16_refuses():
+    """GPU ranks run every plan in bf16 (runs.run_plan); the data-parallel family but DDP
+    runs in fp32 only, so --verify leaves those out there and keeps them on CPU ranks."""
+    from meshtrain.measure.runs import run_plan
+
+    fp32_only = [plan for plan, _ in verify.PLANS
+                 if not verify.runs_in_its_precision(run_plan(plan, "cuda"))]
+    assert {p.get("dp_mode", "ddp") for p in fp32_only} == {"ps-sync", "dp", "diloco",
+                                                             "local-sgd", "ddp"}
+    assert [p for p in fp32_only if p.get("dp_mode", "ddp") == "ddp"] == [
+        {"dp": 2, "compression": "powersgd", "compression_rank": 4}]
+    assert all(verify.runs_in_its_precision(run_plan(plan, "cpu")) for plan, _ in verify.PLANS)
