@@ -354,9 +354,10 @@ def verify_command(args) -> int:
     most = gpu_count() if device == "cuda" else float("inf")   # one rank per GPU
     model = VERIFY_GPTS[device]   # and each plan in the device's dtype (runs.py)
     ran = [(run_plan(plan, device), batch) for plan, batch in PLANS]
-    plans = tuple((plan, batch) for plan, batch in ran if runs_in_its_precision(plan)
-                  and max(world_of(plan), profile_world(plan)) <= most)
-    fp32_only = sum(not runs_in_its_precision(plan) for plan, _ in ran)
+    admitted = [(plan, batch) for plan, batch in ran if runs_in_its_precision(plan)]
+    fp32_only = len(ran) - len(admitted)
+    plans = tuple((plan, batch) for plan, batch in admitted
+                  if max(world_of(plan), profile_world(plan)) <= most)
     missing = sorted({profile_world(p) for p, _ in plans} - {int(w) for w in profile["worlds"]})
     if missing:
         raise HardwareError(f"the profile {profile_path(args.profile, kind)} has no measurements at "
