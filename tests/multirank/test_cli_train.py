@@ -3,6 +3,7 @@ run folder), a crafted checkpoint refused in one line (bad input: tests/unit/tes
 import json
 import os
 import pickle
+import random
 import shutil
 import socket
 import subprocess
@@ -30,9 +31,18 @@ def losses(run_dir) -> list[tuple]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768-60999). Every other test's store
+    binds port 0, which the kernel answers from that range: a port found that way and
+    closed could be handed to another test before torchrun binds it (one CI run's agents
+    failed with "the connection to the C10d store has failed")."""
+    for port in random.Random().sample(range(20000, 32768), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 @pytest.fixture(scope="module")
