@@ -233,9 +233,13 @@ class MicrobatchLoop:
     without communication until the last (gradient accumulation)."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable, microbatches: int,
-                 device: torch.device, activations=None) -> None:
+                 device: torch.device, activations=None,
+                 forward_begins: Callable[[], None] = lambda: None) -> None:
+        """`forward_begins` runs before each micro-batch's forward and each evaluation
+        (compiled CUDA graphs: strategies/compile.py's `graph_step_marker`)."""
         self.model, self.loss_fn, self.microbatches = model, loss_fn, microbatches
         self.device, self.activations = device, activations
+        self.forward_begins = forward_begins
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor,
             sync: GradientSync) -> torch.Tensor:
@@ -245,6 +249,7 @@ class MicrobatchLoop:
         last = len(micro_inputs) - 1
         for i, (x, y) in enumerate(zip(micro_inputs, micro_targets)):
             x, y = to_device(x, self.device), to_device(y, self.device)
+            self.forward_begins()
             with (sync.no_sync() if i < last else nullcontext()):
                 with (self.activations.measure() if self.activations else nullcontext()):
                     loss = self.loss_fn(self.model(x), y) / len(micro_inputs)
@@ -257,6 +262,7 @@ class MicrobatchLoop:
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        self.forward_begins()
         return float(self.loss_fn(self.model(to_device(inputs, self.device)),
                                   to_device(targets, self.device)))
 

@@ -37,7 +37,7 @@ from meshtrain.strategies.data_parallel.master_dp import MasterDP
 from meshtrain.strategies.data_parallel.parameter_server import ParameterServer
 from meshtrain.strategies.data_parallel.powersgd import PowerSGD
 from meshtrain.strategies.data_parallel.ps_async import AsyncParameterServer
-from meshtrain.strategies.compile import apply_compile, compiled_token_loss
+from meshtrain.strategies.compile import apply_compile, compiled_token_loss, graph_step_marker
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.strategies.zero.zero3 import ZeRO3
@@ -103,7 +103,8 @@ def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_f
         return own
     if plan.pp > 1:
         return pipeline.PipelineSchedule(stages, plan, comm, loss_fn, activations)
-    return MicrobatchLoop(model, loss_fn, plan.microbatches, comm.mesh.device, activations)
+    return MicrobatchLoop(model, loss_fn, plan.microbatches, comm.mesh.device, activations,
+                          graph_step_marker(plan.compile_mode))
 
 
 class Trainer:

@@ -94,3 +94,24 @@ def test_the_token_loss_is_compiled_in_fp32_beside_the_blocks():
     lean = mt.Trainer(GPT(eq.CONFIG), mt.Plan(compile="aot_eager", recompute="full"),
                       optimizer=eq.sgd)
     assert lean.loss_fn.__name__ == "_lean_token_loss"
+
+
+def test_cuda_graphs_mark_a_new_step_before_each_micro_batchs_forward():
+    """compile="cudagraphs": torch's step mark before every micro-batch's forward and every
+    evaluation (CUDA graph trees' fast path); no mark under any other compile mode."""
+    from meshtrain.strategies.compile import graph_step_marker
+
+    def driver(compile):
+        return mt.Trainer(GPT(eq.CONFIG), mt.Plan(compile=compile, microbatches=4),
+                          optimizer=eq.sgd).driver   # compiled lazily: nothing runs here
+    assert driver("cudagraphs").forward_begins is torch.compiler.cudagraph_mark_step_begin
+    assert graph_step_marker("reduce-overhead") is torch.compiler.cudagraph_mark_step_begin
+    assert graph_step_marker(None) is not torch.compiler.cudagraph_mark_step_begin
+    torch.manual_seed(0)
+    trainer = mt.Trainer(GPT(eq.CONFIG), mt.Plan(microbatches=4), optimizer=eq.sgd)
+    marks = []
+    trainer.driver.forward_begins = lambda: marks.append(len(marks))
+    x, y = eq.batches("gpt", 1)[0]
+    trainer.step(x, y)
+    trainer.evaluate([(x, y)])
+    assert marks == [0, 1, 2, 3, 4]
