@@ -205,9 +205,10 @@ def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
         raise ValueError(f"nproc={nproc!r}: launch needs a whole number of ranks >= 1")
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r}: give a whole number >= 0")
-    from meshtrain.core.device import check_ranks_fit, resolve_device
+    from meshtrain.core.device import check_ranks_fit, prefer_expandable_segments, resolve_device
     device = resolve_device(device)
     check_ranks_fit(device, nproc)
+    prefer_expandable_segments()   # before the forkserver starts: the ranks inherit it
     ref = function_ref(fn)
     payload = pickle.dumps((tuple(args), dict(kwargs or {})))
     _quiet_elastic_logs()

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from meshtrain.core.device import prefer_expandable_segments   # every command needs torch
+    prefer_expandable_segments()   # before any CUDA allocation of this process or its ranks
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:

@@ -7,6 +7,10 @@ each rank's environment (set by `launch.init_distributed` or
 `testing.run_ranks`), and each rank's own device comes from LOCAL_RANK (`rank_device`), never
 from whatever device happened to be current.
 
+The processes meshtrain starts (its command, `launch`'s ranks) use the caching allocator's
+expandable segments on CUDA unless PYTORCH_CUDA_ALLOC_CONF says otherwise
+(`prefer_expandable_segments`).
+
 On CUDA the default process group is "cpu:gloo,cuda:nccl": NCCL for device tensors, gloo for
 the host tensors (offloaded state, host scalars) that NCCL never accepts. Batches are made in
 pinned host memory there and copied without blocking (`pin_host_batches`, `to_device`).
@@ -26,6 +30,7 @@ from typing import Iterable
 import torch
 
 DEVICE_ENV = "MESHTRAIN_DEVICE"
+ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 CHOICES = ("auto", "cpu", "cuda")
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 CPU_RANKS = 2   # the default rank count on CPU (DDP over two ranks)
@@ -49,6 +54,17 @@ def resolve_device(choice: str | None = None) -> str:
                           "(torch.cuda.is_available() is False: a CPU build of torch, no "
                           "driver, or CUDA_VISIBLE_DEVICES empty); use --device cpu (or auto)")
     return choice
+
+
+def prefer_expandable_segments() -> None:
+    """CUDA's caching allocator with expandable segments (torchtitan's setting too), unless
+    the user's PYTORCH_CUDA_ALLOC_CONF says otherwise: each pool grows one segment page by
+    page instead of keeping blocks of fixed-size segments that later requests of other sizes
+    cannot reuse, so what it reserves stays near what is allocated (less memory lost to
+    fragmentation, and the planner's device peak, calibrated under it, holds). Read when
+    the allocator starts: before this process's first CUDA allocation, and inherited by
+    the ranks it starts."""
+    os.environ.setdefault(ALLOCATOR_ENV, "expandable_segments:True")
 
 
 def gpu_count() -> int:

@@ -20,8 +20,8 @@ from meshtrain.core.mesh import Mesh
 from meshtrain.measure.peaks import allocated_peak
 from meshtrain.core.plan import Plan
 from meshtrain.measure.runs import (ATTENTION_SHAPES, BUDGET_S, COPY_BYTES, GEMM_SHAPES, KINDS,
-                                    LAUNCH_CHAIN, MIN_REPS, SIZES, SQUARE, optimizer,
-                                    reference_gpt)
+                                    LAUNCH_CHAIN, MIN_REPS, QUEUED_FLOPS, SIZES, SQUARE,
+                                    optimizer, reference_gpt)
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.planner.calibrated import attention_flops, gemm_flops
 from meshtrain.planner.hardware import GPUS, device_kind, ring_factor
@@ -136,23 +136,38 @@ def device_work(device: torch.device) -> dict:
     dtype = PRECISION_DTYPES[precision]
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     work = {"matmul": (lambda: a @ b, 2 * n**3)}
+    queued = QUEUED_FLOPS[device.type]
     for m, k, cols in GEMM_SHAPES[device.type]:
         x = torch.randn(m, k, device=device, dtype=dtype)
         w = torch.randn(k, cols, device=device, dtype=dtype)
-        work[f"gemm:{m},{k},{cols}"] = (lambda x=x, w=w: x @ w, gemm_flops(m, k, cols))
+        work[f"gemm:{m},{k},{cols}"] = queued_work(lambda x=x, w=w: x @ w,
+                                                   gemm_flops(m, k, cols), queued)
     for shape in ATTENTION_SHAPES[device.type]:
         q, k, v, grad = (torch.randn(shape, device=device, dtype=dtype, requires_grad=i < 3)
                          for i in range(4))
-        work["attention:" + ",".join(map(str, shape))] = (
+        work["attention:" + ",".join(map(str, shape))] = queued_work(
             lambda q=q, k=k, v=v, g=grad: torch.autograd.grad(
                 F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), g),
-            attention_flops(*shape))
+            attention_flops(*shape), queued)
     tiny = torch.zeros(1, device=device)
 
     def chain():
         for _ in range(LAUNCH_CHAIN):
             tiny.add_(1)
     return work | {"launch": (chain, LAUNCH_CHAIN)}
+
+
+def queued_work(fn, flops: float, queued: float) -> tuple:
+    """(`fn` called n times in a row, n x `flops`): n the calls that queue about `queued`
+    FLOPs (runs.QUEUED_FLOPS), at least one."""
+    n = max(1, round(queued / flops))
+    if n == 1:
+        return fn, flops
+
+    def repeated():
+        for _ in range(n):
+            fn()
+    return repeated, n * flops
 
 
 def shaped(rate: dict) -> dict:

@@ -30,6 +30,12 @@ GEMM_SHAPES = {"cuda": ((8192, 1024, 4096), (4096, 2048, 8192), (8192, 4096, 409
 ATTENTION_SHAPES = {"cuda": ((8, 16, 1024, 64), (4, 32, 2048, 128), (1, 64, 8192, 128)),
                     "cpu": ((2, 4, 128, 64), (1, 4, 256, 64))}
 LAUNCH_CHAIN = 64
+# FLOPs of GEMM or attention work queued between two waits for the device: a small shape's
+# one call takes a GPU less time than the host's launch and wait around it (attention at
+# 8 x 16 x 1024 x 64 read 13% of an H200's peak timed alone), while a training step queues
+# its kernels ahead of the device; so each is repeated up to this much work. CPU ranks
+# compute as they dispatch: once.
+QUEUED_FLOPS = {"cuda": 2e12, "cpu": 0.0}
 COPY_BYTES = {"cuda": 2**29, "cpu": 32 * 2**20}   # the copy timed for memory bandwidth
 # The GPTs (GPTConfig's fields) calibration's reference runs and `--verify` train, per device
 # type. CPU ranks keep the small ones: there the host's work is the device's. On a GPU their

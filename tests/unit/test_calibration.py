@@ -264,3 +264,18 @@ def test_calibration_on_cuda_runs_one_rank_per_visible_gpu(monkeypatch):
     assert cal.calibrate_worlds(4, "cuda") == [1]
     monkeypatch.setattr(cal, "gpu_count", lambda: 8)
     assert cal.calibrate_worlds(4, "cuda") == [1, 2, 4]
+
+
+def test_small_device_work_is_queued_several_times_between_waits():
+    """A GPU's small GEMM or attention is timed over calls that queue about QUEUED_FLOPS (the
+    host's launch and wait then hide behind the device's work); a large one, and everything
+    on CPU ranks (QUEUED_FLOPS 0), once."""
+    from meshtrain.measure.probe import queued_work
+
+    calls = []
+    work, flops = queued_work(lambda: calls.append(1), 1e11, 2e12)
+    work()
+    assert (len(calls), flops) == (20, 2e12)
+    once = lambda: None
+    assert queued_work(once, 4e12, 2e12) == (once, 4e12)
+    assert queued_work(once, 1e6, 0.0) == (once, 1e6)

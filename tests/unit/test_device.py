@@ -241,3 +241,14 @@ def test_the_stopwatch_reads_the_host_clock_on_cpu_and_cuda_events_on_cuda(monke
     assert watch.seconds(first) == pytest.approx(0.0125)
     assert watch.seconds(second) == pytest.approx(0.040)
     assert calls[4:] == ["wait", "wait"]
+
+
+def test_meshtrains_processes_prefer_expandable_segments_unless_the_user_chose(monkeypatch):
+    """The command and launch's ranks: expandable segments by default; a user's allocator
+    settings are kept as given."""
+    monkeypatch.delenv(dev.ALLOCATOR_ENV, raising=False)
+    dev.prefer_expandable_segments()
+    assert os.environ[dev.ALLOCATOR_ENV] == "expandable_segments:True"
+    monkeypatch.setenv(dev.ALLOCATOR_ENV, "max_split_size_mb:128")
+    dev.prefer_expandable_segments()
+    assert os.environ[dev.ALLOCATOR_ENV] == "max_split_size_mb:128"
