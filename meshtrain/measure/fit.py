@@ -9,10 +9,11 @@ import statistics
 
 from meshtrain.measure.runs import (MEMORY_BATCHES, MEMORY_RUNS, reference_gpt, run_model,
                                     run_plan, strategy_runs)
-from meshtrain.measure.verify import plan_inputs, predict, predict_roles
+from meshtrain.measure.verify import plan_inputs, predict, predict_cluster, predict_roles
 from meshtrain.planner.activations import forward_traffic
 from meshtrain.planner.profile import profile_device
 from meshtrain.planner.states import staged_buffer_bytes
+from meshtrain.planner.time_model import dispatch_time
 
 
 def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
@@ -94,7 +95,8 @@ def fit_trainer(profile: dict, world: int, rounds: list[list[float]]) -> dict:
     at the two batch sizes, then the deeper one), a factor on the micro-batch's compute and
     a fixed cost per step (the optimizer's and the Trainer's own work the model leaves
     out), nearest to the points (through them, with two); the factor kept within [0.5, 2],
-    the fixed cost never below 0."""
+    the fixed cost never below 0. On GPU ranks, the host's cost and the device's apart
+    (`_fit_queued_trainer`)."""
     single = [(layers, batch) for layers, batch, m in MEMORY_RUNS if m == 1]
     device = profile_device(profile)
     points = []
@@ -104,11 +106,33 @@ def fit_trainer(profile: dict, world: int, rounds: list[list[float]]) -> dict:
         ev = predict(profile, run_plan({"dp": world}, device), batch, model)
         points.append((statistics.median(steps), ev.time.total, ev.time.compute))
     late = [m - p for m, p, _ in points]
+    if device == "cuda":
+        return _fit_queued_trainer(profile, world, points, single)
     fit = _least_squares([[c, 1.0] for *_, c in points], late)
     if fit is None or fit[1] < 0:   # no fixed cost: the factor alone
         fit = [sum(c * d for (*_, c), d in zip(points, late)) / sum(c * c for *_, c in points), 0.0]
     scale = min(2.0, max(0.5, 1 + fit[0]))
     return {"compute_scale": scale, "per_step": fit[1],
+            "points": [{"measured": m, "predicted": p} for m, p, _ in points]}
+
+
+def _fit_queued_trainer(profile: dict, world: int, points: list, single: list) -> dict:
+    """fit_trainer on GPU ranks, whose host queues a step ahead of the device (the time
+    model's `async_dispatch`: the step is the slower of the device's work and the host's).
+    The larger points keep the device busy: the factor on compute is the one nearest to
+    them (through the origin). The smallest is taken as the host's: its fixed cost is what
+    that step took beyond its micro-batch's dispatch, so the fitted model meets it whichever
+    side bound it. (One line through all three would turn the host's work at the smallest
+    batch into a fixed cost that every larger step pays.)"""
+    (m_small, *_), *device_bound = points
+    late = [(m - p, c) for m, p, c in device_bound]
+    factor = sum(c * d for d, c in late) / sum(c * c for _, c in late)
+    layers, batch = single[0]
+    plan = run_plan({"dp": world}, "cuda")
+    spec, cand, _ = plan_inputs(plan, batch, reference_gpt("cuda", layers))
+    host = dispatch_time(spec, cand, predict_cluster(profile, plan))
+    return {"compute_scale": min(2.0, max(0.5, 1 + factor)),
+            "per_step": max(0.0, m_small - host),
             "points": [{"measured": m, "predicted": p} for m, p, _ in points]}
 
 

@@ -94,7 +94,9 @@ def family_exchange(psi: float, setup: Setup, plan, cluster: Cluster) -> float:
 def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) -> StepTime:
     """One step on the busiest rank: the pipeline's slots of compute and tp/pp communication
     (bubble included), the data-parallel exchange not hidden behind compute, offload, the
-    optimizer step and the Trainer's fixed cost per step."""
+    optimizer step and the Trainer's fixed cost per step: added to the rest where the host
+    computes (CPU ranks), the host's side of the slower of the two where it dispatches to a
+    device that runs behind it (GPU ranks of a local profile: `async_dispatch`)."""
     p = cand.plan
     m = p.microbatches
     b = cand.micro_batch / p.dp if p.dp_mode == "dp" else cand.micro_batch
@@ -114,7 +116,13 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     exposed = max(0.0, t_dp - dp_hidden(cand, cluster, t_dp - last, compute, t_mb)) + stats
     t_off = offload_time(cand, setup, cluster, psi)
     t_opt = optimizer_time(cand, setup, cluster, psi)
-    total = pipeline + exposed + t_off + t_opt + step_overhead
+    device_work = pipeline + exposed + t_off + t_opt
+    if cluster.async_dispatch:
+        # the host queues the step ahead of the device: its own work (the Trainer's fixed
+        # cost, each micro-batch's dispatch) sets the step only where it outlasts the device's
+        total = max(device_work, step_overhead + m * dispatch_time(spec, cand, cluster))
+    else:
+        total = device_work + step_overhead
     return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, t_opt, total)
 
 
@@ -140,16 +148,25 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
     extra = layer_f if cand.recompute == "full" else scores_f if cand.recompute == "selective" else 0
     layers_here = math.ceil(spec.layers / p.pp)
     mb_flops = b * spec.seq * (layers_here * (3 * layer_f + extra) + 3 * logits_f) / p.tp
-    # kernel launches, autograd, Python: calibrated on CPU ranks, 0 on GPU presets; tensor
-    # parallel does not divide it; the embedding, head and loss count as one more block
-    dispatch = cluster.block_overhead * (layers_here * (4 / 3 if cand.recompute == "full" else 1) + 1)
-    if p.dp_mode == "dp":   # the replicas' threads take turns at Python's interpreter lock
-        dispatch *= p.dp
+    dispatch = dispatch_time(spec, cand, cluster)
     device = mb_flops / cluster.achievable_flops
     curves = cluster.efficiency_curves
     if curves and precision == curves["dtype"]:   # one sequence's shapes, times b
         device = mb_flops / (cluster.peak_flops * model_efficiency(curves, spec, max(1, b)))
     return max(device, dispatch) if cluster.async_dispatch else device + dispatch
+
+
+def dispatch_time(spec: ModelSpec, cand: Candidate, cluster: Cluster) -> float:
+    """Host seconds to dispatch one micro-batch on one rank: kernel launches, autograd,
+    Python (calibrated; 0 on GPU presets), per block of this stage, recomputation's second
+    forward a third more; tensor parallel does not divide it; the embedding, head and loss
+    count as one more block."""
+    p = cand.plan
+    layers_here = math.ceil(spec.layers / p.pp)
+    dispatch = cluster.block_overhead * (layers_here * (4 / 3 if cand.recompute == "full" else 1) + 1)
+    if p.dp_mode == "dp":   # the replicas' threads take turns at Python's interpreter lock
+        dispatch *= p.dp
+    return dispatch
 
 
 def tp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster,

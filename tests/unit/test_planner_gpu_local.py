@@ -106,3 +106,44 @@ def test_a_gpu_is_held_to_five_percent_on_both_peaks():
     rows = [{"error": {"model_states": 0.0, "peak_alloc": 0.06, "peak_rss": 0.0, "step": 0.1,
                        "sent": 0.0}}]
     assert verify.summary(rows)[0] and not verify.summary(rows, verify.GPU_LIMITS)[0]
+
+
+def test_a_gpu_step_is_the_slower_of_the_devices_work_and_the_hosts():
+    """GPU ranks: the Trainer's fixed host cost and each micro-batch's dispatch set the step
+    only where they outlast the device's work; CPU ranks add the fixed cost to it."""
+    from meshtrain.planner.time_model import dispatch_time, step_time
+
+    cand = Candidate(Plan(precision="bf16", microbatches=2), 4, "none")
+    gpu = cluster_from_profile(GPU, 1)
+    device = step_time(SPEC, cand, BF16, gpu).total
+    host = dispatch_time(SPEC, cand, gpu)
+    assert host == pytest.approx(50 / 1e5 * (SPEC.layers + 1))
+    assert step_time(SPEC, cand, BF16, gpu.with_(step_overhead=0.001)).total == device
+    slow = gpu.with_(step_overhead=device)   # the host's fixed work alone outlasts the device
+    assert step_time(SPEC, cand, BF16, slow).total == pytest.approx(device + 2 * host)
+    summed = gpu.with_(async_dispatch=False, step_overhead=0.001)
+    assert step_time(SPEC, cand, BF16, summed).total == pytest.approx(
+        step_time(SPEC, cand, BF16, gpu.with_(async_dispatch=False)).total + 0.001)
+
+
+def test_the_gpu_trainer_fit_keeps_the_hosts_fixed_cost_out_of_device_bound_steps():
+    """Calibration's Trainer fit on GPU ranks: the factor from the device-bound points (the
+    larger batch, the deeper GPT), the host's fixed cost from the smallest; the fitted model
+    meets all three, and a line through all three would not (it charges every step the
+    smallest one's host work)."""
+    from meshtrain.measure.fit import fit_trainer
+    from meshtrain.measure.runs import DEEP_POINT, MEMORY_BATCHES
+
+    reference = runs.reference_gpt("cuda")
+    shapes = [(reference, b) for b in MEMORY_BATCHES]
+    shapes.append(({**reference, "n_layer": DEEP_POINT[0]}, DEEP_POINT[1]))
+    plan = runs.run_plan({"dp": 1}, "cuda")
+    bare = [verify.predict(GPU, plan, b, model).time for model, b in shapes]
+    measured = [t.total + 0.25 * t.compute for t in bare]
+    measured[0] = 0.008   # the smallest step: bound by the host's 8 ms
+    fit = fit_trainer(GPU, 1, [measured, measured])
+    assert fit["compute_scale"] == pytest.approx(1.25)
+    assert fit["per_step"] == pytest.approx(0.008 - 50 / 1e5 * (reference["n_layer"] + 1))
+    fitted = {**GPU, "worlds": {"1": {**ENTRY, "trainer": fit}}}
+    for (model, b), m in zip(shapes, measured):
+        assert verify.predict(fitted, plan, b, model).time.total == pytest.approx(m, rel=1e-6)
