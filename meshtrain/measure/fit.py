@@ -13,7 +13,7 @@ from meshtrain.measure.verify import plan_inputs, predict, predict_cluster, pred
 from meshtrain.planner.activations import forward_traffic
 from meshtrain.planner.profile import profile_device
 from meshtrain.planner.states import staged_buffer_bytes
-from meshtrain.planner.time_model import dispatch_time
+from meshtrain.planner.compute_time import dispatch_time
 
 
 def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:

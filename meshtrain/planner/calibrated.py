@@ -13,8 +13,11 @@ profiles/H100-80GB.json), its figures replace the table's:
   e_attn attention's at one sequence's attention (all heads), each interpolated log-linearly
   in FLOPs between the measured shapes and held at the ends. One sequence is the smallest
   micro-batch; larger ones run larger GEMMs at the same or higher efficiency. Measured in
-  the profile's dtype (bf16 on CUDA), so a plan in another precision keeps the table's;
-- mem_bw: the measured device copy bandwidth (the optimizer step is bound by it);
+  the profile's dtype (bf16 on CUDA), so a plan in another precision keeps the table's.
+  Being the GEMMs' and attention's alone, it leaves the elementwise work to the memory
+  (`elementwise_apart`: flops.ELEMENTWISE_BYTES at mem_bw);
+- mem_bw: the measured device copy bandwidth (the optimizer step and the elementwise work
+  are bound by it);
 - block_overhead: seconds per op launch x the ops one block of the reference GPT dispatches
   in a training step (both measured): the host's time, which the device's work hides
   (a micro-batch costs the slower of the two, as on a local GPU profile);
@@ -88,6 +91,7 @@ def calibrated_cluster(cluster: Cluster, profile: dict, spec: ModelSpec, precisi
     if efficiency and "efficiency" not in given:   # against the cluster's peak (--peak-flops)
         peak = entry.get("peak_flops", cluster.peak_flops)
         changes["efficiency"] = min(1.0, efficiency * peak / cluster.peak_flops)
+        changes["elementwise_apart"] = True   # measured on GEMMs and attention alone
     if entry.get("launch_rate") and entry.get("ops_per_block"):
         # the host's dispatch, which a GPU runs beside its work: the slower of the two counts
         changes["block_overhead"] = entry["ops_per_block"] / entry["launch_rate"]

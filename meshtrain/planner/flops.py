@@ -45,3 +45,19 @@ def model_flops(spec: ModelSpec, global_batch: int) -> float:
     """Useful FLOPs per step (no recomputation): the numerator of MFU (PaLM, Chowdhery et al.
     2022, Appendix B)."""
     return step_flops(spec, global_batch, "none")
+
+
+# What a step moves through memory outside its GEMMs and attention kernels, in bf16 (the
+# layer norms, GELU, residual adds and bias gradients; the loss's upcast, log-softmax and
+# their backward), from the kernels of meshtrain's bf16 step of GPT-2 124M (batch 8 x 1024)
+# profiled on an H200 (docs/gpu.md): 4.4 ms per step in the blocks' elementwise kernels
+# and 5.0 ms in the loss's, as bytes at that GPU's measured copy bandwidth (3.68 TB/s).
+ELEMENTWISE_BYTES = 215   # per token, block and hidden channel, forward and backward
+LOSS_BYTES = 45           # per token and vocabulary entry
+
+
+def elementwise_bytes_per_token(spec: ModelSpec, layers: float, tp: int = 1) -> float:
+    """Bytes the elementwise work of one token's forward and backward moves over `layers`
+    blocks and the loss (ELEMENTWISE_BYTES, LOSS_BYTES), split over `tp` ranks (the
+    blocks' channels and the vocabulary split with their GEMMs)."""
+    return (layers * ELEMENTWISE_BYTES * spec.hidden + LOSS_BYTES * spec.vocab) / tp

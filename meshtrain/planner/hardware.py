@@ -117,6 +117,8 @@ class Cluster:
                                     # counts mixed precision's fp32 gradients only)
     async_dispatch: bool = False    # GPU ranks of a local profile: the host dispatches a
                                     # micro-batch while the device runs it (max, not sum)
+    elementwise_apart: bool = False  # `efficiency` is the GEMMs' and attention's alone (a
+                                    # GPU profile's): the elementwise work priced at mem_bw
     efficiency_curves: dict | None = field(default=None, compare=False)   # the measured GEMM
                                     # and attention efficiency by size ({"gemm", "attention",
                                     # "dtype"}: a profile's curves), priced per micro-batch

@@ -17,9 +17,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from meshtrain.core.plan import LOCAL_STEP_MODES
-from meshtrain.planner.calibrated import model_efficiency
 from meshtrain.planner.compression import powersgd_traffic
-from meshtrain.planner.flops import forward_flops_per_token
+from meshtrain.planner.compute_time import dispatch_time, micro_batch_compute
 from meshtrain.planner.hardware import Cluster, nearest
 from meshtrain.planner.states import model_states, stage_params
 from meshtrain.planner.model_spec import ModelSpec
@@ -133,40 +132,6 @@ def trainer_costs(cand: Candidate, cluster: Cluster) -> tuple[float, float]:
     if cand.plan.dp_mode == "dp" and cluster.process_trainer:
         return cluster.process_trainer
     return cluster.compute_scale, cluster.step_overhead
-
-
-def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: float,
-                        precision: str | None = None) -> float:
-    """Seconds of one micro-batch of `b` sequences on one rank, before the Trainer's factor:
-    the model's FLOPs over pp stages (the busiest holds ceil(l/p) layers, plus the logit
-    layer) and tp ranks, plus a fixed cost per block that no FLOP count sees. With measured
-    efficiency curves (a GPU's local profile) in `precision`, the FLOPs run at the
-    efficiency of this micro-batch's GEMMs and attention; where the host dispatches while
-    the device computes (`async_dispatch`), the slower of the two bounds the micro-batch."""
-    p = cand.plan
-    layer_f, scores_f, logits_f = forward_flops_per_token(spec, spec.seq)
-    extra = layer_f if cand.recompute == "full" else scores_f if cand.recompute == "selective" else 0
-    layers_here = math.ceil(spec.layers / p.pp)
-    mb_flops = b * spec.seq * (layers_here * (3 * layer_f + extra) + 3 * logits_f) / p.tp
-    dispatch = dispatch_time(spec, cand, cluster)
-    device = mb_flops / cluster.achievable_flops
-    curves = cluster.efficiency_curves
-    if curves and precision == curves["dtype"]:   # one sequence's shapes, times b
-        device = mb_flops / (cluster.peak_flops * model_efficiency(curves, spec, max(1, b)))
-    return max(device, dispatch) if cluster.async_dispatch else device + dispatch
-
-
-def dispatch_time(spec: ModelSpec, cand: Candidate, cluster: Cluster) -> float:
-    """Host seconds to dispatch one micro-batch on one rank: kernel launches, autograd,
-    Python (calibrated; 0 on GPU presets), per block of this stage, recomputation's second
-    forward a third more; tensor parallel does not divide it; the embedding, head and loss
-    count as one more block."""
-    p = cand.plan
-    layers_here = math.ceil(spec.layers / p.pp)
-    dispatch = cluster.block_overhead * (layers_here * (4 / 3 if cand.recompute == "full" else 1) + 1)
-    if p.dp_mode == "dp":   # the replicas' threads take turns at Python's interpreter lock
-        dispatch *= p.dp
-    return dispatch
 
 
 def tp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster,

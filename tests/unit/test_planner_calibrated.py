@@ -9,7 +9,7 @@ import pytest
 from meshtrain.planner import Setup, preset
 from meshtrain.planner.calibrated import (attention_flops, calibrated_cluster, gemm_flops,
                                           model_efficiency)
-from meshtrain.planner.flops import forward_flops_per_token
+from meshtrain.planner.flops import elementwise_bytes_per_token, forward_flops_per_token
 from meshtrain.planner.hardware import GPUS, Curve, HardwareError, device_kind, make_cluster
 from meshtrain.planner.profile import DEFAULT_PATH, kind_path, load_profile, profile_path
 
@@ -108,14 +108,17 @@ def test_a_profile_of_the_named_gpu_changes_the_step_by_what_it_measured(capsys,
     assert "peak_flops" in cl["calibration"]["table"] and "intra_bw" in cl["calibration"]["table"]
     before, after = table["plans"][0], calibrated["plans"][0]
     assert before["plan"] == after["plan"] and before["micro_batch"] == after["micro_batch"] == 4
-    # per micro-batch: the slower of F / (peak e) and the host's dispatch, overhead x
-    # (layers + 1): the device's work here
+    # per micro-batch: the slower of the host's dispatch, overhead x (layers + 1), and the
+    # device's work, F / (peak e) with e measured on GEMMs and attention, and the elementwise
+    # work at the memory's speed beside it: the device's here
     layer, _, logits = forward_flops_per_token(SPEC, SPEC.seq)
     flops = 4 * SPEC.seq * (SPEC.layers * 3 * layer + 3 * logits)
     peak = GPUS["H100-80GB"].peak_bf16
     t_table = flops / (peak * 0.5)
-    t_calibrated = max(flops / (peak * 0.25), 50 / 2e5 * (SPEC.layers + 1))
-    assert t_calibrated == flops / (peak * 0.25)
+    elementwise = 4 * SPEC.seq * elementwise_bytes_per_token(SPEC, SPEC.layers) / GPUS[
+        "H100-80GB"].mem_bw
+    t_calibrated = max(flops / (peak * 0.25) + elementwise, 50 / 2e5 * (SPEC.layers + 1))
+    assert t_calibrated == flops / (peak * 0.25) + elementwise
     assert before["time"]["compute"] == pytest.approx(2 * t_table)
     assert after["time"]["compute"] == pytest.approx(2 * t_calibrated)
     assert after["time"]["total"] - before["time"]["total"] == pytest.approx(

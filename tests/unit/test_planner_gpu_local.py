@@ -10,11 +10,11 @@ from meshtrain.measure import runs, verify
 from meshtrain.models.gpt import GPTConfig
 from meshtrain.planner import memory as mm
 from meshtrain.planner.calibrated import efficiency_at, gemm_flops, model_efficiency
-from meshtrain.planner.flops import forward_flops_per_token
+from meshtrain.planner.flops import ELEMENTWISE_BYTES, LOSS_BYTES, forward_flops_per_token
 from meshtrain.planner.model_spec import from_gpt_config
 from meshtrain.planner.profile import REFERENCE_GPT, cluster_from_profile
 from meshtrain.planner.setup import Candidate, Setup
-from meshtrain.planner.time_model import micro_batch_compute
+from meshtrain.planner.compute_time import micro_batch_compute
 
 SPEC = from_gpt_config(GPTConfig(**runs.VERIFY_GPTS["cuda"]))
 BF16 = Setup(global_batch=8, precision="bf16")
@@ -35,6 +35,12 @@ def _flops(b: int) -> float:
     return b * SPEC.seq * (SPEC.layers * 3 * layer + 3 * logits)
 
 
+def _elementwise(b: int) -> float:
+    """Seconds of b sequences' elementwise work at ENTRY's copy bandwidth."""
+    return b * SPEC.seq * (SPEC.layers * ELEMENTWISE_BYTES * SPEC.hidden
+                           + LOSS_BYTES * SPEC.vocab) / 2.6e12
+
+
 def test_a_gpu_profile_runs_the_host_beside_the_device():
     gpu, cpu = cluster_from_profile(GPU, 1), cluster_from_profile(CPU, 1)
     assert gpu.async_dispatch and not gpu.host_is_device and gpu.idle_speedup == 1.0
@@ -52,11 +58,13 @@ def test_a_micro_batch_runs_at_the_efficiency_of_its_own_gemms(b):
     cand = Candidate(Plan(precision="bf16"), b, "none")
     e = efficiency_at(CURVES["gemm"], gemm_flops(b * SPEC.seq, SPEC.hidden, SPEC.ffn_hidden))
     assert model_efficiency(CURVES, SPEC, b) == pytest.approx(e)
-    device = _flops(b) / (989e12 * e)
+    # the GEMMs and attention at their efficiency, the elementwise work at memory speed
+    device = _flops(b) / (989e12 * e) + _elementwise(b)
     dispatch = 50 / 1e5 * (SPEC.layers + 1)
     # the slower of the device's work and the host's dispatch bounds the micro-batch
     assert micro_batch_compute(SPEC, cand, gpu, b, "bf16") == pytest.approx(max(device, dispatch))
-    # another precision than the curves': the reference step's rate against the peak
+    # another precision than the curves': the reference step's rate against the peak, which
+    # its elementwise work is part of
     assert micro_batch_compute(SPEC, cand, gpu, b, "fp32") == pytest.approx(
         max(_flops(b) / 4e14, dispatch))
 
@@ -67,7 +75,8 @@ def test_a_host_bound_micro_batch_costs_its_dispatch_and_cpu_ranks_pay_both():
     assert micro_batch_compute(SPEC, cand, slow_host, 1, "bf16") == SPEC.layers + 1
     summed = slow_host.with_(async_dispatch=False)
     assert micro_batch_compute(SPEC, cand, summed, 1, "bf16") == pytest.approx(
-        SPEC.layers + 1 + _flops(1) / (989e12 * model_efficiency(CURVES, SPEC, 1)))
+        SPEC.layers + 1 + _flops(1) / (989e12 * model_efficiency(CURVES, SPEC, 1))
+        + _elementwise(1))
 
 
 def test_the_optimizer_steps_moment_is_the_peak_when_activations_are_small():
@@ -111,7 +120,8 @@ def test_a_gpu_is_held_to_five_percent_on_both_peaks():
 def test_a_gpu_step_is_the_slower_of_the_devices_work_and_the_hosts():
     """GPU ranks: the Trainer's fixed host cost and each micro-batch's dispatch set the step
     only where they outlast the device's work; CPU ranks add the fixed cost to it."""
-    from meshtrain.planner.time_model import dispatch_time, step_time
+    from meshtrain.planner.compute_time import dispatch_time
+    from meshtrain.planner.time_model import step_time
 
     cand = Candidate(Plan(precision="bf16", microbatches=2), 4, "none")
     gpu = cluster_from_profile(GPU, 1)
@@ -140,10 +150,33 @@ def test_the_gpu_trainer_fit_keeps_the_hosts_fixed_cost_out_of_device_bound_step
     plan = runs.run_plan({"dp": 1}, "cuda")
     bare = [verify.predict(GPU, plan, b, model).time for model, b in shapes]
     measured = [t.total + 0.25 * t.compute for t in bare]
-    measured[0] = 0.008   # the smallest step: bound by the host's 8 ms
+    measured[0] += 0.004   # the smallest step: bound by the host, 4 ms beyond the device
     fit = fit_trainer(GPU, 1, [measured, measured])
     assert fit["compute_scale"] == pytest.approx(1.25)
-    assert fit["per_step"] == pytest.approx(0.008 - 50 / 1e5 * (reference["n_layer"] + 1))
+    assert fit["per_step"] == pytest.approx(measured[0] - 50 / 1e5 * (reference["n_layer"] + 1))
     fitted = {**GPU, "worlds": {"1": {**ENTRY, "trainer": fit}}}
     for (model, b), m in zip(shapes, measured):
         assert verify.predict(fitted, plan, b, model).time.total == pytest.approx(m, rel=1e-6)
+
+
+def test_elementwise_work_is_priced_apart_only_beside_gemm_and_attention_rates():
+    """A rate measured on GEMMs and attention alone (a GPU profile's curves, or a preset
+    calibrated with one) leaves the elementwise work out: it runs at the memory's speed,
+    recomputation's second forward a third more. A rate measured on whole steps (a CPU
+    profile, a preset's achievable efficiency) has it inside."""
+    cand = Candidate(Plan(precision="bf16"), 4, "none")
+    gpu = cluster_from_profile(GPU, 1)
+    apart = micro_batch_compute(SPEC, cand, gpu, 4, "bf16")
+    whole = micro_batch_compute(SPEC, cand, gpu.with_(efficiency_curves=None), 4, "bf16")
+    assert apart - _flops(4) / (989e12 * model_efficiency(CURVES, SPEC, 4)) == pytest.approx(
+        _elementwise(4))
+    assert whole == pytest.approx(_flops(4) / gpu.achievable_flops)
+    preset = gpu.with_(efficiency_curves=None, elementwise_apart=True)
+    assert micro_batch_compute(SPEC, cand, preset, 4, "bf16") == pytest.approx(
+        whole + _elementwise(4))
+    full = Candidate(Plan(precision="bf16", recompute="full"), 4, "full")
+    layer, _, _ = forward_flops_per_token(SPEC, SPEC.seq)
+    recomputed = micro_batch_compute(SPEC, full, preset, 4, "bf16")
+    assert recomputed - whole - 4 * SPEC.seq * SPEC.layers * layer / gpu.achievable_flops == (
+        pytest.approx(_elementwise(4) + 4 * SPEC.seq * SPEC.layers / 3 * ELEMENTWISE_BYTES
+                      * SPEC.hidden / 2.6e12))

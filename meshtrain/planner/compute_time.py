@@ -1,0 +1,55 @@
+"""One micro-batch's compute on one rank, for the step's time model (time_model.py): its
+FLOPs at the cluster's rate (or at the measured efficiency of its own GEMMs and attention,
+with the elementwise work around them at the memory's speed), and the host's dispatch of it
+(kernel launches, autograd, Python), which a GPU runs beside the device's work and CPU ranks
+pay on top."""
+from __future__ import annotations
+
+import math
+
+from meshtrain.planner.calibrated import model_efficiency
+from meshtrain.planner.flops import elementwise_bytes_per_token, forward_flops_per_token
+from meshtrain.planner.hardware import Cluster
+from meshtrain.planner.model_spec import ModelSpec
+from meshtrain.planner.setup import Candidate
+
+
+def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: float,
+                        precision: str | None = None) -> float:
+    """Seconds of one micro-batch of `b` sequences on one rank, before the Trainer's factor:
+    the model's FLOPs over pp stages (the busiest holds ceil(l/p) layers, plus the logit
+    layer) and tp ranks, plus a fixed cost per block that no FLOP count sees. With measured
+    efficiency curves (a GPU's local profile) in `precision`, the FLOPs run at the
+    efficiency of this micro-batch's GEMMs and attention, and its elementwise work at the
+    memory's speed (flops.ELEMENTWISE_BYTES; also where `elementwise_apart`: an efficiency
+    measured on GEMMs and attention alone); where the host dispatches while
+    the device computes (`async_dispatch`), the slower of the two bounds the micro-batch."""
+    p = cand.plan
+    layer_f, scores_f, logits_f = forward_flops_per_token(spec, spec.seq)
+    extra = layer_f if cand.recompute == "full" else scores_f if cand.recompute == "selective" else 0
+    layers_here = math.ceil(spec.layers / p.pp)
+    mb_flops = b * spec.seq * (layers_here * (3 * layer_f + extra) + 3 * logits_f) / p.tp
+    dispatch = dispatch_time(spec, cand, cluster)
+    device = mb_flops / cluster.achievable_flops
+    apart = cluster.elementwise_apart
+    curves = cluster.efficiency_curves
+    if curves and precision == curves["dtype"]:   # one sequence's shapes, times b
+        device = mb_flops / (cluster.peak_flops * model_efficiency(curves, spec, max(1, b)))
+        apart = True
+    if apart:   # the FLOPs' rate is the GEMMs' and attention's alone: the rest at memory speed
+        blocks = layers_here * (4 / 3 if cand.recompute == "full" else 1)
+        device += b * spec.seq * elementwise_bytes_per_token(spec, blocks, p.tp) / cluster.mem_bw
+    return max(device, dispatch) if cluster.async_dispatch else device + dispatch
+
+
+def dispatch_time(spec: ModelSpec, cand: Candidate, cluster: Cluster) -> float:
+    """Host seconds to dispatch one micro-batch on one rank: kernel launches, autograd,
+    Python (calibrated; 0 on GPU presets), per block of this stage, recomputation's second
+    forward a third more; tensor parallel does not divide it; the embedding, head and loss
+    count as one more block."""
+    p = cand.plan
+    layers_here = math.ceil(spec.layers / p.pp)
+    dispatch = cluster.block_overhead * (layers_here * (4 / 3 if cand.recompute == "full" else 1) + 1)
+    if p.dp_mode == "dp":   # the replicas' threads take turns at Python's interpreter lock
+        dispatch *= p.dp
+    return dispatch
