@@ -55,7 +55,7 @@ from meshtrain.measure.verify import plan_inputs, verify_rank
 from meshtrain.planner.activations import forward_traffic, transient_bytes
 from meshtrain.planner.hardware import GPUS
 from meshtrain.planner.memory import optimizer_step_bytes
-from meshtrain.planner.profile import kind_path, save_profile
+from meshtrain.planner.profile import kind_path, profile_device, save_profile
 from meshtrain.core.units import fmt_rate
 
 
@@ -183,7 +183,11 @@ def describe(profile: dict) -> str:
                              f"; + {rt['accumulation'] / 1e6:.1f} MB accumulating over "
                              f"micro-batches" if "accumulation" in rt else ""))
         tr = e.get("trainer")
-        if tr:
+        if tr and profile_device(profile) == "cuda":   # fit._fit_queued_trainer
+            lines.append(f"      Trainer step: the slower of {tr['compute_scale']:.3f} x the "
+                         f"model's compute and the host's {tr['per_step'] * 1e3:.1f} ms + "
+                         f"its dispatch")
+        elif tr:
             lines.append(f"      Trainer step: {tr['compute_scale']:.3f} x the model's compute "
                          f"+ {tr['per_step'] * 1e3:.1f} ms")
         fitted = e.get("strategies")
