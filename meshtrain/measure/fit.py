@@ -105,9 +105,9 @@ def fit_trainer(profile: dict, world: int, rounds: list[list[float]]) -> dict:
         # with nothing fitted yet
         ev = predict(profile, run_plan({"dp": world}, device), batch, model)
         points.append((statistics.median(steps), ev.time.total, ev.time.compute))
-    late = [m - p for m, p, _ in points]
     if device == "cuda":
         return _fit_queued_trainer(profile, world, points, single)
+    late = [m - p for m, p, _ in points]
     fit = _least_squares([[c, 1.0] for *_, c in points], late)
     if fit is None or fit[1] < 0:   # no fixed cost: the factor alone
         fit = [sum(c * d for (*_, c), d in zip(points, late)) / sum(c * c for *_, c in points), 0.0]

@@ -37,19 +37,23 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
         device = mb_flops / (cluster.peak_flops * model_efficiency(curves, spec, max(1, b)))
         apart = True
     if apart:   # the FLOPs' rate is the GEMMs' and attention's alone: the rest at memory speed
-        blocks = layers_here * (4 / 3 if cand.recompute == "full" else 1)
-        device += b * spec.seq * elementwise_bytes_per_token(spec, blocks, p.tp) / cluster.mem_bw
+        device += (b * spec.seq * elementwise_bytes_per_token(spec, blocks_run(spec, cand), p.tp)
+                   / cluster.mem_bw)
     return max(device, dispatch) if cluster.async_dispatch else device + dispatch
 
 
 def dispatch_time(spec: ModelSpec, cand: Candidate, cluster: Cluster) -> float:
     """Host seconds to dispatch one micro-batch on one rank: kernel launches, autograd,
-    Python (calibrated; 0 on GPU presets), per block of this stage, recomputation's second
-    forward a third more; tensor parallel does not divide it; the embedding, head and loss
-    count as one more block."""
+    Python (calibrated; 0 on GPU presets), per block it runs (`blocks_run`); tensor parallel
+    does not divide it; the embedding, head and loss count as one more block."""
     p = cand.plan
-    layers_here = math.ceil(spec.layers / p.pp)
-    dispatch = cluster.block_overhead * (layers_here * (4 / 3 if cand.recompute == "full" else 1) + 1)
+    dispatch = cluster.block_overhead * (blocks_run(spec, cand) + 1)
     if p.dp_mode == "dp":   # the replicas' threads take turns at Python's interpreter lock
         dispatch *= p.dp
     return dispatch
+
+
+def blocks_run(spec: ModelSpec, cand: Candidate) -> float:
+    """The blocks one micro-batch runs forward and backward on the busiest stage, full
+    recomputation's second forward a third of a block more each."""
+    return math.ceil(spec.layers / cand.plan.pp) * (4 / 3 if cand.recompute == "full" else 1)
