@@ -65,11 +65,17 @@ class ActivationMeter:
 
     A parameter is recognised by its storage as it is when the tensor is saved (ZeRO-3
     gathers parameters into fresh buffers during forward), so the views of a parameter that
-    some ops save (a transposed weight) are not counted either."""
+    some ops save (a transposed weight) are not counted either. Reading every parameter's
+    storage again for each saved tensor cost a 12-block GPT more host time than its step, so
+    a saved tensor is first matched by identity (the parameter, or a view of it:
+    what a gathered ZeRO-3 unit saves), then against the storages the parameters held when
+    the measurement began, re-read only where one matches (it may have been freed since)."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self._params = list(params)
         self._seen: dict[int, int] | None = None   # storages seen in the current measure()
+        self._ids: set[int] = set()                # the parameters' ids, while measuring
+        self._storages: set[int] = set()           # ... their storages when it began
         self.last_bytes: int | None = None
 
     def track(self, params: Iterable[torch.Tensor]) -> None:
@@ -82,15 +88,23 @@ class ActivationMeter:
         recomputation keeps), while a measurement runs."""
         if self._seen is None:
             return
-        params = {p.untyped_storage().data_ptr() for p in self._params}
         for t in tensors:
+            if id(t) in self._ids or (t._base is not None and id(t._base) in self._ids):
+                continue
             storage = t.untyped_storage()
-            if storage.data_ptr() not in params:
-                self._seen[storage.data_ptr()] = storage.nbytes()
+            ptr = storage.data_ptr()
+            if ptr in self._storages and ptr in self._param_storages():
+                continue
+            self._seen[ptr] = storage.nbytes()
+
+    def _param_storages(self) -> set[int]:
+        return {p.untyped_storage().data_ptr() for p in self._params}
 
     @contextmanager
     def measure(self):
         self._seen = seen = {}
+        self._ids = {id(p) for p in self._params}
+        self._storages = self._param_storages() - {0}   # a released ZeRO-3 unit holds none
 
         def pack(t: torch.Tensor):
             self.keep([t])
@@ -100,5 +114,5 @@ class ActivationMeter:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 yield
         finally:
-            self._seen = None
+            self._seen, self._ids, self._storages = None, set(), set()
         self.last_bytes = sum(seen.values())
