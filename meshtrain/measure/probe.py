@@ -16,6 +16,7 @@ from meshtrain.bench.timing import alternate
 from meshtrain.core.comm import Comm
 from meshtrain.core.device import device_name, rank_device, synchronize
 from meshtrain.core.flops import PRECISION_DTYPES
+from meshtrain.core.gpus import peak_flops
 from meshtrain.core.mesh import Mesh
 from meshtrain.measure.peaks import allocated_peak
 from meshtrain.core.plan import Plan
@@ -205,7 +206,7 @@ def add_efficiencies(entry: dict, kind: str, dtype: str) -> None:
     """Each GEMM's and attention's efficiency against the device's dense peak: the table's
     for a GPU it knows (at `dtype`), else the square matmul measured beside them."""
     gpu = GPUS.get(kind)
-    peak = (gpu.peak_bf16 if dtype == "bf16" else gpu.peak_fp32) if gpu else entry["matmul_flops"]
+    peak = (peak_flops(gpu, dtype) if gpu else None) or entry["matmul_flops"]
     for family in ("gemm", "attention"):
         curve = entry.get(family)
         if curve:

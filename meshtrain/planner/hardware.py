@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from meshtrain.core.gpus import GPUS, device_kind  # noqa: F401  (presets; profiles name kinds)
+from meshtrain.core.gpus import peak_flops as table_peak
 from meshtrain.core.units import parse_bandwidth, parse_bytes, parse_flops
 
 
@@ -279,7 +280,9 @@ def make_cluster(gpu: str | None = None, nodes: int = 1, gpus_per_node: int = 8,
     mem = parse_bytes(gpu_mem) if isinstance(gpu_mem, str) else (gpu_mem or base.mem)
     intra = bandwidth(intra_bw) if isinstance(intra_bw, str) else (intra_bw or LINKS[base.link])
     inter = bandwidth(inter_bw) if isinstance(inter_bw, str) else (inter_bw or LINKS["ib-hdr"])
-    default_peak = base.peak_bf16 if precision == "bf16" else base.peak_fp32
+    # the data sheet's peak at the precision; a part without bf16 tensor cores (a V100)
+    # runs bf16 matmuls at its fp32 rate
+    default_peak = table_peak(base, precision) or base.peak_fp32
     peak = parse_flops(peak_flops) if isinstance(peak_flops, str) else (peak_flops or default_peak)
     return Cluster(nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem=mem, intra_bw=intra,
                    inter_bw=inter, peak_flops=peak, mem_bw=base.mem_bw,

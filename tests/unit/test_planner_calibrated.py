@@ -35,6 +35,14 @@ def test_device_names_map_to_the_tables_kinds(name, kind):
     assert (kind in GPUS) == kind[0].isupper()
 
 
+@pytest.mark.parametrize("gpu, precision, peak", [
+    ("H100-80GB", "bf16", 989e12), ("H100-80GB", "fp32", 67e12), ("A100-80GB", "bf16", 312e12),
+    ("V100-32GB", "bf16", 15.7e12),   # no bf16 tensor cores: its fp32 rate, not fp16's 125
+    ("V100-32GB", "fp32", 15.7e12)])
+def test_a_presets_peak_is_the_data_sheets_at_the_precision(gpu, precision, peak):
+    assert make_cluster(gpu, precision=precision).peak_flops == peak
+
+
 def test_cpu_ranks_are_a_kind_by_core_count():
     assert device_kind(None, 2) == "cpu-2"
 
