@@ -8,11 +8,11 @@
 #     bash meshtrain/bench/gpu_checks.sh                 # every step, from the repository root
 #     bash meshtrain/bench/gpu_checks.sh env tier        # only these steps
 #
-# Steps: install env default gpt2 offload recompute single compile profile tier calibrate verify. A
-# step that fails, or outlasts $STEP_TIMEOUT seconds (default 600), is recorded and the next one
-# runs. Runs train in a scratch folder (checkpoints stay out of $OUT). The timing steps (single,
-# compile, profile, calibrate, verify) want the GPU to themselves; the others can share it,
-# e.g. in one call of about four minutes on an H100 (docs/gpu.md was measured this way):
+# Steps: install env default gpt2 offload recompute single train8 compile profile tier calibrate
+# verify. A step that fails, or outlasts $STEP_TIMEOUT seconds (default 600), is recorded and the
+# next one runs. Runs train in a scratch folder (checkpoints stay out of $OUT). The timing steps
+# (single, train8, compile, profile, calibrate, verify) want the GPU to themselves; the others can
+# share it, e.g. in one call of about four minutes on an H100 (docs/gpu.md was measured this way):
 #
 #     export STEP_TIMEOUT=150; S=meshtrain/bench/gpu_checks.sh
 #     OUT=/tmp/gc/setup bash $S install env
@@ -22,7 +22,7 @@
 #     tar czf gpu-checks.tgz -C /tmp/gc .
 set -u
 cd "$(dirname "$0")/../.."   # the repository root (this file is meshtrain/bench/gpu_checks.sh)
-ALL="install env default gpt2 offload recompute single compile profile tier calibrate verify"
+ALL="install env default gpt2 offload recompute single train8 compile profile tier calibrate verify"
 STEPS=${*:-$ALL}
 for s in $STEPS; do
     case " $ALL " in *" $s "*) ;; *) echo "unknown step $s (steps: $ALL)" >&2; exit 2 ;; esac
@@ -80,6 +80,9 @@ torch.cuda.nccl.version() if torch.cuda.is_available() else None)'" ;;
         step bench-single "$PY" -m meshtrain bench single --device cuda --model gpt2-124m \
             --batch 8 --precision bf16 --steps 5 --reps 20 --warmup 3 \
             --json "$OUT/bench-single.json" ;;
+    train8)   # the command's own step on bench single's case: its median step beside Plan()'s
+        train gpt2-b8 --model gpt2-124m --precision bf16 --batch 8 --nproc 1 --steps 40 \
+            --eval-every 1000 --ckpt-every 1000 ;;
     profile)   # where bench single's steps spend their time, eager and compiled
         step profile "$PY" -m meshtrain.bench.profile_step --model gpt2-124m --batch 8 \
             --precision bf16 ;;
