@@ -9,9 +9,9 @@
 #     bash meshtrain/bench/gpu_checks.sh env tier        # only these steps
 #
 # Steps: install env default gpt2 offload recompute single train8 compile profile tier calibrate
-# verify. A step that fails, or outlasts $STEP_TIMEOUT seconds (default 600), is recorded and the
+# verify verify-gpt2. A step that fails, or outlasts $STEP_TIMEOUT seconds (default 600), is recorded and the
 # next one runs. Runs train in a scratch folder (checkpoints stay out of $OUT). The timing steps
-# (single, train8, compile, profile, calibrate, verify) want the GPU to themselves; the others can
+# (single, train8, compile, profile, calibrate, verify, verify-gpt2) want the GPU to themselves; the others can
 # share it, e.g. in one call of about four minutes on an H100 (docs/gpu.md was measured this way):
 #
 #     export STEP_TIMEOUT=150; S=meshtrain/bench/gpu_checks.sh
@@ -22,7 +22,8 @@
 #     tar czf gpu-checks.tgz -C /tmp/gc .
 set -u
 cd "$(dirname "$0")/../.."   # the repository root (this file is meshtrain/bench/gpu_checks.sh)
-ALL="install env default gpt2 offload recompute single train8 compile profile tier calibrate verify"
+ALL="install env default gpt2 offload recompute single train8 compile profile tier calibrate"
+ALL="$ALL verify verify-gpt2"
 STEPS=${*:-$ALL}
 for s in $STEPS; do
     case " $ALL " in *" $s "*) ;; *) echo "unknown step $s (steps: $ALL)" >&2; exit 2 ;; esac
@@ -93,6 +94,8 @@ torch.cuda.nccl.version() if torch.cuda.is_available() else None)'" ;;
         step calibrate "$PY" -m meshtrain plan --calibrate
         cp ~/.cache/meshtrain/profiles/*.json "$OUT/" 2>/dev/null || true ;;
     verify) step verify "$PY" -m meshtrain plan --verify --json ;;
+    verify-gpt2)   # the same plans on GPT-2 124M, the model bench single and train8 time
+        step verify-gpt2 "$PY" -m meshtrain plan --verify --model gpt2-124m --json ;;
     esac
 done
 

@@ -5,6 +5,7 @@
     meshtrain plan --calibrate            # measure this machine, save a profile
     meshtrain plan --cluster local ...    # plan with the measured profile
     meshtrain plan --verify               # run the top supported plans for real, compare
+    meshtrain plan --verify --model gpt2-124m   # ... on your model (a meshtrain GPT)
 """
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def add_parser(subparsers) -> None:
     o.add_argument("--calibrate", action="store_true", help="measure this machine's compute "
                    "and collective bandwidths on local ranks; save a profile")
     o.add_argument("--verify", action="store_true", help="run the top plans the Trainer "
-                   "supports on local ranks; compare predicted and measured")
+                   "supports on local ranks; compare predicted and measured (on --model's "
+                   "GPT, or a --layers ... description, where given)")
     o.add_argument("--rank", action="store_true", help="with --verify: run the planner's "
                    "top plans and a sample of the rest at --nproc ranks; report the rank "
                    "correlation of predicted and measured step times")
@@ -73,6 +75,39 @@ def check_counts(args) -> None:
                                ("--gpus-per-node", args.gpus_per_node, 1)):
         if value is not None and value < least:
             raise ValueError(f"{flag} {value}: must be a whole number >= {least}")
+
+
+def verified_model(args) -> dict | None:
+    """The GPT `--verify` trains, as GPTConfig's fields: --model's meshtrain GPT preset (with
+    --seq), or a --layers --hidden --heads --vocab --seq description; None without either
+    (verify's own GPT for the device). Checked here, before any rank starts."""
+    from meshtrain.core.gpt_shapes import GPT_SHAPES
+    from meshtrain.models.gpt import GPTConfig
+
+    raw = {f: getattr(args, f) for f in ("layers", "hidden", "heads", "vocab")}
+    given = [f"--{f}" for f, v in raw.items() if v is not None]
+    if args.model and given:
+        raise ValueError("give either --model or --layers/--hidden/--heads/--vocab, not both")
+    if args.model:
+        shape = GPT_SHAPES.get(args.model.lower())
+        if shape is None:
+            raise ValueError(f"--verify trains the model it checks, and {args.model!r} is a "
+                             "model the planner describes but does not build: give one of "
+                             f"meshtrain's GPTs ({', '.join(GPT_SHAPES)}) or --layers --hidden "
+                             "--heads --vocab --seq")
+        model = dict(shape, seq_len=args.seq or shape["seq_len"])
+    elif given:
+        missing = [f"--{f}" for f, v in {**raw, "seq": args.seq}.items() if v is None]
+        if missing:
+            raise ValueError(f"--verify on a described model needs {' '.join(missing)} too")
+        model = dict(vocab_size=raw["vocab"], seq_len=args.seq, n_layer=raw["layers"],
+                     n_head=raw["heads"], d_model=raw["hidden"])
+    elif args.seq is not None:
+        raise ValueError("--seq with --verify resizes --model's GPT: give --model too")
+    else:
+        return None
+    GPTConfig(**model)   # its own checks (heads dividing the width, ...), before any rank
+    return model
 
 
 def build_inputs(args):
@@ -139,10 +174,10 @@ def run(args) -> int:
             raise ValueError("--rank ranks plans by running them: add --verify")
         if args.verify and args.rank:
             from meshtrain.measure.ranking import rank_command
-            return rank_command(args)
+            return rank_command(args, verified_model(args))
         if args.verify:
             from meshtrain.measure.verify import verify_command
-            return verify_command(args)
+            return verify_command(args, verified_model(args))
         spec, setup, cluster = build_inputs(args)
         advice = advise(spec, setup, cluster)
         require_fit(advice)

@@ -99,3 +99,10 @@ def fmt_seconds(t: float) -> str:
     if t >= 1e-3:
         return f"{t * 1e3:.3g} ms"
     return f"{t * 1e6:.3g} us"
+
+
+def fmt_duration(t: float) -> str:
+    """A wait in the unit a person reads it in: seconds, minutes or hours."""
+    if t >= 3600:
+        return f"{t / 3600:.1f} h"
+    return f"{t / 60:.0f} min" if t >= 60 else f"{t:.0f} s"

@@ -1,10 +1,11 @@
 """`meshtrain plan --verify --rank`: is the planner's order of plans the measured order?
 
-For meshtrain's GPT at one world size, the advisor ranks every plan that fits the calibrated
-machine. The planner's top plans and a seeded sample of the rest (plans the Trainer runs)
-are run for real by `verify` (interleaved rounds, medians); the report gives the Spearman
-rank correlation between predicted and measured step times, and whether the predicted best
-was the measured best, or how far behind it was.
+For a meshtrain GPT (verify's, or the one `--model` names) at one world size, the advisor
+ranks every plan that fits the calibrated machine. The planner's top plans and a seeded
+sample of the rest (plans the Trainer runs) are run for real by `verify` (interleaved
+rounds, medians); the report gives the Spearman rank correlation between predicted and
+measured step times, and whether the predicted best was the measured best, or how far
+behind it was.
 """
 from __future__ import annotations
 
@@ -75,14 +76,14 @@ def as_verify_plan(cand, global_batch: int) -> tuple[dict, int]:
 
 
 def choose_plans(profile: dict, world: int, global_batch: int = 16, top: int = 3,
-                 others: int = 9, seed: int = 0) -> list[tuple[dict, int]]:
+                 others: int = 9, seed: int = 0, model: dict = MODEL) -> list[tuple[dict, int]]:
     """The advisor's `top` fastest runnable plans and `others` drawn from the rest, one from
     each of `others` equal slices of its predicted order, so the sample spans the range.
     (Six top plans, as first built, were dp x pp variants predicted within 1-2% of each
     other, closer than this machine's run-to-run noise: their measured order was chance,
     and the correlation over them measured the noise; the predicted best's distance from
     the measured best still judges the top.)"""
-    spec = from_gpt_config(GPTConfig(**MODEL), "gpt")
+    spec = from_gpt_config(GPTConfig(**model), "gpt")
     setup = Setup(global_batch=global_batch, micro_batch=0, precision="fp32",
                   optimizer="adam", recompute="", sequence_parallel=False)
     ranked = [ev.cand for ev in advise(spec, setup, cluster_from_profile(profile, world)).ranked
@@ -114,18 +115,18 @@ def rank_report(rows: list[dict]) -> tuple[dict, str]:
     return result, text
 
 
-def rank_command(args) -> int:
-
-
+def rank_command(args, model: dict | None = None) -> int:
+    """`meshtrain plan --verify --rank` on `model` (GPTConfig's fields; None: verify's GPT)."""
+    model = model or MODEL
     profile = load_profile(args.profile, local_kind())
-    plans = choose_plans(profile, args.nproc)
+    plans = choose_plans(profile, args.nproc, model=model)
     if len(plans) < 2:
         raise ValueError(f"only {len(plans)} runnable plan(s) at {args.nproc} ranks: nothing to "
                          "rank; try a larger --nproc")
     print(f"ranking {len(plans)} plans at {args.nproc} ranks: the planner's top "
           f"{min(3, len(plans))} and a sample across the rest", file=sys.stderr)
     table = io.StringIO()
-    rows = verify(profile, plans=plans, out=table, progress=True)
+    rows = verify(profile, plans=plans, out=table, model=model, progress=True)
     print(table.getvalue(), end="")
     result, text = rank_report(rows)
     print("\n" + text)

@@ -39,6 +39,7 @@ from meshtrain.bench.timing import time_each_step
 from meshtrain.core.admit import check_plan
 from meshtrain.core.device import gpu_count, rank_device, resolve_device
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan, PlanError
+from meshtrain.core.units import fmt_duration
 from meshtrain.launch import launch
 from meshtrain.measure.peaks import allocated_peak, peak_meter
 from meshtrain.measure.probe import local_kind
@@ -91,6 +92,7 @@ def label(plan: dict, batch: int) -> str:
     return f"{Plan(**plan).describe()[5:-1] or 'one process'}, batch {batch}/rank"
 MODEL = VERIFY_GPTS["cpu"]   # "small"; a GPU's: VERIFY_GPTS["cuda"] (runs.py)
 ROUNDS = 3      # runs of each plan, interleaved with the other plans'
+STEPS, WARMUP = 5, 2   # timed steps of each run, after its warm-up steps
 # the acceptance of issue 16 (model states 2%, resident peak 10%, step 15%); the allocated
 # peak, a derived quantity it does not name, is held to 15%, the bytes sent (exact counters
 # against ring theory; the statistics' few bytes left out) to 2%
@@ -101,7 +103,7 @@ LIMITS = {"model_states": 0.02, "peak_alloc": 0.15, "peak_rss": 0.10, "step": 0.
 GPU_LIMITS = {**LIMITS, "peak_alloc": 0.05, "peak_rss": 0.05}
 
 
-def verify_rank(model: dict, plan: dict, batch: int, steps: int = 5, warmup: int = 2,
+def verify_rank(model: dict, plan: dict, batch: int, steps: int = STEPS, warmup: int = WARMUP,
                 exact: bool = True) -> dict:
     """One rank of one verification run: train, then report measured memory and time, and
     with `exact` the quantities one round suffices for: the allocated peak and the bytes
@@ -195,8 +197,8 @@ def _err(pred: float, meas: float | None) -> float | None:
     return (pred - meas) / meas
 
 
-def verify(profile: dict, plans=PLANS, steps: int = 5, out=sys.stdout, model: dict = MODEL,
-           warmup: int = 2, rounds: int = ROUNDS, progress: bool = False) -> list[dict]:
+def verify(profile: dict, plans=PLANS, steps: int = STEPS, out=sys.stdout, model: dict = MODEL,
+           warmup: int = WARMUP, rounds: int = ROUNDS, progress: bool = False) -> list[dict]:
     """Run every plan `rounds` times, the rounds interleaved (all plans, then all again), so
     that a slow phase of the machine lands on one round of a plan, not on all of them; the
     step time and resident peak are medians over rounds (each round: the median step of
@@ -347,13 +349,15 @@ def runs_in_its_precision(plan: dict) -> bool:
     return True
 
 
-def verify_command(args) -> int:
+def verify_command(args, model: dict | None = None) -> int:
+    """`meshtrain plan --verify`: verify's plans on `model` (GPTConfig's fields; None: the
+    device's own verify GPT), those predicted to fit, against this machine's profile."""
     kind = local_kind()
     profile = load_profile(args.profile, kind)
     device = resolve_device()
     most = gpu_count() if device == "cuda" else float("inf")   # one rank per GPU
-    model = VERIFY_GPTS[device]   # and each plan in the device's dtype (runs.py)
-    ran = [(run_plan(plan, device), batch) for plan, batch in PLANS]
+    name, model = ("the model given", model) if model else ("verify's GPT", VERIFY_GPTS[device])
+    ran = [(run_plan(plan, device), batch) for plan, batch in PLANS]   # in the device's dtype
     admitted = [(plan, batch) for plan, batch in ran if runs_in_its_precision(plan)]
     fp32_only = len(ran) - len(admitted)
     plans = tuple((plan, batch) for plan, batch in admitted
@@ -363,10 +367,20 @@ def verify_command(args) -> int:
         raise HardwareError(f"the profile {profile_path(args.profile, kind)} has no measurements at "
                             f"{missing} ranks, which --verify runs; calibrate them with "
                             f"`meshtrain plan --calibrate --nproc {max(missing)}`")
-    skipped = f"{len(PLANS) - len(plans) - fp32_only} need more GPUs" + (
-        f", {fp32_only} run in fp32 only" if fp32_only else "")
-    print(f"verifying {len(plans)} plans of meshtrain's GPT {model} (AdamW; {skipped}), "
-          f"{ROUNDS} rounds, against the profile of {profile['created']}", file=sys.stderr)
+    predicted = [predict(profile, plan, batch, model) for plan, batch in plans]
+    too_big = [label(*pb) for pb, ev in zip(plans, predicted) if not ev.fits]
+    if len(too_big) == len(plans):
+        raise ValueError(f"none of --verify's plans is predicted to fit {name} {model} on "
+                         "this machine: verify a smaller model")
+    steps = ROUNDS * (WARMUP + STEPS) + 1   # the first round's one more, for exact counts
+    seconds = steps * sum(ev.time.total for ev in predicted if ev.fits)
+    plans = tuple(pb for pb, ev in zip(plans, predicted) if ev.fits)
+    skipped = f"{len(PLANS) - len(plans) - fp32_only - len(too_big)} need more GPUs" + (
+        f", {fp32_only} run in fp32 only" if fp32_only else "") + (
+        f", {len(too_big)} predicted not to fit ({'; '.join(too_big)})" if too_big else "")
+    print(f"verifying {len(plans)} plans of {name} {model} (AdamW; {skipped}), {ROUNDS} "
+          f"rounds, against the profile of {profile['created']}; their steps alone are "
+          f"predicted to take {fmt_duration(seconds)}, beside each run's start", file=sys.stderr)
     table = io.StringIO()
     rows = verify(profile, plans=plans, out=table, model=model, progress=True)
     print(header(device))

@@ -1,0 +1,101 @@
+"""`meshtrain plan --verify --model NAME`: verify's plans on the user's own GPT, those predicted
+to fit, with every wrong combination refused before any rank starts."""
+import argparse
+import json
+
+import pytest
+
+from meshtrain.cli import plan_cmd
+from meshtrain.cli.main import main
+from meshtrain.core.gpt_shapes import GPT_SHAPES
+from meshtrain.core.units import fmt_duration
+from meshtrain.measure import verify
+
+_CURVE = {"sizes": [256, 2**20], "busbw": [1e6, 1e9]}
+_ENTRY = {"matmul_flops": 1e11, "model_flops": 5e10, "mem_bw": 1e10, "optimizer_rate": 1e8,
+          "collectives": {k: _CURVE for k in ("all_reduce", "all_gather", "reduce_scatter",
+                                                "broadcast", "p2p")},
+          "runtime_memory": {"fixed": 5e6, "per_activation_byte": 0.4}}
+PROFILE = {"created": "test", "cpu_count": 4, "host_mem": 48e9,
+           "worlds": {w: _ENTRY for w in ("1", "2", "4")}}
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser()
+    plan_cmd.add_parser(parser.add_subparsers())
+    return parser.parse_args(["plan", *argv])
+
+
+def test_the_model_verified_is_a_preset_or_a_description():
+    assert plan_cmd.verified_model(_args("--verify")) is None   # verify's own GPT
+    assert plan_cmd.verified_model(_args("--model", "gpt2-124m")) == GPT_SHAPES["gpt2-124m"]
+    assert plan_cmd.verified_model(_args("--model", "gpt2-124m", "--seq", "256")) == dict(
+        GPT_SHAPES["gpt2-124m"], seq_len=256)
+    described = _args("--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "100",
+                      "--seq", "32")
+    assert plan_cmd.verified_model(described) == dict(vocab_size=100, seq_len=32, n_layer=2,
+                                                      n_head=4, d_model=64)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "llama-7b"], "describes but does not build: give one of meshtrain's GPTs"),
+    (["--layers", "2", "--hidden", "64"], "needs --heads --vocab --seq too"),
+    (["--seq", "64"], "give --model too"),
+    (["--model", "tiny", "--layers", "2"], "not both"),
+    (["--layers", "2", "--hidden", "60", "--heads", "8", "--vocab", "10", "--seq", "8"],
+     "not divisible by n_head"),
+])
+def test_a_model_verify_cannot_train_is_refused_by_name(capsys, argv, words):
+    assert main(["plan", "--verify", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert words in err and "Traceback" not in err and out == ""
+
+
+class _Ran(Exception):
+    """Stands for the runs: what verify would have started."""
+
+
+def _verify_command(capsys, monkeypatch, tmp_path, *argv):
+    monkeypatch.setenv("MESHTRAIN_DEVICE", "cpu")
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(PROFILE))
+
+    def ran(profile, plans, model, **_):
+        raise _Ran(plans, model)
+
+    monkeypatch.setattr(verify, "verify", ran)
+    with pytest.raises(_Ran) as started:
+        main(["plan", "--verify", "--profile", str(path), *argv])
+    return (*started.value.args, capsys.readouterr().err)
+
+
+def test_verify_runs_the_given_model_and_only_the_plans_predicted_to_fit(capsys, monkeypatch,
+                                                                         tmp_path):
+    plans, model, err = _verify_command(capsys, monkeypatch, tmp_path, "--model", "gpt2-124m")
+    assert model == GPT_SHAPES["gpt2-124m"]
+    every = [(verify.run_plan(plan, "cpu"), batch) for plan, batch in verify.PLANS]
+    fitting = [pb for pb in every if verify.predict(PROFILE, *pb, model).fits]
+    assert 0 < len(fitting) < len(every)   # the host's 48 GB holds some of GPT-2's plans
+    assert list(plans) == fitting
+    assert f"{len(every) - len(fitting)} predicted not to fit" in err
+    steps = verify.ROUNDS * (verify.WARMUP + verify.STEPS) + 1   # one more for exact counts
+    seconds = steps * sum(verify.predict(PROFILE, *pb, model).time.total for pb in fitting)
+    assert f"predicted to take {fmt_duration(seconds)}" in err and seconds > 3600
+
+
+def test_verify_without_a_model_runs_its_own_gpt(capsys, monkeypatch, tmp_path):
+    plans, model, err = _verify_command(capsys, monkeypatch, tmp_path)
+    assert model == verify.VERIFY_GPTS["cpu"] and len(plans) == len(verify.PLANS)
+    assert "predicted not to fit" not in err
+
+
+def test_a_wait_reads_in_seconds_minutes_or_hours():
+    assert [fmt_duration(t) for t in (42, 150, 5400)] == ["42 s", "2 min", "1.5 h"]
+
+
+def test_a_model_no_plan_fits_is_refused_before_any_run(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MESHTRAIN_DEVICE", "cpu")
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**PROFILE, "host_mem": 8e9}))
+    assert main(["plan", "--verify", "--profile", str(path), "--model", "gpt2-1.3b"]) == 2
+    assert "none of --verify's plans is predicted to fit" in capsys.readouterr().err
