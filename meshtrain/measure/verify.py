@@ -375,12 +375,15 @@ def verify_command(args, model: dict | None = None) -> int:
     steps = ROUNDS * (WARMUP + STEPS) + 1   # the first round's one more, for exact counts
     seconds = steps * sum(ev.time.total for ev in predicted if ev.fits)
     plans = tuple(pb for pb, ev in zip(plans, predicted) if ev.fits)
-    skipped = f"{len(PLANS) - len(plans) - fp32_only - len(too_big)} need more GPUs" + (
-        f", {fp32_only} run in fp32 only" if fp32_only else "") + (
-        f", {len(too_big)} predicted not to fit ({'; '.join(too_big)})" if too_big else "")
-    print(f"verifying {len(plans)} plans of {name} {model} (AdamW; {skipped}), {ROUNDS} "
+    more_gpus = len(PLANS) - len(plans) - fp32_only - len(too_big)
+    left_out = "".join(f"; {text}" for n, text in (
+        (more_gpus, f"{more_gpus} need more GPUs"), (fp32_only, f"{fp32_only} run in fp32 only"),
+        (too_big, f"{len(too_big)} predicted not to fit")) if n)
+    print(f"verifying {len(plans)} plans of {name} {model} (AdamW{left_out}), {ROUNDS} "
           f"rounds, against the profile of {profile['created']}; their steps alone are "
           f"predicted to take {fmt_duration(seconds)}, beside each run's start", file=sys.stderr)
+    if too_big:
+        print(f"predicted not to fit: {' | '.join(too_big)}", file=sys.stderr)
     table = io.StringIO()
     rows = verify(profile, plans=plans, out=table, model=model, progress=True)
     print(header(device))

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from meshtrain.measure import verify
+from tests.synthetic_profile import synthetic_profile
 
 TINY = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=32)
 PLANS = (({"dp": 1}, 4), ({"dp": 2, "microbatches": 2}, 4), ({"tp": 2}, 4),
@@ -19,14 +20,7 @@ PLANS = (({"dp": 1}, 4), ({"dp": 2, "microbatches": 2}, 4), ({"tp": 2}, 4),
          ({"tp": 2, "sequence_parallel": True}, 4),
          ({"dp": 2, "dp_mode": "diloco", "sync_every": 2}, 4))
 
-# A synthetic profile: predictions need rates to exist, not to be right (no timed asserts).
-_CURVE = {"sizes": [256, 2**20], "busbw": [1e6, 1e9]}
-_ENTRY = {"matmul_flops": 1e11, "model_flops": 5e10, "mem_bw": 1e10, "optimizer_rate": 1e8,
-          "collectives": {k: _CURVE for k in ("all_reduce", "all_gather", "reduce_scatter",
-                                                "broadcast", "p2p")},
-          "runtime_memory": {"fixed": 5e6, "per_activation_byte": 0.4}}
-PROFILE = {"created": "test", "cpu_count": 2, "host_mem": 8e9,
-           "worlds": {"1": {**_ENTRY, "collectives": {}}, "2": _ENTRY}}
+PROFILE = synthetic_profile(worlds=("1", "2"))
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ import json
 import pytest
 
 from meshtrain.measure.ranking import as_verify_plan, choose_plans, rank_report, spearman
+from tests.synthetic_profile import synthetic_profile
 
 
 def test_spearman_against_hand_computed_values():
@@ -27,13 +28,7 @@ def test_rank_report_says_how_far_the_predicted_best_is_behind():
     assert "#2, 10.0% behind the measured best (b)" in text
 
 
-# a synthetic profile of a 4-rank machine: predictions need rates, not right ones
-_CURVE = {"sizes": [256, 2**20], "busbw": [1e6, 1e9]}
-_ENTRY = {"matmul_flops": 1e11, "model_flops": 5e10, "mem_bw": 1e10, "optimizer_rate": 1e8,
-          "collectives": {k: _CURVE for k in ("all_reduce", "all_gather", "reduce_scatter",
-                                                "broadcast")},
-          "runtime_memory": {"fixed": 5e6, "per_activation_byte": 0.4}}
-PROFILE = {"created": "test", "cpu_count": 4, "host_mem": 8e9, "worlds": {"4": _ENTRY}}
+PROFILE = synthetic_profile(worlds=("4",), cpu_count=4)   # a 4-rank machine
 
 
 def test_the_chosen_plans_are_runnable_verify_plans():

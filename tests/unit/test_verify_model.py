@@ -10,14 +10,9 @@ from meshtrain.cli.main import main
 from meshtrain.core.gpt_shapes import GPT_SHAPES
 from meshtrain.core.units import fmt_duration
 from meshtrain.measure import verify
+from tests.synthetic_profile import synthetic_profile
 
-_CURVE = {"sizes": [256, 2**20], "busbw": [1e6, 1e9]}
-_ENTRY = {"matmul_flops": 1e11, "model_flops": 5e10, "mem_bw": 1e10, "optimizer_rate": 1e8,
-          "collectives": {k: _CURVE for k in ("all_reduce", "all_gather", "reduce_scatter",
-                                                "broadcast", "p2p")},
-          "runtime_memory": {"fixed": 5e6, "per_activation_byte": 0.4}}
-PROFILE = {"created": "test", "cpu_count": 4, "host_mem": 48e9,
-           "worlds": {w: _ENTRY for w in ("1", "2", "4")}}
+PROFILE = synthetic_profile(cpu_count=4, host_mem=48e9)
 
 
 def _args(*argv):
@@ -56,7 +51,6 @@ class _Ran(Exception):
 
 
 def _verify_command(capsys, monkeypatch, tmp_path, *argv):
-    monkeypatch.setenv("MESHTRAIN_DEVICE", "cpu")
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(PROFILE))
 
@@ -94,7 +88,6 @@ def test_a_wait_reads_in_seconds_minutes_or_hours():
 
 
 def test_a_model_no_plan_fits_is_refused_before_any_run(capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("MESHTRAIN_DEVICE", "cpu")
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({**PROFILE, "host_mem": 8e9}))
     assert main(["plan", "--verify", "--profile", str(path), "--model", "gpt2-1.3b"]) == 2
