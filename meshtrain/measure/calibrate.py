@@ -55,7 +55,7 @@ from meshtrain.measure.verify import plan_inputs, verify_rank
 from meshtrain.planner.activations import forward_traffic, transient_bytes
 from meshtrain.planner.hardware import GPUS
 from meshtrain.planner.memory import optimizer_step_bytes
-from meshtrain.planner.profile import kind_path, profile_device, save_profile
+from meshtrain.planner.profile import elementwise_split, kind_path, profile_device, save_profile
 from meshtrain.core.units import fmt_rate
 
 
@@ -225,6 +225,10 @@ def _device_lines(entry: dict) -> list[str]:
     if entry.get("launch_rate"):
         lines.append(f"      launch: {1e6 / entry['launch_rate']:.2f} us per op, "
                      f"{entry['ops_per_block']:.0f} ops per block and micro-batch")
+    split = elementwise_split(entry)
+    if split:
+        lines.append(f"      at two widths: matmuls {fmt_rate(split[0], 'FLOP/s')}, elementwise "
+                     f"work {fmt_rate(split[1], 'B/s')} (its bytes as flops.py counts them)")
     return lines
 
 

@@ -27,7 +27,7 @@ from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.planner.calibrated import attention_flops, gemm_flops
 from meshtrain.planner.hardware import GPUS, device_kind, ring_factor
 from meshtrain.planner.model_spec import from_gpt_config
-from meshtrain.planner.profile import REFERENCE_BATCH, SMALL_BATCH
+from meshtrain.planner.profile import NARROW_GPT, REFERENCE_BATCH, SMALL_BATCH
 from meshtrain.planner.flops import step_flops
 
 
@@ -53,20 +53,11 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
     big = torch.empty(COPY_BYTES[device.type] // 4, device=device)
     dst = torch.empty_like(big)
 
-    spec = from_gpt_config(config)
-
-    def train_step(batch=x):
-        model.zero_grad(set_to_none=False)
-        model.loss(model(batch), batch).backward()
-
-    train_step()   # the gradients AdamW's step needs
-    for p in masters:
+    steps, ops = reference_steps(model, x)
+    for p in masters:   # the gradients AdamW's step needs
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    ops = ops_per_block(train_step, config.n_layer)
-    small = x[:SMALL_BATCH].clone()
-    work |= {"gpt": (train_step, step_flops(spec, REFERENCE_BATCH)),
-            "gpt_small": (lambda: train_step(small), step_flops(spec, SMALL_BATCH)),
+    work |= {**steps, **(narrow_step(x) if device.type == "cpu" else {}),
             "optimizer": (opt.step, sum(p.numel() for p in model.parameters())),
             "copy": (lambda: dst.copy_(big), 2 * big.numel() * 4)}
     rank = dist.get_rank() if world > 1 else 0
@@ -110,7 +101,40 @@ def measure_rank(sizes=SIZES, budget_s: float = BUDGET_S) -> dict:
             "launch_rate": rate["launch"], **shaped(rate),
             "matmul_flops": rate["matmul"], "model_flops": rate["gpt"],
             "model_flops_small": rate["gpt_small"], "mem_bw": rate["copy"], "optimizer_rate": rate["optimizer"], "reps": reps,
+            **({"model_flops_narrow": rate["gpt_narrow"]} if "gpt_narrow" in rate else {}),
             "collectives": collectives, **_optimizer_temporaries(opt, masters, device)}
+
+
+def reference_steps(model: GPT, x: torch.Tensor) -> tuple[dict, float]:
+    """The reference GPT's training step (forward and backward) at REFERENCE_BATCH and
+    SMALL_BATCH, as name -> (step, FLOPs), and the ops a block of it dispatches; it has run
+    once (its gradients exist)."""
+    spec = from_gpt_config(model.config)
+
+    def train_step(batch=x):
+        model.zero_grad(set_to_none=False)
+        model.loss(model(batch), batch).backward()
+
+    train_step()
+    small = x[:SMALL_BATCH].clone()
+    return ({"gpt": (train_step, step_flops(spec, REFERENCE_BATCH)),
+             "gpt_small": (lambda: train_step(small), step_flops(spec, SMALL_BATCH))},
+            ops_per_block(train_step, model.config.n_layer))
+
+
+def narrow_step(x: torch.Tensor) -> dict:
+    """The reference GPT at half its width (NARROW_GPT), trained on the same batch: what of
+    a step grows with the width and what with its square (profile.elementwise_split). CPU
+    ranks only: a GPU's elementwise work is priced from its own kernels (flops.py)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**NARROW_GPT))
+
+    def step():
+        model.zero_grad(set_to_none=False)
+        model.loss(model(x), x).backward()
+
+    step()
+    return {"gpt_narrow": (step, step_flops(from_gpt_config(model.config), REFERENCE_BATCH))}
 
 
 def _optimizer_temporaries(opt, masters: list[torch.Tensor], device: torch.device) -> dict:
@@ -221,8 +245,8 @@ def _waited(fn, device: torch.device):
     return run
 
 
-RATES = ("matmul_flops", "model_flops", "model_flops_small", "mem_bw", "optimizer_rate",
-         "launch_rate", "optimizer_temporaries")
+RATES = ("matmul_flops", "model_flops", "model_flops_small", "model_flops_narrow", "mem_bw",
+         "optimizer_rate", "launch_rate", "optimizer_temporaries")
 CURVES = ("gemm", "attention")   # FLOP/s per shape
 SAME = ("device_kind", "ops_per_block")   # the same on every rank and round: the first's
 

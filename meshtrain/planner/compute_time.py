@@ -22,7 +22,8 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
     efficiency curves (a GPU's local profile) in `precision`, the FLOPs run at the
     efficiency of this micro-batch's GEMMs and attention, and its elementwise work at the
     memory's speed (flops.ELEMENTWISE_BYTES; also where `elementwise_apart`: an efficiency
-    measured on GEMMs and attention alone); where the host dispatches while
+    measured on GEMMs and attention alone, or CPU ranks calibrated at two widths, whose
+    elementwise work runs at its own `elementwise_bw`); where the host dispatches while
     the device computes (`async_dispatch`), the slower of the two bounds the micro-batch."""
     p = cand.plan
     layer_f, scores_f, logits_f = forward_flops_per_token(spec, spec.seq)
@@ -38,7 +39,7 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
         apart = True
     if apart:   # the FLOPs' rate is the GEMMs' and attention's alone: the rest at memory speed
         device += (b * spec.seq * elementwise_bytes_per_token(spec, blocks_run(spec, cand), p.tp)
-                   / cluster.mem_bw)
+                   / (cluster.elementwise_bw or cluster.mem_bw))
     return max(device, dispatch) if cluster.async_dispatch else device + dispatch
 
 

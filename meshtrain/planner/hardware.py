@@ -120,6 +120,8 @@ class Cluster:
                                     # micro-batch while the device runs it (max, not sum)
     elementwise_apart: bool = False  # `efficiency` is the GEMMs' and attention's alone (a
                                     # GPU profile's): the elementwise work priced at mem_bw
+    elementwise_bw: float = 0.0     # ... or at this speed (bytes/s) where calibrated apart
+                                    # (CPU ranks: profile.elementwise_split); 0: mem_bw
     efficiency_curves: dict | None = field(default=None, compare=False)   # the measured GEMM
                                     # and attention efficiency by size ({"gemm", "attention",
                                     # "dtype"}: a profile's curves), priced per micro-batch

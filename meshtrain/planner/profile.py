@@ -6,7 +6,8 @@ step achieves (so efficiency = achieved / peak), memory-copy bandwidth, and each
 bus bandwidth at several message sizes measured through meshtrain's accounted `Comm`; the
 AdamW update rate; and the runtime memory (fixed + per activation byte) a rank needs beyond
 its tensors. The reference step at two batch sizes separates its FLOP rate from a fixed cost
-per micro-batch (`step_costs`); world 1's rate against world w's is what a rank gains while
+per micro-batch (`step_costs`), and on CPU ranks at two widths its matmuls' rate from its
+elementwise work's (`elementwise_split`); world 1's rate against world w's is what a rank gains while
 others idle (more ranks than cores). Per world > 1, `strategies`: what each strategy costs
 beyond the model on the reference GPT (meshtrain.measure.fit.fit_strategies): ZeRO's staging copies,
 disk offload's paging, tensor parallel's unsplit work and buffers, the pipeline runtime's
@@ -37,12 +38,15 @@ from pathlib import Path
 
 from meshtrain.planner.hardware import Cluster, Curve, HardwareError
 from meshtrain.planner.model_spec import from_gpt_shape
-from meshtrain.planner.flops import step_flops
+from meshtrain.planner.flops import elementwise_bytes_per_token, step_flops
 
 # The reference GPT calibration times (meshtrain.models.gpt.GPTConfig's fields) at two
 # batch sizes: its rate and its fixed cost per micro-batch (step_costs)
 REFERENCE_GPT = dict(vocab_size=256, seq_len=128, n_layer=2, n_head=4, d_model=256)
 REFERENCE_BATCH, SMALL_BATCH = 8, 2
+# ... and at half its width, on CPU ranks: a step's work that grows with the width (its
+# elementwise passes) apart from what grows with its square (the matmuls): elementwise_split
+NARROW_GPT = dict(REFERENCE_GPT, d_model=REFERENCE_GPT["d_model"] // 2)
 PROFILES = Path("~/.cache/meshtrain/profiles")   # <device kind>.json (hardware.device_kind)
 DEFAULT_PATH = Path("~/.cache/meshtrain/profile.json")   # the one profile kept before kinds
 LOCAL_OVERLAP = 0.0
@@ -113,7 +117,8 @@ def cluster_from_profile(profile: dict, world: int | None = None, nodes: int = 1
     ar = curves.get("all_reduce")
     link = ar.busbw[-1] if ar else entry["mem_bw"]
     rate, per_block = step_costs(entry)
-    peak = max(entry["matmul_flops"], rate)
+    split = elementwise_split(entry)
+    peak = max(entry["matmul_flops"], rate, split[0] if split else 0.0)
     alone = worlds.get(1, entry)
     # what a rank gains while others wait (a pipeline's fill and drain): more ranks than
     # cores share them, and an idle rank's core goes to the busy ones
@@ -127,6 +132,9 @@ def cluster_from_profile(profile: dict, world: int | None = None, nodes: int = 1
                     host_mem=profile["host_mem"], name=f"local ({w} ranks)", curves=curves,
                     optimizer_rate=entry.get("optimizer_rate", 0.0), overlap=LOCAL_OVERLAP,
                     block_overhead=per_block, idle_speedup=speedup, host_is_device=True)
+    if split:   # the matmuls' rate, and the elementwise work's own speed beside it
+        settings.update(efficiency=split[0] / peak, elementwise_apart=True,
+                        elementwise_bw=split[1])
     runtime = entry.get("runtime_memory")
     if runtime:
         settings.update(runtime_fixed=runtime["fixed"],
@@ -206,6 +214,33 @@ def step_costs(entry: dict) -> tuple[float, float]:
     rate = (f_big - f_small) / (t_big - t_small)
     overhead = max(0.0, t_small - f_small / rate)
     return rate, overhead / (REFERENCE_GPT["n_layer"] + 1)
+
+
+def elementwise_split(entry: dict) -> tuple[float, float] | None:
+    """(FLOP/s of the matmuls, bytes/s of the elementwise work) of a step on CPU ranks: the
+    reference GPT's step, its fixed cost taken off (step_costs), timed at two widths; the
+    matmuls' FLOPs grow with the width's square, the elementwise work's bytes
+    (flops.elementwise_bytes_per_token) with the width, so the two widths' times give each
+    its rate. The one rate of step_costs prices a narrower model's step as if its
+    elementwise work shrank with the square too. None for a profile without the narrow
+    step (GPU ranks; before it was measured), or where noise leaves a rate not positive."""
+    narrow = entry.get("model_flops_narrow")
+    if not narrow or not entry.get("model_flops_small"):
+        return None
+    rate, per_block = step_costs(entry)
+    fixed = per_block * (REFERENCE_GPT["n_layer"] + 1)
+    points = []   # (FLOPs, elementwise bytes, seconds less the fixed cost) per width
+    for shape, measured in ((REFERENCE_GPT, entry["model_flops"]), (NARROW_GPT, narrow)):
+        spec = from_gpt_shape(**shape)
+        flops = step_flops(spec, REFERENCE_BATCH)
+        moved = REFERENCE_BATCH * spec.seq * elementwise_bytes_per_token(spec, spec.layers)
+        points.append((flops, moved, flops / measured - fixed))
+    (f1, e1, t1), (f2, e2, t2) = points
+    det = f1 * e2 - f2 * e1
+    per_flop, per_byte = (t1 * e2 - t2 * e1) / det, (f1 * t2 - f2 * t1) / det
+    if per_flop <= 0 or per_byte <= 0:
+        return None
+    return 1 / per_flop, 1 / per_byte
 
 
 def load_profile_cluster(path=None, world: int | None = None, nodes: int = 1,

@@ -9,7 +9,9 @@ from meshtrain.models.gpt import GPTConfig
 from meshtrain.planner import activations as am
 from meshtrain.planner import memory as mm
 from meshtrain.planner import states as sm
-from meshtrain.planner.profile import REFERENCE_BATCH, REFERENCE_GPT, SMALL_BATCH
+from meshtrain.planner.flops import elementwise_bytes_per_token
+from meshtrain.planner.profile import (NARROW_GPT, REFERENCE_BATCH, REFERENCE_GPT, SMALL_BATCH,
+                                       cluster_from_profile, elementwise_split)
 from meshtrain.planner.hardware import Cluster, Curve
 from meshtrain.planner.model_spec import from_gpt_config
 from meshtrain.planner.profile import step_costs
@@ -35,6 +37,53 @@ def test_step_costs_separate_a_micro_batchs_fixed_cost_from_its_flops():
     assert per_block == pytest.approx(overhead / (REFERENCE_GPT["n_layer"] + 1))
     # an old profile (one batch size) keeps its one rate and no fixed cost
     assert step_costs({"model_flops": 5e10}) == (5e10, 0.0)
+
+
+def _timed_at_two_widths(rate, moved_rate, overhead):
+    """A profile entry whose reference steps took `overhead` plus their FLOPs at `rate` and
+    their elementwise bytes at `moved_rate`, at both batch sizes and the narrow width."""
+    entry = {}
+    for key, shape, batch in (("model_flops", REFERENCE_GPT, REFERENCE_BATCH),
+                              ("model_flops_small", REFERENCE_GPT, SMALL_BATCH),
+                              ("model_flops_narrow", NARROW_GPT, REFERENCE_BATCH)):
+        spec = from_gpt_config(GPTConfig(**shape))
+        moved = batch * spec.seq * elementwise_bytes_per_token(spec, spec.layers)
+        seconds = overhead + step_flops(spec, batch) / rate + moved / moved_rate
+        entry[key] = step_flops(spec, batch) / seconds
+    return entry
+
+
+def test_two_widths_separate_the_matmuls_rate_from_the_elementwise_works():
+    rate, moved_rate, overhead = 1e11, 5e9, 6e-3
+    entry = _timed_at_two_widths(rate, moved_rate, overhead)
+    got_rate, got_moved = elementwise_split(entry)
+    assert got_rate == pytest.approx(rate) and got_moved == pytest.approx(moved_rate)
+    assert step_costs(entry)[1] == pytest.approx(overhead / (REFERENCE_GPT["n_layer"] + 1))
+    # without the narrow step (GPU ranks, older profiles) there is nothing to split
+    assert elementwise_split({k: v for k, v in entry.items() if k != "model_flops_narrow"}) is None
+    # noise that leaves the elementwise work no time: the one rate stands
+    assert elementwise_split({**entry, "model_flops_narrow": entry["model_flops"] * 0.3}) is None
+
+
+def test_a_narrower_model_pays_its_elementwise_work_per_flop():
+    """Calibrated at two widths, a model half the reference's width is priced at its
+    measured step (its elementwise work shrinks with the width, its FLOPs with the square),
+    where the one blended rate prices its every FLOP as the reference's: too fast."""
+    entry = {**_timed_at_two_widths(1e11, 5e9, 6e-3), "matmul_flops": 1.2e11, "mem_bw": 1e10}
+    split = cluster_from_profile({"host_mem": 8e9, "worlds": {"1": entry}})
+    blended = cluster_from_profile({"host_mem": 8e9, "worlds": {"1": {
+        k: v for k, v in entry.items() if k != "model_flops_narrow"}}})
+    assert split.elementwise_apart and split.elementwise_bw == pytest.approx(5e9)
+    cand = Candidate(Plan(dp=1), REFERENCE_BATCH, "none")
+    for shape, key in ((REFERENCE_GPT, "model_flops"), (NARROW_GPT, "model_flops_narrow")):
+        spec = from_gpt_config(GPTConfig(**shape))
+        measured = step_flops(spec, REFERENCE_BATCH) / entry[key]
+        assert step_time(spec, cand, FP32, split).compute == pytest.approx(measured)
+        blended_error = step_time(spec, cand, FP32, blended).compute / measured - 1
+        if shape is REFERENCE_GPT:
+            assert blended_error == pytest.approx(0.0, abs=1e-9)
+        else:
+            assert blended_error < -0.05
 
 
 def test_every_micro_batch_pays_the_fixed_cost_once_per_block():
