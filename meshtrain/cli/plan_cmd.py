@@ -91,10 +91,9 @@ def verified_model(args) -> dict | None:
     if args.model:
         shape = GPT_SHAPES.get(args.model.lower())
         if shape is None:
-            raise ValueError(f"--verify trains the model it checks, and {args.model!r} is a "
-                             "model the planner describes but does not build: give one of "
-                             f"meshtrain's GPTs ({', '.join(GPT_SHAPES)}) or --layers --hidden "
-                             "--heads --vocab --seq")
+            raise ValueError(f"--verify trains meshtrain's GPTs only, and {args.model!r} is "
+                             f"not one: give one of them ({', '.join(GPT_SHAPES)}) or "
+                             "--layers --hidden --heads --vocab --seq")
         model = dict(shape, seq_len=args.seq or shape["seq_len"])
     elif given:
         missing = [f"--{f}" for f, v in {**raw, "seq": args.seq}.items() if v is None]
@@ -110,6 +109,39 @@ def verified_model(args) -> dict | None:
     return model
 
 
+def model_of(name: str, seq: int | None):
+    """--model's ModelSpec: a planner preset or one of meshtrain's GPTs, else a model
+    `meshtrain train --model` builds (a transformers preset or config.json, a callable),
+    built on the meta device (no memory, no initialisation) and read: a transformers model's
+    shape from its config, a callable's from its modules, parameters counted either way."""
+    import torch
+
+    from meshtrain.models import hf_presets, registry, structure
+    from meshtrain.planner import model_spec
+
+    try:
+        return model_spec.preset(name, seq=seq)
+    except model_spec.ModelSpecError as not_preset:
+        unknown = str(not_preset)
+    try:
+        kind = registry.kind_of(name)
+    except registry.ModelSpecError:
+        raise model_spec.ModelSpecError(
+            f"{unknown}; or a model `meshtrain train --model` builds: a transformers preset "
+            f"({', '.join(hf_presets.PRESETS)}), a transformers config (a .json file) or a "
+            "callable (package.module:function)") from None
+    with torch.device("meta"):
+        built = registry.build_model(name, {}, seq)
+    module, seq = built.module, seq or built.seq_len
+    if kind == "callable":
+        return model_spec.from_module(module, seq=seq, name=name)
+    pieces = [*structure.units_of(module), module.get_input_embeddings(),
+              module.get_output_embeddings()]
+    return model_spec.from_transformers_config(
+        module.config, seq, name, params=sum(p.numel() for p in module.parameters()),
+        largest=max(sum(p.numel() for p in piece.parameters()) for piece in pieces))
+
+
 def build_inputs(args):
     """(ModelSpec, Setup, Cluster) from the parsed arguments; raises ValueError subclasses."""
     from meshtrain.planner import hardware, model_spec
@@ -119,7 +151,7 @@ def build_inputs(args):
     if args.model and any(v is not None for v in raw):
         raise ValueError("give either --model or --layers/--hidden/--heads/--vocab, not both")
     if args.model:
-        spec = model_spec.preset(args.model, seq=args.seq)
+        spec = model_of(args.model, args.seq)
     elif all(v is not None for v in raw) and args.seq:
         spec = model_spec.from_description(*raw, seq=args.seq)
     else:

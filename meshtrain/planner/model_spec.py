@@ -217,3 +217,36 @@ def from_module(module, seq: int | None = None, name: str | None = None, **shape
                          vocab=shape.pop("vocab", max(embeds) if embeds else hidden),
                          seq=seq or shape.pop("seq", 1), **shape)
     return replace(spec, seq=seq or spec.seq, measured_params=total, measured_largest=largest)
+
+
+def from_transformers_config(config, seq: int | None = None, name: str | None = None,
+                             params: int = 0, largest: int = 0) -> ModelSpec:
+    """A transformers causal LM's shape from its config, read by attribute (the planner
+    imports no transformers): GPT-2's field names (n_layer, n_embd, n_head, n_inner,
+    n_positions) or the Llama family's (num_hidden_layers, hidden_size, num_attention_heads,
+    num_key_value_heads, intermediate_size, max_position_embeddings). A SiLU MLP is SwiGLU
+    (gate, up and down: Llama, Qwen2, Mistral), RMSNorm where the config has rms_norm_eps,
+    positions rotary but GPT-2's (learned), attention fused (transformers' default, sdpa).
+    `seq`: the training sequence (default: the config's context); `params`, `largest`: the
+    exact counts of the built model, where known."""
+    def field(*names, default=None):
+        return next((getattr(config, n) for n in names if getattr(config, n, None) is not None),
+                    default)
+
+    gpt2 = getattr(config, "model_type", None) == "gpt2"
+    act = field("hidden_act", "activation_function", default="gelu")
+    drop = field("attention_dropout", "attn_pdrop", default=0.0) or field("resid_pdrop",
+                                                                          default=0.0)
+    return ModelSpec(name or getattr(config, "model_type", "transformers"),
+                     layers=field("num_hidden_layers", "n_layer"),
+                     hidden=field("hidden_size", "n_embd"),
+                     heads=field("num_attention_heads", "n_head"), vocab=config.vocab_size,
+                     seq=seq or field("max_position_embeddings", "n_positions"),
+                     ffn=field("intermediate_size", "n_inner", default=0),
+                     kv_heads=field("num_key_value_heads", default=0),
+                     mlp="swiglu" if act in ("silu", "swish") else "gelu",
+                     bias=gpt2 or bool(field("attention_bias", "mlp_bias", default=False)),
+                     norm="rmsnorm" if hasattr(config, "rms_norm_eps") else "layernorm",
+                     tied=bool(field("tie_word_embeddings", default=True)), learned_pos=gpt2,
+                     dropout=bool(drop), flash_attention=True, measured_params=params,
+                     measured_largest=largest)

@@ -33,7 +33,8 @@ def test_the_model_verified_is_a_preset_or_a_description():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--model", "llama-7b"], "describes but does not build: give one of meshtrain's GPTs"),
+    (["--model", "llama-7b"], "trains meshtrain's GPTs only, and 'llama-7b' is not one"),
+    (["--model", "llama-tiny"], "trains meshtrain's GPTs only, and 'llama-tiny' is not one"),
     (["--layers", "2", "--hidden", "64"], "needs --heads --vocab --seq too"),
     (["--seq", "64"], "give --model too"),
     (["--model", "tiny", "--layers", "2"], "not both"),
