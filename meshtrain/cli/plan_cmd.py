@@ -77,23 +77,33 @@ def check_counts(args) -> None:
             raise ValueError(f"{flag} {value}: must be a whole number >= {least}")
 
 
-def verified_model(args) -> dict | None:
-    """The GPT `--verify` trains, as GPTConfig's fields: --model's meshtrain GPT preset (with
-    --seq), or a --layers --hidden --heads --vocab --seq description; None without either
-    (verify's own GPT for the device). Checked here, before any rank starts."""
+def verified_model(args):
+    """The model `--verify` trains: --model's meshtrain GPT preset (GPTConfig's fields, with
+    --seq) or any other model `meshtrain train --model` builds (a TrainedModel), or a
+    --layers --hidden --heads --vocab --seq description; None without either (verify's own
+    GPT for the device). Checked here, before any rank starts."""
     from meshtrain.core.gpt_shapes import GPT_SHAPES
     from meshtrain.models.gpt import GPTConfig
+    from meshtrain.planner.model_spec import PRESETS
 
     raw = {f: getattr(args, f) for f in ("layers", "hidden", "heads", "vocab")}
     given = [f"--{f}" for f, v in raw.items() if v is not None]
     if args.model and given:
         raise ValueError("give either --model or --layers/--hidden/--heads/--vocab, not both")
+    if args.model and args.model.lower() in PRESETS and args.model.lower() not in GPT_SHAPES:
+        raise ValueError(f"--verify trains the model it checks, and {args.model!r} is a shape "
+                         "the planner describes but does not build: give a model `meshtrain "
+                         f"train --model` builds ({', '.join(GPT_SHAPES)}, a transformers "
+                         "preset or config.json, a callable) or --layers --hidden --heads "
+                         "--vocab --seq")
+    if args.model and args.model.lower() not in GPT_SHAPES:
+        from meshtrain.measure.trained_model import TrainedModel
+        from meshtrain.models.registry import check_model_spec
+
+        check_model_spec(args.model, {})   # names what it cannot build, before any rank
+        return TrainedModel(args.model, args.seq)
     if args.model:
-        shape = GPT_SHAPES.get(args.model.lower())
-        if shape is None:
-            raise ValueError(f"--verify trains meshtrain's GPTs only, and {args.model!r} is "
-                             f"not one: give one of them ({', '.join(GPT_SHAPES)}) or "
-                             "--layers --hidden --heads --vocab --seq")
+        shape = GPT_SHAPES[args.model.lower()]
         model = dict(shape, seq_len=args.seq or shape["seq_len"])
     elif given:
         missing = [f"--{f}" for f, v in {**raw, "seq": args.seq}.items() if v is None]
@@ -109,39 +119,6 @@ def verified_model(args) -> dict | None:
     return model
 
 
-def model_of(name: str, seq: int | None):
-    """--model's ModelSpec: a planner preset or one of meshtrain's GPTs, else a model
-    `meshtrain train --model` builds (a transformers preset or config.json, a callable),
-    built on the meta device (no memory, no initialisation) and read: a transformers model's
-    shape from its config, a callable's from its modules, parameters counted either way."""
-    import torch
-
-    from meshtrain.models import hf_presets, registry, structure
-    from meshtrain.planner import model_spec
-
-    try:
-        return model_spec.preset(name, seq=seq)
-    except model_spec.ModelSpecError as not_preset:
-        unknown = str(not_preset)
-    try:
-        kind = registry.kind_of(name)
-    except registry.ModelSpecError:
-        raise model_spec.ModelSpecError(
-            f"{unknown}; or a model `meshtrain train --model` builds: a transformers preset "
-            f"({', '.join(hf_presets.PRESETS)}), a transformers config (a .json file) or a "
-            "callable (package.module:function)") from None
-    with torch.device("meta"):
-        built = registry.build_model(name, {}, seq)
-    module, seq = built.module, seq or built.seq_len
-    if kind == "callable":
-        return model_spec.from_module(module, seq=seq, name=name)
-    pieces = [*structure.units_of(module), module.get_input_embeddings(),
-              module.get_output_embeddings()]
-    return model_spec.from_transformers_config(
-        module.config, seq, name, params=sum(p.numel() for p in module.parameters()),
-        largest=max(sum(p.numel() for p in piece.parameters()) for piece in pieces))
-
-
 def build_inputs(args):
     """(ModelSpec, Setup, Cluster) from the parsed arguments; raises ValueError subclasses."""
     from meshtrain.planner import hardware, model_spec
@@ -151,7 +128,11 @@ def build_inputs(args):
     if args.model and any(v is not None for v in raw):
         raise ValueError("give either --model or --layers/--hidden/--heads/--vocab, not both")
     if args.model:
-        spec = model_of(args.model, args.seq)
+        try:
+            spec = model_spec.preset(args.model, seq=args.seq)
+        except model_spec.ModelSpecError:   # a model `train` builds: torch, only for those
+            from meshtrain.measure.trained_model import model_of
+            spec = model_of(args.model, args.seq)
     elif all(v is not None for v in raw) and args.seq:
         spec = model_spec.from_description(*raw, seq=args.seq)
     else:
@@ -208,7 +189,7 @@ def run(args) -> int:
             from meshtrain.measure.ranking import rank_command
             return rank_command(args, verified_model(args))
         if args.verify:
-            from meshtrain.measure.verify import verify_command
+            from meshtrain.measure.verify_cli import verify_command
             return verify_command(args, verified_model(args))
         spec, setup, cluster = build_inputs(args)
         advice = advise(spec, setup, cluster)

@@ -25,8 +25,6 @@ are held to GPU_LIMITS.
 """
 from __future__ import annotations
 
-import io
-import json
 import statistics
 import sys
 
@@ -37,19 +35,15 @@ import torch.distributed as dist
 
 from meshtrain.bench.timing import time_each_step
 from meshtrain.core.admit import check_plan
-from meshtrain.core.device import gpu_count, rank_device, resolve_device
+from meshtrain.core.device import rank_device
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan, PlanError
-from meshtrain.core.units import fmt_duration
-from meshtrain.launch import launch
+from meshtrain.launch import LaunchError, launch
 from meshtrain.measure.peaks import allocated_peak, peak_meter
-from meshtrain.measure.probe import local_kind
 from meshtrain.measure.runs import VERIFY_GPTS, optimizer, run_plan
-from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.measure.trained_model import TrainedModel, build, spec_of
 from meshtrain.planner.advisor import evaluate
-from meshtrain.planner.hardware import HardwareError
 from meshtrain.planner.memory import rank_role, role_memories
-from meshtrain.planner.model_spec import from_gpt_config
-from meshtrain.planner.profile import cluster_from_profile, load_profile, profile_path
+from meshtrain.planner.profile import cluster_from_profile
 from meshtrain.planner.setup import Candidate, Setup
 from meshtrain.planner.time_model import axis_bytes
 from meshtrain.train.trainer import Trainer
@@ -103,7 +97,7 @@ LIMITS = {"model_states": 0.02, "peak_alloc": 0.15, "peak_rss": 0.10, "step": 0.
 GPU_LIMITS = {**LIMITS, "peak_alloc": 0.05, "peak_rss": 0.05}
 
 
-def verify_rank(model: dict, plan: dict, batch: int, steps: int = STEPS, warmup: int = WARMUP,
+def verify_rank(model: dict | TrainedModel, plan: dict, batch: int, steps: int = STEPS, warmup: int = WARMUP,
                 exact: bool = True) -> dict:
     """One rank of one verification run: train, then report measured memory and time, and
     with `exact` the quantities one round suffices for: the allocated peak and the bytes
@@ -113,11 +107,11 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = STEPS, warmup:
     meter = peak_meter(rank_device())   # the device the Trainer's mesh takes
     meter.start()
     torch.manual_seed(0)
-    config = GPTConfig(**model)
-    trainer = Trainer(GPT(config), Plan(**plan, measure_activations=True),
-                      optimizer=optimizer(rank_device().type))
+    module, loss_fn, vocab, seq = build(model)
+    trainer = Trainer(module, Plan(**plan, measure_activations=True),
+                      optimizer=optimizer(rank_device().type), loss_fn=loss_fn)
     gen = torch.Generator().manual_seed(1 + trainer.dp_rank)
-    tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=gen)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
     device = trainer.mesh.device   # the batch's copy to the device is the caller's
     x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
     sync = dist.barrier if dist.is_initialized() else (lambda: None)
@@ -153,11 +147,11 @@ def verify_rank(model: dict, plan: dict, batch: int, steps: int = STEPS, warmup:
             "peak_alloc": peak_alloc, "role": role, "sent": sent, **report.to_dict()}
 
 
-def plan_inputs(plan: dict, batch: int, model: dict = MODEL):
+def plan_inputs(plan: dict, batch: int, model: dict | TrainedModel = MODEL):
     """(spec, candidate, setup) the planner judges `plan` with, `batch` sequences per rank
     (DP's one process takes them all and splits them over its replicas)."""
     p = Plan(**plan)
-    spec = from_gpt_config(GPTConfig(**model), "gpt")
+    spec = spec_of(model)
     micro = batch // p.microbatches
     setup = Setup(global_batch=p.mesh_dp * batch, micro_batch=micro, precision=p.precision,
                   optimizer="adam", recompute=p.recompute,
@@ -177,11 +171,11 @@ def predict_cluster(profile: dict, plan: dict):
     return cluster_from_profile(profile, profile_world(plan))
 
 
-def predict(profile: dict, plan: dict, batch: int, model: dict = MODEL):
+def predict(profile: dict, plan: dict, batch: int, model: dict | TrainedModel = MODEL):
     return evaluate(*plan_inputs(plan, batch, model), predict_cluster(profile, plan))
 
 
-def predict_roles(profile: dict, plan: dict, batch: int, model: dict = MODEL) -> dict:
+def predict_roles(profile: dict, plan: dict, batch: int, model: dict | TrainedModel = MODEL) -> dict:
     """The memory each role of `plan` (memory.rank_role) needs, predicted."""
     spec, cand, setup = plan_inputs(plan, batch, model)
     cluster = predict_cluster(profile, plan)
@@ -197,23 +191,26 @@ def _err(pred: float, meas: float | None) -> float | None:
     return (pred - meas) / meas
 
 
-def verify(profile: dict, plans=PLANS, steps: int = STEPS, out=sys.stdout, model: dict = MODEL,
-           warmup: int = WARMUP, rounds: int = ROUNDS, progress: bool = False) -> list[dict]:
+def verify(profile: dict, plans=PLANS, steps: int = STEPS, out=sys.stdout,
+           model: dict | TrainedModel = MODEL, warmup: int = WARMUP, rounds: int = ROUNDS,
+           progress: bool = False, failed: list | None = None) -> list[dict]:
     """Run every plan `rounds` times, the rounds interleaved (all plans, then all again), so
     that a slow phase of the machine lands on one round of a plan, not on all of them; the
     step time and resident peak are medians over rounds (each round: the median step of
     the median rank, the peak of the highest rank). The exact quantities (model states,
-    activations, allocated peak) come from the first round."""
+    activations, allocated peak) come from the first round. A plan whose first run fails
+    gets no row: it is printed, and added to `failed` as (plan, whether the Trainer refused
+    it, the rank's error), and the other plans go on."""
     runs: list[list[list[dict]]] = [[] for _ in plans]
     with tqdm(total=rounds * len(plans), unit="run", desc="verifying", disable=not progress,
               file=sys.stderr) as bar:
         for r in range(rounds):
             for i, (plan, batch) in enumerate(plans):
-                runs[i].append(launch(verify_rank, nproc=world_of(plan),
-                                      args=(model, plan, batch, steps, warmup, r == 0)))
+                if r == 0 or runs[i]:   # a plan whose first run failed is not run again
+                    runs[i] += _run(model, plan, batch, (steps, warmup, r == 0), failed, out)
                 bar.update()
     rows = []
-    for (plan, batch), results in zip(plans, runs):
+    for (plan, batch), results in ((pb, rs) for pb, rs in zip(plans, runs) if rs):
         ev = predict(profile, plan, batch, model)
         row = _compare(label(plan, batch), results, ev.mem, ev.time.total,
                        predict_sent(plan, batch, model))
@@ -237,6 +234,21 @@ def verify(profile: dict, plans=PLANS, steps: int = STEPS, out=sys.stdout, model
         for sub in row.get("roles", ()):
             print(_row({**sub, "plan": f"  - {sub['plan']}"}), file=out, flush=True)
     return rows
+
+
+def _run(model, plan: dict, batch: int, how: tuple, failed: list | None, out) -> list:
+    """[one run's ranks' results], or [] where a rank raised: a Trainer's refusal of the
+    plan for this model (PlanError: a model without what the plan needs) or a failure."""
+    try:
+        return [launch(verify_rank, nproc=world_of(plan), args=(model, plan, batch, *how))]
+    except LaunchError as err:
+        first = err.first_raised() or {"type": "", "message": str(err).splitlines()[0]}
+        refused = first["type"] == "PlanError"
+        print(f"{label(plan, batch):<36} {'refused' if refused else 'FAILED'}: "
+              f"{first['message'].splitlines()[0]}", file=out, flush=True)
+        if failed is not None:
+            failed.append((label(plan, batch), refused, first["message"]))
+        return []
 
 
 def _max_measured(values) -> float | None:
@@ -271,7 +283,7 @@ def _compare(name: str, results: list[list[dict]], mem, step: float,
             "rounds": {"step": step_rounds, "peak_rss": rss_rounds}, "error": errors}
 
 
-def predict_sent(plan: dict, batch: int, model: dict = MODEL, role: str | None = None
+def predict_sent(plan: dict, batch: int, model: dict | TrainedModel = MODEL, role: str | None = None
                  ) -> dict[str, float] | None:
     """Bytes per axis a rank of `role` (None: the busiest) sends per step, predicted; None
     for DP, whose copies never leave its one process."""
@@ -347,50 +359,3 @@ def runs_in_its_precision(plan: dict) -> bool:
     except PlanError:
         return False
     return True
-
-
-def verify_command(args, model: dict | None = None) -> int:
-    """`meshtrain plan --verify`: verify's plans on `model` (GPTConfig's fields; None: the
-    device's own verify GPT), those predicted to fit, against this machine's profile."""
-    kind = local_kind()
-    profile = load_profile(args.profile, kind)
-    device = resolve_device()
-    most = gpu_count() if device == "cuda" else float("inf")   # one rank per GPU
-    name, model = ("the model given", model) if model else ("verify's GPT", VERIFY_GPTS[device])
-    ran = [(run_plan(plan, device), batch) for plan, batch in PLANS]   # in the device's dtype
-    admitted = [(plan, batch) for plan, batch in ran if runs_in_its_precision(plan)]
-    fp32_only = len(ran) - len(admitted)
-    plans = tuple((plan, batch) for plan, batch in admitted
-                  if max(world_of(plan), profile_world(plan)) <= most)
-    missing = sorted({profile_world(p) for p, _ in plans} - {int(w) for w in profile["worlds"]})
-    if missing:
-        raise HardwareError(f"the profile {profile_path(args.profile, kind)} has no measurements at "
-                            f"{missing} ranks, which --verify runs; calibrate them with "
-                            f"`meshtrain plan --calibrate --nproc {max(missing)}`")
-    predicted = [predict(profile, plan, batch, model) for plan, batch in plans]
-    too_big = [label(*pb) for pb, ev in zip(plans, predicted) if not ev.fits]
-    if len(too_big) == len(plans):
-        raise ValueError(f"none of --verify's plans is predicted to fit {name} {model} on "
-                         "this machine: verify a smaller model")
-    steps = ROUNDS * (WARMUP + STEPS) + 1   # the first round's one more, for exact counts
-    seconds = steps * sum(ev.time.total for ev in predicted if ev.fits)
-    plans = tuple(pb for pb, ev in zip(plans, predicted) if ev.fits)
-    more_gpus = len(PLANS) - len(plans) - fp32_only - len(too_big)
-    left_out = "".join(f"; {text}" for n, text in (
-        (more_gpus, f"{more_gpus} need more GPUs"), (fp32_only, f"{fp32_only} run in fp32 only"),
-        (too_big, f"{len(too_big)} predicted not to fit")) if n)
-    print(f"verifying {len(plans)} plans of {name} {model} (AdamW{left_out}), {ROUNDS} "
-          f"rounds, against the profile of {profile['created']}; their steps alone are "
-          f"predicted to take {fmt_duration(seconds)}, beside each run's start", file=sys.stderr)
-    if too_big:
-        print(f"predicted not to fit: {' | '.join(too_big)}", file=sys.stderr)
-    table = io.StringIO()
-    rows = verify(profile, plans=plans, out=table, model=model, progress=True)
-    print(header(device))
-    print(table.getvalue(), end="")
-    ok, text = summary(rows, GPU_LIMITS if device == "cuda" else LIMITS)
-    print("\n" + text)
-    print(f"{LEGEND[device]}; step = median of the timed steps after the warm-up.")
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    return 0 if ok else 1

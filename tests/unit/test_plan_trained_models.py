@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from meshtrain.cli.plan_cmd import model_of
+from meshtrain.measure.trained_model import model_of
 from meshtrain.models import registry
 from meshtrain.planner.model_spec import PRESETS, ModelSpecError
 

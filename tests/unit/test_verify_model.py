@@ -9,7 +9,7 @@ from meshtrain.cli import plan_cmd
 from meshtrain.cli.main import main
 from meshtrain.core.gpt_shapes import GPT_SHAPES
 from meshtrain.core.units import fmt_duration
-from meshtrain.measure import verify
+from meshtrain.measure import verify, verify_cli
 from tests.synthetic_profile import synthetic_profile
 
 PROFILE = synthetic_profile(cpu_count=4, host_mem=48e9)
@@ -33,8 +33,8 @@ def test_the_model_verified_is_a_preset_or_a_description():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--model", "llama-7b"], "trains meshtrain's GPTs only, and 'llama-7b' is not one"),
-    (["--model", "llama-tiny"], "trains meshtrain's GPTs only, and 'llama-tiny' is not one"),
+    (["--model", "llama-7b"], "is a shape the planner describes but does not build"),
+    (["--model", "nosuch"], "--model 'nosuch' is unknown"),
     (["--layers", "2", "--hidden", "64"], "needs --heads --vocab --seq too"),
     (["--seq", "64"], "give --model too"),
     (["--model", "tiny", "--layers", "2"], "not both"),
@@ -58,7 +58,7 @@ def _verify_command(capsys, monkeypatch, tmp_path, *argv):
     def ran(profile, plans, model, **_):
         raise _Ran(plans, model)
 
-    monkeypatch.setattr(verify, "verify", ran)
+    monkeypatch.setattr(verify_cli, "verify", ran)
     with pytest.raises(_Ran) as started:
         main(["plan", "--verify", "--profile", str(path), *argv])
     return (*started.value.args, capsys.readouterr().err)
@@ -82,6 +82,15 @@ def test_verify_without_a_model_runs_its_own_gpt(capsys, monkeypatch, tmp_path):
     plans, model, err = _verify_command(capsys, monkeypatch, tmp_path)
     assert model == verify.VERIFY_GPTS["cpu"] and len(plans) == len(verify.PLANS)
     assert "predicted not to fit" not in err
+
+
+def test_verify_takes_any_model_train_builds(capsys, monkeypatch, tmp_path):
+    from meshtrain.measure.trained_model import TrainedModel
+
+    plans, model, err = _verify_command(capsys, monkeypatch, tmp_path, "--model", "llama-tiny",
+                                        "--seq", "64")
+    assert model == TrainedModel("llama-tiny", 64) and "plans of llama-tiny at 64 tokens" in err
+    assert len(plans) == len(verify.PLANS)   # its 2 layers at 64 tokens fit everywhere
 
 
 def test_a_wait_reads_in_seconds_minutes_or_hours():

@@ -1,0 +1,74 @@
+"""The model a verification trains and the planner judges (measure/verify.py, ranking.py,
+`meshtrain plan --model`): meshtrain's GPT by its config's fields (a dict, as calibration's
+and verify's own GPTs are given), or any model `meshtrain train --model` builds, by that
+name (`TrainedModel`): a transformers preset or config.json, or a callable."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from meshtrain.models import hf_presets, registry, structure
+from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.planner import model_spec
+from meshtrain.planner.model_spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    spec: str               # as `meshtrain train --model` takes it
+    seq: int | None = None  # the sequence trained on (default: the model's context)
+
+
+def model_of(name: str, seq: int | None) -> ModelSpec:
+    """--model's ModelSpec: a planner preset or one of meshtrain's GPTs, else a model
+    `meshtrain train --model` builds, built on the meta device (no memory, no
+    initialisation) and read: a transformers model's shape from its config, a callable's
+    from its modules, parameters counted either way."""
+    try:
+        return model_spec.preset(name, seq=seq)
+    except model_spec.ModelSpecError as not_preset:
+        unknown = str(not_preset)
+    try:
+        kind = registry.kind_of(name)
+    except registry.ModelSpecError:
+        raise model_spec.ModelSpecError(
+            f"{unknown}; or a model `meshtrain train --model` builds: a transformers preset "
+            f"({', '.join(hf_presets.PRESETS)}), a transformers config (a .json file) or a "
+            "callable (package.module:function)") from None
+    with torch.device("meta"):
+        built = registry.build_model(name, {}, seq)
+    module, seq = built.module, seq or built.seq_len
+    if kind == "callable":
+        return model_spec.from_module(module, seq=seq, name=name)
+    pieces = [*structure.units_of(module), module.get_input_embeddings(),
+              module.get_output_embeddings()]
+    return model_spec.from_transformers_config(
+        module.config, seq, name, params=sum(p.numel() for p in module.parameters()),
+        largest=max(sum(p.numel() for p in piece.parameters()) for piece in pieces))
+
+
+def spec_of(model: dict | TrainedModel) -> ModelSpec:
+    """What the planner judges `model` as."""
+    if isinstance(model, TrainedModel):
+        return model_of(model.spec, model.seq)
+    return model_spec.from_gpt_config(GPTConfig(**model), "gpt")
+
+
+def build(model: dict | TrainedModel) -> tuple[nn.Module, Callable | None, int, int]:
+    """(module, loss or None for the model's own `.loss`, token ids' range, sequence) of a
+    freshly initialised `model`, from torch's global RNG; every model `meshtrain train`
+    builds reads byte ids."""
+    if isinstance(model, TrainedModel):
+        built = registry.build_model(model.spec, {}, model.seq)
+        return built.module, built.loss, registry.BYTE_VOCAB, built.seq_len
+    config = GPTConfig(**model)
+    return GPT(config), None, config.vocab_size, config.seq_len
+
+
+def describe(model: dict | TrainedModel) -> str:
+    if isinstance(model, TrainedModel):
+        return model.spec + (f" at {model.seq} tokens" if model.seq else "")
+    return "meshtrain's GPT " + ", ".join(f"{k} {v}" for k, v in model.items())
