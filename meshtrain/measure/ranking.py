@@ -18,10 +18,9 @@ import sys
 from meshtrain.core.admit import check_plan
 from meshtrain.core.plan import PlanError
 from meshtrain.measure.probe import local_kind
+from meshtrain.measure.trained_model import TrainedModel, spec_of
 from meshtrain.measure.verify import MODEL, verify
-from meshtrain.models.gpt import GPTConfig
 from meshtrain.planner.advisor import advise
-from meshtrain.planner.model_spec import from_gpt_config
 from meshtrain.planner.profile import cluster_from_profile, load_profile
 from meshtrain.planner.setup import Setup
 
@@ -76,14 +75,15 @@ def as_verify_plan(cand, global_batch: int) -> tuple[dict, int]:
 
 
 def choose_plans(profile: dict, world: int, global_batch: int = 16, top: int = 3,
-                 others: int = 9, seed: int = 0, model: dict = MODEL) -> list[tuple[dict, int]]:
+                 others: int = 9, seed: int = 0, model: dict | TrainedModel = MODEL
+                 ) -> list[tuple[dict, int]]:
     """The advisor's `top` fastest runnable plans and `others` drawn from the rest, one from
     each of `others` equal slices of its predicted order, so the sample spans the range.
     (Six top plans, as first built, were dp x pp variants predicted within 1-2% of each
     other, closer than this machine's run-to-run noise: their measured order was chance,
     and the correlation over them measured the noise; the predicted best's distance from
     the measured best still judges the top.)"""
-    spec = from_gpt_config(GPTConfig(**model), "gpt")
+    spec = spec_of(model)
     setup = Setup(global_batch=global_batch, micro_batch=0, precision="fp32",
                   optimizer="adam", recompute="", sequence_parallel=False)
     ranked = [ev.cand for ev in advise(spec, setup, cluster_from_profile(profile, world)).ranked
@@ -115,8 +115,9 @@ def rank_report(rows: list[dict]) -> tuple[dict, str]:
     return result, text
 
 
-def rank_command(args, model: dict | None = None) -> int:
-    """`meshtrain plan --verify --rank` on `model` (GPTConfig's fields; None: verify's GPT)."""
+def rank_command(args, model: dict | TrainedModel | None = None) -> int:
+    """`meshtrain plan --verify --rank` on `model` (GPTConfig's fields or a model `train`
+    builds; None: verify's GPT)."""
     model = model or MODEL
     profile = load_profile(args.profile, local_kind())
     plans = choose_plans(profile, args.nproc, model=model)
