@@ -13,7 +13,7 @@ from tests.multirank import hf_cases as hf
 pytest.importorskip("transformers")
 
 FP32_PLANS = {
-    1: [dict(), dict(recompute="full")],
+    1: [dict(), dict(recompute="full"), dict(dp=2, dp_mode="dp")],   # DP: replicas in threads
     2: [dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3),
         dict(dp=2, zero=2, offload="cpu"), dict(dp=2, recompute="full", microbatches=2),
         dict(tp=2), dict(pp=2, microbatches=4, schedule="1f1b"),

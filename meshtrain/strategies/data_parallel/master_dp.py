@@ -36,6 +36,7 @@ from meshtrain.core.device import to_device
 from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
 from meshtrain.core.optim_state import load_state_by_name, param_groups_by_name, state_by_name
 from meshtrain.core.plan import PlanError
+from meshtrain.models.registry import logits_of
 from meshtrain.strategies.compile import recompile_copy
 from meshtrain.strategies.slots import GradientSync, split_microbatches
 
@@ -189,10 +190,12 @@ class ReplicaLoop:
         sync = self.sync
         for s in slices[1:]:
             sync.record("send", "batch", sent=_nbytes([s]))
-        outputs = list(self.pool.map(lambda r, s: r(s), sync.replicas, slices))
+        # a transformers model's output: its logits are what the loss reads (models/registry.py)
+        outputs = [logits_of(o) for o in self.pool.map(lambda r, s: r(s), sync.replicas, slices)]
         if not all(isinstance(o, torch.Tensor) for o in outputs):
-            raise TypeError("dp_mode='dp' gathers the replicas' outputs along dim 0 and needs "
-                            f"the model to return a tensor (got {type(outputs[0]).__name__})")
+            raise PlanError("dp_mode='dp' gathers the replicas' outputs along dim 0 and needs "
+                            "the model to return a tensor or an output with .logits (got "
+                            f"{type(outputs[0]).__name__}); use dp_mode='ddp'")
         for o in outputs[1:]:
             sync.record("recv", "output", received=_nbytes([o]))
         # gather: the loss sees one tensor, as in one process; its gradient is cut back
