@@ -5,7 +5,7 @@
     meshtrain plan --calibrate            # measure this machine, save a profile
     meshtrain plan --cluster local ...    # plan with the measured profile
     meshtrain plan --verify               # run the top supported plans for real, compare
-    meshtrain plan --verify --model gpt2-124m   # ... on your model (a meshtrain GPT)
+    meshtrain plan --verify --model llama-tiny  # ... on any model `meshtrain train` builds
 """
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def add_parser(subparsers) -> None:
     o.add_argument("--calibrate", action="store_true", help="measure this machine's compute "
                    "and collective bandwidths on local ranks; save a profile")
     o.add_argument("--verify", action="store_true", help="run the top plans the Trainer "
-                   "supports on local ranks; compare predicted and measured (on --model's "
-                   "GPT, or a --layers ... description, where given)")
+                   "supports on local ranks; compare predicted and measured (on --model, any "
+                   "model `meshtrain train` builds, or a --layers ... description, where given)")
     o.add_argument("--rank", action="store_true", help="with --verify: run the planner's "
                    "top plans and a sample of the rest at --nproc ranks; report the rank "
                    "correlation of predicted and measured step times")
