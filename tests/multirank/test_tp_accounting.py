@@ -175,3 +175,24 @@ def test_checkpoints_move_between_one_process_and_tensor_parallel(tmp_path):
     assert_same_state((single.full_state_dict(), single.full_optimizer_state()),
                       (back.full_state_dict(), back.full_optimizer_state()),
                       "tp run vs one-process run")
+
+
+def _llama_tp_sent(model) -> dict:
+    from meshtrain.measure.verify import verify_rank
+    return verify_rank(model, {"tp": dist.get_world_size()}, 2, steps=1, warmup=1)["sent"]
+
+
+def test_a_transformers_llamas_q_k_v_and_gate_up_enter_tensor_parallel_once():
+    """Its q, k and v projections (and gate and up) are separate column layers reading one
+    input: they enter the region once, their input gradients summed before one all-reduce
+    (Megatron's count: 2 all-reduces forward and 2 backward per block), so the bytes tensor
+    parallel sends are the planner's for the model's config, as for meshtrain's GPT."""
+    from meshtrain.measure.trained_model import TrainedModel
+    from meshtrain.measure.verify import predict_sent
+
+    pytest.importorskip("transformers")
+    model = TrainedModel("llama-tiny", 32)
+    sent = run_ranks(2, _llama_tp_sent, model, timeout=120)
+    predicted = predict_sent({"tp": 2}, 2, model)["tp"]
+    for rank in sent:
+        assert rank["tp"] == pytest.approx(predicted, rel=0.01)

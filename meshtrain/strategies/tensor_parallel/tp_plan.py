@@ -112,17 +112,24 @@ def shard_with_plan(model: nn.Module, comm: Comm, tp_plan: dict) -> TensorParall
     sharder = Sharder(model, comm)
     resolved = resolve(model, tp_plan, tp)
     originals = [(name, model.get_submodule(name)) for name, _ in resolved]   # kept alive
+    shared: dict[str, Enter] = {}   # parent module -> the entry its "column" layers share
     for name, style in resolved:
         module = model.get_submodule(name)
+        parent = name.rpartition(".")[0]
         if style == "vocab" and isinstance(module, nn.Embedding):
             sharder.vocab_embedding(name, Exit(comm, name))
         elif style == "row":
             sharder.row(name, Exit(comm, name))
+        elif style == "column":   # siblings reading one input enter once (Enter.share)
+            if parent not in shared:
+                shared[parent] = Enter(comm, parent or name)
+                shared[parent].share(model.get_submodule(parent))
+            sharder.column(name, shared[parent])
         else:
-            blocks = 3 if style == "qkv" else 1
-            sharder.column(name, Enter(comm, name), blocks=blocks, vocab=style == "vocab")
+            sharder.column(name, Enter(comm, name), blocks=3 if style == "qkv" else 1,
+                           vocab=style == "vocab")
             if style == "qkv":
-                _divide_heads(model.get_submodule(name.rpartition(".")[0]), tp)
+                _divide_heads(model.get_submodule(parent), tp)
     refuse_aliases(model, originals)   # never silently train an unsharded copy
     return sharder.finish()
 
