@@ -282,7 +282,8 @@ def parse_straggler(text: str, world: int) -> list:
 def run(args) -> int:
     if not _under_torchrun():   # the ranks' process imports torch while this one does
         from meshtrain.core.processes import start_forkserver
-        start_forkserver()
+        from meshtrain.models.hf_presets import names_transformers
+        start_forkserver(transformers=names_transformers(args.model))
     from meshtrain.launch import LaunchError, launch
     from meshtrain.models.registry import check_model_spec
     from meshtrain.train import errors

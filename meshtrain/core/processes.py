@@ -4,6 +4,8 @@
   the child imports it, so it must be a top-level function of a module or of the script.
 - Ranks start from a forkserver that has torch and meshtrain already imported
   (`meshtrain._preload`): a world-2 start takes ~0.07 s instead of ~3 s with spawn.
+  Ranks that build transformers models find its modeling stack imported there too
+  (`meshtrain._preload_transformers`) where the launcher asks for it.
 - Each rank gets cores / ranks threads: oversubscribing the cores costs ~2x.
 """
 from __future__ import annotations
@@ -21,11 +23,15 @@ def threads_per_rank(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
-@functools.lru_cache(maxsize=1)
-def forkserver_context():
-    """The multiprocessing context whose forkserver preloads torch and meshtrain (once)."""
+@functools.lru_cache(maxsize=2)
+def forkserver_context(transformers: bool = False):
+    """The multiprocessing context whose forkserver preloads torch and meshtrain (once), and
+    with `transformers` its modeling stack too (`meshtrain._preload_transformers`), for ranks
+    that build its models. The forkserver is one per process: the preload set when it starts
+    is the one it keeps."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["meshtrain._preload"])
+    extra = ["meshtrain._preload_transformers"] if transformers else []
+    ctx.set_forkserver_preload(["meshtrain._preload", *extra])
     return ctx
 
 
@@ -41,13 +47,13 @@ def process_start_time() -> float:
     return time.time() - uptime + started_ticks / os.sysconf("SC_CLK_TCK")
 
 
-def start_forkserver() -> None:
+def start_forkserver(transformers: bool = False) -> None:
     """Start the preloaded forkserver now, without waiting for it: it imports torch and
-    meshtrain while this process goes on with its own start (a command that will launch
-    ranks calls this first)."""
+    meshtrain (and transformers, see `forkserver_context`) while this process goes on with
+    its own start (a command that will launch ranks calls this first)."""
     from multiprocessing import forkserver
 
-    forkserver_context()
+    forkserver_context(transformers)
     forkserver.ensure_running()
 
 

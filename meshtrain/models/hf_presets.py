@@ -5,7 +5,10 @@ byte vocabulary (256), no dropout.
 """
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # this module is read before torch is imported (names_transformers)
+    from torch import nn
 
 SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -30,6 +33,12 @@ def _config(name: str):
 
 
 PRESETS = ("llama-tiny", "llama-tiny-tied", "qwen2-tiny", "mistral-tiny", "hf-gpt2-tiny")
+
+
+def names_transformers(spec: str) -> bool:
+    """Whether --model `spec` is one transformers builds (a preset here, or a config.json),
+    as models.registry.kind_of tells it, without importing torch or transformers."""
+    return spec in PRESETS or spec.endswith(".json")
 
 
 def config_of(name: str):

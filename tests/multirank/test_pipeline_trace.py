@@ -7,8 +7,11 @@ measured bubble must lie within 0.05 of the formula's (equal stage costs), and z
 each message costs 0.3-2 ms, which is why a layer takes 25 ms (at 5 ms the measured bubble
 overshoots theory by 0.04-0.06; at 15 ms zb-h1 at P=4 still reached 0.057 once).
 The layers sleep rather than spin, so that a loaded machine does not stretch one rank's
-compute against another's."""
+compute against another's; and so P = 2 and P = 4 are measured side by side, in one `alone`
+slot instead of two (their six ranks use a few percent of the cores). Side by side, 10 of 12
+first measurements lay within the bound; a miss is measured again alone, as before."""
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -20,6 +23,15 @@ from meshtrain.testing import run_ranks
 SECONDS = 0.025
 CASES = [(s, m, 2 if s == "interleaved" else 1)
          for s in ("gpipe", "1f1b", "interleaved", "zb-h1") for m in (4, 8)]
+WORLDS = (2, 4)
+
+
+def _run(p: int) -> list:
+    return run_ranks(p, measure_rank, CASES, SECONDS, 4, timeout=300)
+
+
+def _medians(results: list) -> dict:
+    return {case: median_step(docs) for case, docs in zip(CASES, documents(results, CASES))}
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +39,14 @@ def measured():
     cache = {}
 
     def get(p, again=False):
-        if p not in cache or again:
-            results = run_ranks(p, measure_rank, CASES, SECONDS, 4, timeout=300)
-            cache[p] = {case: median_step(docs)
-                        for case, docs in zip(CASES, documents(results, CASES))}
+        if again:   # this world alone, on fresh ranks
+            cache[p] = _medians(_run(p))
+        elif p not in cache:   # every world not yet measured, side by side
+            todo = [w for w in WORLDS if w not in cache]
+            # each world's results are read once both are done: nothing computes beside one
+            with ThreadPoolExecutor(len(todo)) as pool:
+                runs = list(pool.map(_run, todo))
+            cache.update((w, _medians(results)) for w, results in zip(todo, runs))
         return cache[p]
     return get
 
@@ -47,7 +63,7 @@ def _off_theory(docs: dict, p: int) -> list[str]:
 
 
 @pytest.mark.alone
-@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("p", WORLDS)
 def test_measured_bubble_lies_within_005_of_theory(measured, p):
     """A wall-clock timeline: a process outside the suite that wakes while it is measured
     stretches its messages (a case measured 0.06 over theory once in CI, 0.01-0.03 in every

@@ -96,7 +96,7 @@ def test_the_command_refuses_more_ranks_than_gpus_before_any_rank_starts(
     from meshtrain.core import processes
 
     launch_module = importlib.import_module("meshtrain.launch")   # the name is the function
-    monkeypatch.setattr(processes, "start_forkserver", lambda: None)
+    monkeypatch.setattr(processes, "start_forkserver", lambda **preload: None)
     monkeypatch.setattr(launch_module, "launch", lambda *a, **k: pytest.fail("a rank started"))
     run_dir = tmp_path / "run"
     assert train_cmd.run(_train_args(*argv, "--run-dir", str(run_dir))) == 2
@@ -108,7 +108,7 @@ def test_the_command_refuses_more_ranks_than_gpus_before_any_rank_starts(
 def test_the_command_refuses_cuda_on_a_machine_without_one(gpus, monkeypatch, capsys, tmp_path):
     gpus(0)
     from meshtrain.core import processes
-    monkeypatch.setattr(processes, "start_forkserver", lambda: None)
+    monkeypatch.setattr(processes, "start_forkserver", lambda **preload: None)
     assert train_cmd.run(_train_args("--device", "cuda", "--run-dir", str(tmp_path / "r"))) == 2
     assert "--device cuda: no CUDA GPU" in capsys.readouterr().err
 

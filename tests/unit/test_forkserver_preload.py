@@ -1,0 +1,38 @@
+"""Ranks that build transformers models start with its modeling stack preloaded: the command
+asks its forkserver for it exactly where --model names a transformers model, told before
+torch is imported (the forkserver starts first)."""
+import subprocess
+import sys
+
+import pytest
+
+from meshtrain.cli import train_cmd
+from meshtrain.core import processes
+from meshtrain.models.hf_presets import PRESETS, names_transformers
+from meshtrain.models.registry import kind_of
+from tests.unit.test_device import _train_args
+
+
+@pytest.mark.parametrize("spec", ["tiny", "gpt2-124m", "tests.multirank.own_model:build",
+                                  "llama-tiny", "qwen2-tiny", "runs/llama/config.json"])
+def test_names_transformers_agrees_with_the_registry(spec):
+    assert names_transformers(spec) == (kind_of(spec) in ("hf-preset", "transformers"))
+
+
+def test_names_transformers_needs_no_torch():
+    code = ("import sys; from meshtrain.models.hf_presets import names_transformers; "
+            "assert names_transformers('llama-tiny'); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("spec,preload", [("tiny", False), (PRESETS[0], True)])
+def test_the_command_asks_for_the_preload_its_model_needs(spec, preload, monkeypatch,
+                                                          tmp_path):
+    asked = []
+    monkeypatch.setattr(processes, "start_forkserver", lambda **kw: asked.append(kw))
+    # refused after the forkserver's start, before any check that would build the model
+    args = _train_args("--model", spec, "--max-restarts", "-1", "--run-dir", str(tmp_path))
+    assert train_cmd.run(args) == 2
+    assert asked == [{"transformers": preload}]
