@@ -87,7 +87,9 @@ def run_ranks(world: int, fn, *args, timeout: float = 60.0,
 
     backend = _backend(world, device)
     ref = function_ref(fn)
-    ctx = forkserver_context(transformers=True)   # where it is installed: tests build its models
+    # transformers' modeling stack preloaded where it is installed (tests build its models),
+    # but not beside CUDA ranks: nothing may touch CUDA in the process they are forked from
+    ctx = forkserver_context(transformers=device != "cuda")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
     results = ctx.Queue()
