@@ -27,12 +27,17 @@ def verify_command(args, model: dict | TrainedModel | None = None) -> int:
     profile = load_profile(args.profile, kind)
     device = resolve_device()
     model = model or VERIFY_GPTS[device]
-    plans, predicted, left_out = _plans(args, profile, kind, device, model)
+    plans, predicted, too_big = _plans(args, profile, kind, device, model)
     steps = ROUNDS * (WARMUP + STEPS) + 1   # the first round's one more, for exact counts
     seconds = steps * sum(ev.time.total for ev in predicted)
+    left_out = "".join(f"; {n} {why}" for n, why in (
+        (len(PLANS) - len(plans) - len(too_big) - fp32_only(device), "need more GPUs"),
+        (fp32_only(device), "run in fp32 only"), (len(too_big), "predicted not to fit")) if n)
     print(f"verifying {len(plans)} plans of {describe(model)} (AdamW{left_out}), {ROUNDS} "
           f"rounds, against the profile of {profile['created']}; their steps alone are "
           f"predicted to take {fmt_duration(seconds)}, beside each run's start", file=sys.stderr)
+    if too_big:
+        print(f"predicted not to fit: {' | '.join(too_big)}", file=sys.stderr)
     table, failed = io.StringIO(), []
     rows = verify(profile, plans=plans, out=table, model=model, progress=True, failed=failed)
     print(header(device))
@@ -49,17 +54,19 @@ def verify_command(args, model: dict | TrainedModel | None = None) -> int:
     return 0 if ok and not crashed else 1
 
 
+def fp32_only(device: str) -> int:
+    """How many of verify's plans the device's precision leaves out (runs_in_its_precision)."""
+    return sum(not runs_in_its_precision(run_plan(plan, device)) for plan, _ in PLANS)
+
+
 def _plans(args, profile: dict, kind: str, device: str, model) -> tuple:
-    """(verify's plans this machine runs for `model`, their predictions, what was left out
-    and why, as text), refusing a profile without the worlds they need and a model none
-    of them is predicted to fit, before any rank starts."""
+    """(verify's plans this machine runs for `model` and predicts to fit, their predictions,
+    the labels of those predicted not to fit), refusing a profile without the worlds they
+    need and a model none of them is predicted to fit, before any rank starts."""
     most = gpu_count() if device == "cuda" else float("inf")   # one rank per GPU
     ran = [(run_plan(plan, device), batch) for plan, batch in PLANS]   # in the device's dtype
-    admitted = [(plan, batch) for plan, batch in ran if runs_in_its_precision(plan)]
-    fp32_only = len(ran) - len(admitted)
-    plans = [(plan, batch) for plan, batch in admitted
-             if max(world_of(plan), profile_world(plan)) <= most]
-    more_gpus = len(admitted) - len(plans)
+    plans = [(plan, batch) for plan, batch in ran if runs_in_its_precision(plan)
+             and max(world_of(plan), profile_world(plan)) <= most]
     missing = sorted({profile_world(p) for p, _ in plans} - {int(w) for w in profile["worlds"]})
     if missing:
         raise HardwareError(f"the profile {profile_path(args.profile, kind)} has no measurements at "
@@ -70,10 +77,5 @@ def _plans(args, profile: dict, kind: str, device: str, model) -> tuple:
     if len(too_big) == len(plans):
         raise ValueError(f"none of --verify's plans is predicted to fit {describe(model)} on "
                          "this machine: verify a smaller model")
-    if too_big:
-        print(f"predicted not to fit: {' | '.join(too_big)}", file=sys.stderr)
     fitting = [(pb, ev) for pb, ev in zip(plans, predicted) if ev.fits]
-    left_out = "".join(f"; {text}" for n, text in (
-        (more_gpus, f"{more_gpus} need more GPUs"), (fp32_only, f"{fp32_only} run in fp32 only"),
-        (too_big, f"{len(too_big)} predicted not to fit")) if n)
-    return tuple(pb for pb, _ in fitting), [ev for _, ev in fitting], left_out
+    return tuple(pb for pb, _ in fitting), [ev for _, ev in fitting], too_big

@@ -102,3 +102,17 @@ def test_a_model_no_plan_fits_is_refused_before_any_run(capsys, monkeypatch, tmp
     path.write_text(json.dumps({**PROFILE, "host_mem": 8e9}))
     assert main(["plan", "--verify", "--profile", str(path), "--model", "gpt2-1.3b"]) == 2
     assert "none of --verify's plans is predicted to fit" in capsys.readouterr().err
+
+
+def test_on_one_gpu_verify_says_what_it_leaves_out_and_why(capsys, monkeypatch, tmp_path):
+    """One GPU: the plans of more ranks need more GPUs, the fp32-only family is left out;
+    the counts add up to verify's plans."""
+    monkeypatch.setattr(verify_cli, "resolve_device", lambda: "cuda")
+    monkeypatch.setattr(verify_cli, "gpu_count", lambda: 1)
+    plans, model, err = _verify_command(capsys, monkeypatch, tmp_path)
+    fp32 = verify_cli.fp32_only("cuda")
+    # the two parameter servers, DP, DiLoCo, local SGD and PowerSGD run in fp32 only
+    assert model == verify.VERIFY_GPTS["cuda"] and fp32 == 6
+    assert all(verify.world_of(p) == 1 for p, _ in plans)
+    more = len(verify.PLANS) - len(plans) - fp32
+    assert f"(AdamW; {more} need more GPUs; {fp32} run in fp32 only)" in err
