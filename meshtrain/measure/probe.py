@@ -110,15 +110,10 @@ def reference_steps(model: GPT, x: torch.Tensor) -> tuple[dict, float]:
     SMALL_BATCH, as name -> (step, FLOPs), and the ops a block of it dispatches; it has run
     once (its gradients exist)."""
     spec = from_gpt_config(model.config)
-
-    def train_step(batch=x):
-        model.zero_grad(set_to_none=False)
-        model.loss(model(batch), batch).backward()
-
+    train_step, small = training_step(model, x), training_step(model, x[:SMALL_BATCH].clone())
     train_step()
-    small = x[:SMALL_BATCH].clone()
     return ({"gpt": (train_step, step_flops(spec, REFERENCE_BATCH)),
-             "gpt_small": (lambda: train_step(small), step_flops(spec, SMALL_BATCH))},
+             "gpt_small": (small, step_flops(spec, SMALL_BATCH))},
             ops_per_block(train_step, model.config.n_layer))
 
 
@@ -128,13 +123,17 @@ def narrow_step(x: torch.Tensor) -> dict:
     ranks only: a GPU's elementwise work is priced from its own kernels (flops.py)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**NARROW_GPT))
-
-    def step():
-        model.zero_grad(set_to_none=False)
-        model.loss(model(x), x).backward()
-
+    step = training_step(model, x)
     step()
     return {"gpt_narrow": (step, step_flops(from_gpt_config(model.config), REFERENCE_BATCH))}
+
+
+def training_step(model: GPT, batch: torch.Tensor):
+    """One forward and backward of `model` on `batch` (the next token its own target)."""
+    def step():
+        model.zero_grad(set_to_none=False)
+        model.loss(model(batch), batch).backward()
+    return step
 
 
 def _optimizer_temporaries(opt, masters: list[torch.Tensor], device: torch.device) -> dict:

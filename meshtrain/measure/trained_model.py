@@ -4,6 +4,7 @@ and verify's own GPTs are given), or any model `meshtrain train --model` builds,
 name (`TrainedModel`): a transformers preset or config.json, or a callable."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,11 +23,13 @@ class TrainedModel:
     seq: int | None = None  # the sequence trained on (default: the model's context)
 
 
+@functools.lru_cache(maxsize=8)
 def model_of(name: str, seq: int | None) -> ModelSpec:
     """--model's ModelSpec: a planner preset or one of meshtrain's GPTs, else a model
     `meshtrain train --model` builds, built on the meta device (no memory, no
     initialisation) and read: a transformers model's shape from its config, a callable's
-    from its modules, parameters counted either way."""
+    from its modules, parameters counted either way. Kept: verify prices every plan and
+    role of one model, which would otherwise build it each time."""
     try:
         return model_spec.preset(name, seq=seq)
     except model_spec.ModelSpecError as not_preset:

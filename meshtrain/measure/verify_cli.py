@@ -30,9 +30,10 @@ def verify_command(args, model: dict | TrainedModel | None = None) -> int:
     plans, predicted, too_big = _plans(args, profile, kind, device, model)
     steps = ROUNDS * (WARMUP + STEPS) + 1   # the first round's one more, for exact counts
     seconds = steps * sum(ev.time.total for ev in predicted)
+    fp32 = fp32_only(device)
     left_out = "".join(f"; {n} {why}" for n, why in (
-        (len(PLANS) - len(plans) - len(too_big) - fp32_only(device), "need more GPUs"),
-        (fp32_only(device), "run in fp32 only"), (len(too_big), "predicted not to fit")) if n)
+        (len(PLANS) - len(plans) - len(too_big) - fp32, "need more GPUs"),
+        (fp32, "run in fp32 only"), (len(too_big), "predicted not to fit")) if n)
     print(f"verifying {len(plans)} plans of {describe(model)} (AdamW{left_out}), {ROUNDS} "
           f"rounds, against the profile of {profile['created']}; their steps alone are "
           f"predicted to take {fmt_duration(seconds)}, beside each run's start", file=sys.stderr)
