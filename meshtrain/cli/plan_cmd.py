@@ -99,10 +99,16 @@ def verified_model(args):
                          "preset or config.json, a callable) or --layers --hidden --heads "
                          "--vocab --seq")
     if args.model and args.model.lower() not in GPT_SHAPES:
+        from meshtrain.core.processes import start_forkserver
         from meshtrain.measure.trained_model import TrainedModel
+        from meshtrain.models.hf_presets import names_transformers
         from meshtrain.models.registry import check_model_spec
 
         check_model_spec(args.model, {})   # names what it cannot build, before any rank
+        # its ranks start with transformers imported, as `meshtrain train`'s do: what they
+        # grow resident is the training's, not the imports' (~30 MB)
+        if names_transformers(args.model):
+            start_forkserver(transformers=True)
         return TrainedModel(args.model, args.seq)
     if args.model:
         shape = GPT_SHAPES[args.model.lower()]

@@ -5,12 +5,13 @@ name (`TrainedModel`): a transformers preset or config.json, or a callable."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 from torch import nn
 
+from meshtrain.measure import traced
 from meshtrain.models import hf_presets, registry, structure
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.planner import model_spec
@@ -28,8 +29,9 @@ def model_of(name: str, seq: int | None) -> ModelSpec:
     """--model's ModelSpec: a planner preset or one of meshtrain's GPTs, else a model
     `meshtrain train --model` builds, built on the meta device (no memory, no
     initialisation) and read: a transformers model's shape from its config, a callable's
-    from its modules, parameters counted either way. Kept: verify prices every plan and
-    role of one model, which would otherwise build it each time."""
+    from its modules, parameters counted either way; a transformers model's layers are
+    also traced (measure/traced.py). Kept: verify prices every plan and role of one model,
+    which would otherwise build it each time."""
     try:
         return model_spec.preset(name, seq=seq)
     except model_spec.ModelSpecError as not_preset:
@@ -48,9 +50,15 @@ def model_of(name: str, seq: int | None) -> ModelSpec:
         return model_spec.from_module(module, seq=seq, name=name)
     pieces = [*structure.units_of(module), module.get_input_embeddings(),
               module.get_output_embeddings()]
-    return model_spec.from_transformers_config(
+    spec = model_spec.from_transformers_config(
         module.config, seq, name, params=sum(p.numel() for p in module.parameters()),
         largest=max(sum(p.numel() for p in piece.parameters()) for piece in pieces))
+    try:   # what its layers save and dispatch, beyond a GPT block's counts
+        found = traced.trace(lambda: registry.build_model(name, {}, seq).module, built.loss, seq)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return spec   # a forward fake tensors cannot run: priced by the counts alone
+    return replace(spec, traced_layer_bytes=found.layer_bytes, traced_head_bytes=found.head_bytes,
+                   traced_elementwise=found.elementwise_scale, traced_ops=found.ops_scale)
 
 
 def spec_of(model: dict | TrainedModel) -> ModelSpec:

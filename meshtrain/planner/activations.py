@@ -32,21 +32,28 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
     2-byte terms; masks stay 1 byte. Under sequence parallel the attention's and the MLP's
     inputs are kept as this rank's sequence slice and all-gathered again in backward (§4.2.2;
     meshtrain's runtime does so: strategies/tensor_parallel/sequence.py), so all 10 divide.
+    A model traced in this precision (ModelSpec.traced_layer_bytes: what its own layer
+    saves, e.g. a transformers RMSNorm's fp32 copy of its input) keeps what the trace finds
+    beyond these counts as well, whole on every tensor-parallel rank (as the norms' are),
+    a slice under sequence parallel.
     """
     s, b, h, a, e = seq, micro_batch, spec.hidden, spec.heads, elem_bytes
     sbh = s * b * h
+    split = tp if sp else 1
     if recompute == "full":
-        return e * sbh / (tp if sp else 1)
+        return e * sbh / split
     masks = 2 if spec.dropout else 0
-    kept = (4 * e + masks) / (tp if sp else 1)
+    kept = 4 * e + masks
     attn = e * (2 + 2 * spec.kv_dim / h)
     mlp = e * (4 if spec.mlp == "swiglu" else 2) * spec.ffn_hidden / h
     divided = attn + mlp
-    if recompute == "selective" or spec.flash_attention:
+    scores = 0.0 if spec.flash_attention else (a * s / h) * (e + (1 + e if spec.dropout else 0))
+    traced = spec.traced_bytes_per_token(e)
+    if traced is not None:   # the counts above at tp = 1 fall short of the trace by this
+        kept += traced / h - (kept + divided + scores)
+    if recompute == "selective":
         scores = 0.0
-    else:
-        scores = (a * s / h) * (e + (1 + e if spec.dropout else 0))
-    return sbh * (kept + (divided + scores) / tp)
+    return sbh * (kept / split + (divided + scores) / tp)
 
 
 def inflight_microbatches(schedule: str, pp: int, m: int, v: int = 1, stage: int = 0) -> float:
@@ -119,13 +126,15 @@ def transient_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
 
 def output_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     """The output layer's activations for one micro-batch, on the last stage: the final
-    norm's and the projection's inputs (2 s b h elements; under sequence parallel both a
-    slice, the projection's gathered again in backward) and what the loss keeps of the
-    logits (`kept_logits_bytes`)."""
+    norm's and the projection's inputs (2 s b h elements, or what a traced model's save;
+    under sequence parallel a slice, the projection's gathered again in backward) and
+    what the loss keeps of the logits (`kept_logits_bytes`)."""
     p = cand.plan
-    sbh = setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden
+    tokens = spec.seq * cand.micro_batch
+    traced = spec.traced_bytes_per_token(setup.act_bytes, head=True)
+    head = tokens * traced if traced is not None else 2 * setup.act_bytes * tokens * spec.hidden
     split = p.tp if cand.sp else 1
-    return 2 * sbh / split + kept_logits_bytes(spec, cand, setup)
+    return head / split + kept_logits_bytes(spec, cand, setup)
 
 
 def full_layer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:

@@ -39,6 +39,14 @@ class ModelSpec:
     flash_attention: bool = False   # fused attention that stores no s x s scores
     measured_params: int = 0        # exact count read from a module (overrides the formula)
     measured_largest: int = 0       # largest layer read from a module
+    # traced from the model itself on fake tensors (measure/traced.py), where it was: per
+    # precision, (element bytes, bytes per token saved for backward) by one layer and by
+    # the final norm and output layer, and (element bytes, its elementwise work against a
+    # GPT's of its shape); the operators it dispatches against that GPT's
+    traced_layer_bytes: tuple[tuple[int, float], ...] = ()
+    traced_head_bytes: tuple[tuple[int, float], ...] = ()
+    traced_elementwise: tuple[tuple[int, float], ...] = ()
+    traced_ops: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -122,6 +130,20 @@ class ModelSpec:
         one autograd materialises at a time (see activations.transient_bytes)."""
         h = self.hidden
         return max(h * self.ffn_hidden, self.vocab * h, h * h)
+
+    def traced_bytes_per_token(self, elem_bytes: int, head: bool = False) -> float | None:
+        """What one layer (or the final norm and output layer) saves per token in
+        `elem_bytes` precision, as traced; None where the model was not traced in it."""
+        return dict(self.traced_head_bytes if head else self.traced_layer_bytes).get(elem_bytes)
+
+    def elementwise_scale(self, elem_bytes: int) -> float:
+        """This model's elementwise work against a GPT's of its shape, as traced (1: not
+        traced in that precision)."""
+        return dict(self.traced_elementwise).get(elem_bytes, 1.0)
+
+    def ops_scale(self, elem_bytes: int) -> float:
+        """The operators this model dispatches against a GPT's of its shape, as traced."""
+        return dict(self.traced_ops).get(elem_bytes, 1.0)
 
     def describe(self) -> str:
         return (f"{self.name}: {self.num_params / 1e9:.3g}B parameters, {self.layers} layers, "

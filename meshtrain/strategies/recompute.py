@@ -1,16 +1,19 @@
 """Activation recomputation (`Plan(recompute="full" | "selective")`): keep less for backward,
 compute it again when backward needs it (Chen et al. 2016; Korthikanti et al. 2022).
 
-- "full": every layer but the last (a transformers decoder layer, each element of the
-  model's `layers()`, or each child: models/structure.py)
-  keeps only its input; its forward runs again inside backward. Per transformer layer that
+- "full": every transformers decoder layer, or every element of the model's `layers()` or
+  child but the last (models/structure.py), keeps only its input; its forward runs again
+  inside backward. Per transformer layer that
   leaves s*b*h elements of the 34 s*b*h (16 in fp32, without dropout) a layer saves.
 - "selective": only the attention core (softmax(QK^T)V) is recomputed: what it keeps that
   grows with s^2 is dropped (Korthikanti et al. §4). A model must expose its cores as modules
   (meshtrain's GPT: `AttentionCore`). With a fused attention kernel the core keeps no s^2
   tensor in the first place, so selective saves nearly nothing there (the planner's formula
   says the same) and only costs the core's recomputation.
-The last layer is not wrapped: its backward follows its forward at once.
+A `layers()` list's or children's last (the output layer and loss) is not wrapped: its
+backward follows its forward at once. A transformers model's output layer is not among its
+decoder layers, so all of those are (as Megatron and transformers' own gradient
+checkpointing do, and as the planner counts).
 
 Built on torch.utils.checkpoint (non-reentrant): a wrapped module's forward runs through
 `checkpoint`, its hooks (ZeRO-3's gathers) stay outside it.
@@ -25,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshtrain.core.plan import PlanError
+from meshtrain.models import hf
 from meshtrain.models.structure import units_of
 
 
@@ -35,8 +39,9 @@ def apply_recompute(model: nn.Module, mode: str, keep: Callable | None = None) -
         return []
     names = {id(m): n for n, m in model.named_modules()}
     if mode == "full":
-        layers = units_of(model)
-        modules = [m for m in layers[:-1] if any(True for _ in m.modules())]
+        decoder = hf.decoder_layers(model)
+        layers = decoder if decoder is not None else units_of(model)[:-1]
+        modules = [m for m in layers if any(True for _ in m.modules())]
     else:
         modules = [m for m in model.modules() if type(m).__name__ == "AttentionCore"]
         if not modules:

@@ -1,0 +1,161 @@
+"""What a model's training step does, read by running it on fake tensors (torch's
+FakeTensorMode: shapes, dtypes and storages, no memory and no arithmetic), so the planner
+can price a model whose blocks are not a GPT's (a transformers Llama's RMSNorm keeps an
+fp32 copy of its input; GPT-2's GELU is built from several saved ops):
+
+- the bytes one decoder layer saves for backward per token, in each compute precision
+  (autograd's saved tensors while the layer runs, parameters and views counted once, as
+  core/memory.ActivationMeter counts them on a real step);
+- the operators a forward and backward dispatch, and
+- the bytes its elementwise operators (all but the matmuls and attention) read and write
+  in a step, both against those of meshtrain's GPT of the same width, depth, heads and
+  vocabulary: the host's dispatch cost, calibrated on a GPT, and the time model's
+  elementwise work (planner/flops.ELEMENTWISE_BYTES, a GPT's) scale with them.
+
+Fake tensors live on the CPU, so attention takes the CPU's fused kernel, which saves what a
+GPU's flash kernel saves (the output and its log-sum-exp).
+"""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+from unittest import mock
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from meshtrain.models import hf, structure
+from meshtrain.models.gpt import GPT, GPTConfig
+
+PRECISIONS = {4: torch.float32, 2: torch.bfloat16}   # element bytes -> compute dtype
+NOT_ELEMENTWISE = {"mm", "addmm", "bmm", "baddbmm", "_unsafe_view"}   # and attention's
+
+
+@dataclass(frozen=True)
+class Traced:
+    """Per precision, (element bytes, value) pairs: the bytes per token one decoder layer saves
+    (on average over the layers) and the model saves after its last one (the final norm
+    and the output layer's input; the loss, outside the model, not included), and the
+    elementwise bytes of a step against a GPT's of its shape; the operators a step
+    dispatches against that GPT's."""
+    layer_bytes: tuple[tuple[int, float], ...]
+    head_bytes: tuple[tuple[int, float], ...]
+    elementwise_scale: tuple[tuple[int, float], ...]
+    ops_scale: tuple[tuple[int, float], ...]
+
+
+class _Count(TorchDispatchMode):
+    """Operators dispatched (views and fake mode's own device queries, prims, left out) and
+    the bytes the elementwise ones read and write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.elementwise = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func.namespace == "prim":
+            return out
+        self.ops += 1
+        name = func._opname
+        if name not in NOT_ELEMENTWISE and "scaled_dot_product" not in name:
+            self.elementwise += sum(t.numel() * t.element_size() for t in
+                                    tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
+        return out
+
+
+def trace(build: Callable[[], nn.Module], loss: Callable, seq: int) -> Traced:
+    """`build()` (a causal LM reading token ids, whose `loss(output, tokens)` trains it)
+    traced at `seq` tokens in each of PRECISIONS."""
+    layer_bytes, head_bytes, scale, ops = [], [], [], []
+    for elem, dtype in PRECISIONS.items():
+        model = _trace_one(build, loss, seq, dtype)
+        config = model.pop("gpt")
+        gpt = _trace_one(lambda: GPT(config), None, seq, dtype)
+        layer_bytes.append((elem, model["layer"]))
+        head_bytes.append((elem, model["head"]))
+        scale.append((elem, model["elementwise"] / gpt["elementwise"]))
+        ops.append((elem, model["ops"] / gpt["ops"]))
+    return Traced(tuple(layer_bytes), tuple(head_bytes), tuple(scale), tuple(ops))
+
+
+def _trace_one(build: Callable[[], nn.Module], loss: Callable | None, seq: int,
+               dtype: torch.dtype) -> dict:
+    """Per token: the bytes a decoder layer saves (on average over the layers) and the
+    model after them, the elementwise bytes of a step; the operators a step dispatches; the
+    GPTConfig of meshtrain's GPT of this model's shape. `loss` None: the model's own
+    `.loss`."""
+    default = torch.get_default_dtype()
+    with FakeTensorMode(), _as_eager():
+        torch.set_default_dtype(dtype)   # built in `dtype`, as Plan(precision=...) runs it
+        try:
+            model = build().train()
+        finally:
+            torch.set_default_dtype(default)
+        if hf.is_causal_lm(model):
+            hf.prepare(model)   # as the Trainer runs it: no KV cache
+        loss = loss or model.loss
+        layers = structure.units_of(model)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        saved: dict[str, dict[int, int]] = {}   # "layers" | "head" -> storage -> bytes
+        now = [None]   # where the forward is: "layers", "head" (after the last), None
+
+        def pack(t: torch.Tensor):
+            storage = t.untyped_storage()
+            if now[0] is not None and storage._cdata not in params:
+                saved[now[0]][storage._cdata] = storage.nbytes()
+            return t
+
+        def at(where):
+            return lambda *hook_args: now.__setitem__(0, where)
+
+        handles = [layer.register_forward_pre_hook(at("layers")) for layer in layers]
+        handles += [layers[-1].register_forward_hook(at("head")),
+                    model.register_forward_hook(at(None))]
+        per_batch = []
+        for batch in (1, 2):   # the difference: what grows with the tokens (RoPE's tables
+            saved = {"layers": {}, "head": {}}   # are saved once per batch)
+            tokens = torch.zeros(batch, seq, dtype=torch.long)
+            with _Count() as count, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss(model(tokens), tokens).backward()
+            per_batch.append([sum(saved["layers"].values()), sum(saved["head"].values()),
+                              count.elementwise])
+        for h in handles:
+            h.remove()
+    layer, head, elementwise = ((two - one) / seq for one, two in zip(*per_batch))
+    return {"layer": layer / len(layers), "head": head, "elementwise": elementwise,
+            "ops": count.ops, "gpt": _gpt_like(model, seq)}
+
+
+@contextmanager
+def _as_eager():
+    """transformers builds an explicit causal mask (and repeats grouped key/value heads for
+    it) when it sees a fake tensor, taking it for a compiler's trace; a real step skips the
+    mask, once it has read the positions and found one sequence per row (which a fake
+    tensor cannot be read for; the trace's rows are one sequence each). The trace must run
+    what the real step runs."""
+    masking = sys.modules.get("transformers.masking_utils")
+    names = ("is_tracing", "find_packed_sequence_indices")
+    if masking is None or not all(hasattr(masking, name) for name in names):
+        yield
+        return
+    with mock.patch.object(masking, "is_tracing", lambda tensor=None: False), \
+            mock.patch.object(masking, "find_packed_sequence_indices", lambda positions: None):
+        yield
+
+
+def _gpt_like(model: nn.Module, seq: int) -> GPTConfig | None:
+    """meshtrain's GPT with `model`'s width, depth, heads and vocabulary (None for a GPT)."""
+    config = model.config
+    if isinstance(config, GPTConfig):
+        return None
+    width = getattr(config, "hidden_size", None) or config.n_embd
+    return GPTConfig(vocab_size=config.vocab_size, seq_len=seq, d_model=width,
+                     n_layer=len(structure.units_of(model)),
+                     n_head=getattr(config, "num_attention_heads", None) or config.n_head)
