@@ -6,11 +6,14 @@ fp32 copy of its input; GPT-2's GELU is built from several saved ops):
 - the bytes one decoder layer saves for backward per token, in each compute precision
   (autograd's saved tensors while the layer runs, parameters and views counted once, as
   core/memory.ActivationMeter counts them on a real step);
-- the operators a forward and backward dispatch, and
 - the bytes its elementwise operators (all but the matmuls and attention) read and write
-  in a step, both against those of meshtrain's GPT of the same width, depth, heads and
-  vocabulary: the host's dispatch cost, calibrated on a GPT, and the time model's
-  elementwise work (planner/flops.ELEMENTWISE_BYTES, a GPT's) scale with them.
+  in a step, against those of meshtrain's GPT of the same width, depth, heads and
+  vocabulary: the time model's elementwise work (planner/flops.ELEMENTWISE_BYTES, a
+  GPT's) scales with it.
+
+Not scaled: the host's dispatch. A Llama step dispatches about twice a GPT's operators,
+but timed on 2 CPU cores its fixed cost per block was about 1.3 times a GPT's, and
+pipeline stages (which skip transformers' own forward) paid a GPT's.
 
 Fake tensors live on the CPU, so attention takes the CPU's fused kernel, which saves what a
 GPU's flash kernel saves (the output and its log-sum-exp).
@@ -41,28 +44,24 @@ class Traced:
     """Per precision, (element bytes, value) pairs: the bytes per token one decoder layer saves
     (on average over the layers) and the model saves after its last one (the final norm
     and the output layer's input; the loss, outside the model, not included), and the
-    elementwise bytes of a step against a GPT's of its shape; the operators a step
-    dispatches against that GPT's."""
+    elementwise bytes of a step against a GPT's of its shape."""
     layer_bytes: tuple[tuple[int, float], ...]
     head_bytes: tuple[tuple[int, float], ...]
     elementwise_scale: tuple[tuple[int, float], ...]
-    ops_scale: tuple[tuple[int, float], ...]
 
 
-class _Count(TorchDispatchMode):
-    """Operators dispatched (views and fake mode's own device queries, prims, left out) and
-    the bytes the elementwise ones read and write."""
+class _ElementwiseBytes(TorchDispatchMode):
+    """The bytes elementwise operators read and write (views, which move nothing, and fake
+    mode's own device queries, prims, left out)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops = 0
         self.elementwise = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.is_view or func.namespace == "prim":
             return out
-        self.ops += 1
         name = func._opname
         if name not in NOT_ELEMENTWISE and "scaled_dot_product" not in name:
             self.elementwise += sum(t.numel() * t.element_size() for t in
@@ -73,7 +72,7 @@ class _Count(TorchDispatchMode):
 def trace(build: Callable[[], nn.Module], loss: Callable, seq: int) -> Traced:
     """`build()` (a causal LM reading token ids, whose `loss(output, tokens)` trains it)
     traced at `seq` tokens in each of PRECISIONS."""
-    layer_bytes, head_bytes, scale, ops = [], [], [], []
+    layer_bytes, head_bytes, scale = [], [], []
     for elem, dtype in PRECISIONS.items():
         model = _trace_one(build, loss, seq, dtype)
         config = model.pop("gpt")
@@ -81,16 +80,14 @@ def trace(build: Callable[[], nn.Module], loss: Callable, seq: int) -> Traced:
         layer_bytes.append((elem, model["layer"]))
         head_bytes.append((elem, model["head"]))
         scale.append((elem, model["elementwise"] / gpt["elementwise"]))
-        ops.append((elem, model["ops"] / gpt["ops"]))
-    return Traced(tuple(layer_bytes), tuple(head_bytes), tuple(scale), tuple(ops))
+    return Traced(tuple(layer_bytes), tuple(head_bytes), tuple(scale))
 
 
 def _trace_one(build: Callable[[], nn.Module], loss: Callable | None, seq: int,
                dtype: torch.dtype) -> dict:
     """Per token: the bytes a decoder layer saves (on average over the layers) and the
-    model after them, the elementwise bytes of a step; the operators a step dispatches; the
-    GPTConfig of meshtrain's GPT of this model's shape. `loss` None: the model's own
-    `.loss`."""
+    model after them, the elementwise bytes of a step; the GPTConfig of meshtrain's GPT of
+    this model's shape. `loss` None: the model's own `.loss`."""
     default = torch.get_default_dtype()
     with FakeTensorMode(), _as_eager():
         torch.set_default_dtype(dtype)   # built in `dtype`, as Plan(precision=...) runs it
@@ -122,7 +119,7 @@ def _trace_one(build: Callable[[], nn.Module], loss: Callable | None, seq: int,
         for batch in (1, 2):   # the difference: what grows with the tokens (RoPE's tables
             saved = {"layers": {}, "head": {}}   # are saved once per batch)
             tokens = torch.zeros(batch, seq, dtype=torch.long)
-            with _Count() as count, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with _ElementwiseBytes() as count, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss(model(tokens), tokens).backward()
             per_batch.append([sum(saved["layers"].values()), sum(saved["head"].values()),
                               count.elementwise])
@@ -130,7 +127,7 @@ def _trace_one(build: Callable[[], nn.Module], loss: Callable | None, seq: int,
             h.remove()
     layer, head, elementwise = ((two - one) / seq for one, two in zip(*per_batch))
     return {"layer": layer / len(layers), "head": head, "elementwise": elementwise,
-            "ops": count.ops, "gpt": _gpt_like(model, seq)}
+            "gpt": _gpt_like(model, seq)}
 
 
 @contextmanager

@@ -30,7 +30,7 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
     extra = layer_f if cand.recompute == "full" else scores_f if cand.recompute == "selective" else 0
     layers_here = math.ceil(spec.layers / p.pp)
     mb_flops = b * spec.seq * (layers_here * (3 * layer_f + extra) + 3 * logits_f) / p.tp
-    dispatch = dispatch_time(spec, cand, cluster, precision)
+    dispatch = dispatch_time(spec, cand, cluster)
     device = mb_flops / cluster.achievable_flops
     apart = cluster.elementwise_apart
     curves = cluster.efficiency_curves
@@ -44,17 +44,12 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
     return max(device, dispatch) if cluster.async_dispatch else device + dispatch
 
 
-def dispatch_time(spec: ModelSpec, cand: Candidate, cluster: Cluster,
-                  precision: str | None = None) -> float:
+def dispatch_time(spec: ModelSpec, cand: Candidate, cluster: Cluster) -> float:
     """Host seconds to dispatch one micro-batch on one rank: kernel launches, autograd,
     Python (calibrated; 0 on GPU presets), per block it runs (`blocks_run`); tensor parallel
-    does not divide it; the embedding, head and loss count as one more block. It was
-    calibrated on the reference GPT's blocks: a model traced dispatching more operators
-    than a GPT of its shape (a transformers Llama's RMSNorm, rotary embedding and SwiGLU)
-    pays in proportion (ModelSpec.ops_scale, in `precision`)."""
+    does not divide it; the embedding, head and loss count as one more block."""
     p = cand.plan
-    scale = spec.ops_scale(2 if precision == "bf16" else 4)
-    dispatch = cluster.block_overhead * scale * (blocks_run(spec, cand) + 1)
+    dispatch = cluster.block_overhead * (blocks_run(spec, cand) + 1)
     if p.dp_mode == "dp":   # the replicas' threads take turns at Python's interpreter lock
         dispatch *= p.dp
     return dispatch

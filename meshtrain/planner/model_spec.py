@@ -42,11 +42,10 @@ class ModelSpec:
     # traced from the model itself on fake tensors (measure/traced.py), where it was: per
     # precision, (element bytes, bytes per token saved for backward) by one layer and by
     # the final norm and output layer, and (element bytes, its elementwise work against a
-    # GPT's of its shape); the operators it dispatches against that GPT's
+    # GPT's of its shape)
     traced_layer_bytes: tuple[tuple[int, float], ...] = ()
     traced_head_bytes: tuple[tuple[int, float], ...] = ()
     traced_elementwise: tuple[tuple[int, float], ...] = ()
-    traced_ops: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -140,11 +139,6 @@ class ModelSpec:
         """This model's elementwise work against a GPT's of its shape, as traced (1: not
         traced in that precision)."""
         return dict(self.traced_elementwise).get(elem_bytes, 1.0)
-
-    def ops_scale(self, elem_bytes: int) -> float:
-        """The operators this model dispatches against a GPT's of its shape, as traced."""
-        return dict(self.traced_ops).get(elem_bytes, 1.0)
-
     def describe(self) -> str:
         return (f"{self.name}: {self.num_params / 1e9:.3g}B parameters, {self.layers} layers, "
                 f"hidden {self.hidden}, {self.heads} heads, vocab {self.vocab}, seq {self.seq}")

@@ -119,8 +119,7 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     if cluster.async_dispatch:
         # the host queues the step ahead of the device: its own work (the Trainer's fixed
         # cost, each micro-batch's dispatch) sets the step only where it outlasts the device's
-        total = max(device_work, step_overhead + m * dispatch_time(spec, cand, cluster,
-                                                                 setup.precision))
+        total = max(device_work, step_overhead + m * dispatch_time(spec, cand, cluster))
     else:
         total = device_work + step_overhead
     return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, t_opt, total)
