@@ -39,6 +39,8 @@ class ModelSpec:
     flash_attention: bool = False   # fused attention that stores no s x s scores
     measured_params: int = 0        # exact count read from a module (overrides the formula)
     measured_largest: int = 0       # largest layer read from a module
+    measured_gathered_once: int = 0  # ZeRO-3's units gathered once a micro-batch, read from
+                                    # a module (0: a GPT's, `gathered_once_params`)
     # traced from the model itself on fake tensors (measure/traced.py), where it was: per
     # precision, (element bytes, bytes per token saved for backward) by one layer and by
     # the final norm and output layer, and (element bytes, its elementwise work against a
@@ -121,6 +123,14 @@ class ModelSpec:
         if self.measured_largest:
             return self.measured_largest
         return max(self.layer_params, self.embedding_params, self.head_params)
+
+    @property
+    def gathered_once_params(self) -> int:
+        """What ZeRO-3 gathers once per micro-batch, not again for backward: its last unit
+        (whose backward follows at once) and its root (parameters in no unit, held through
+        backward): a GPT's output layer; a transformers model's last decoder layer and all
+        outside its decoder layers (strategies/zero/zero3.py)."""
+        return self.measured_gathered_once or self.head_params
 
     @property
     def largest_tensor_params(self) -> int:

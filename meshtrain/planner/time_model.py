@@ -364,6 +364,8 @@ def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None
             out["dp"] = share * (grads + params)
         elif p.zero == 2:   # a reduce-scatter every micro-batch, one all-gather
             out["dp"] = share * (m * grads + params)
-        else:   # gathered for forward and again for backward, scattered, every micro-batch
-            out["dp"] = m * share * (2 * params + grads)
+        else:   # gathered for forward and again for backward (but what is gathered once),
+            # scattered, every micro-batch
+            once = spec.gathered_once_params / p.tp * setup.param_bytes if p.pp == 1 else 0.0
+            out["dp"] = m * share * (2 * params - once + grads)
     return out
