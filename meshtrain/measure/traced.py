@@ -118,7 +118,7 @@ def _trace_one(build: Callable[[], nn.Module], loss: Callable | None, seq: int,
         per_batch = []
         for batch in (1, 2):   # the difference: what grows with the tokens (RoPE's tables
             saved = {"layers": {}, "head": {}}   # are saved once per batch)
-            tokens = torch.zeros(batch, seq, dtype=torch.long)
+            tokens = torch.zeros(batch, seq, dtype=torch.long, device="cpu")   # fake
             with _ElementwiseBytes() as count, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss(model(tokens), tokens).backward()
             per_batch.append([sum(saved["layers"].values()), sum(saved["head"].values()),
