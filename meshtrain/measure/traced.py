@@ -115,10 +115,10 @@ def _trace_one(build: Callable[[], nn.Module], loss: Callable | None, seq: int,
         handles = [layer.register_forward_pre_hook(at("layers")) for layer in layers]
         handles += [layers[-1].register_forward_hook(at("head")),
                     model.register_forward_hook(at(None))]
-        per_batch = []
+        per_batch, device = [], next(model.parameters()).device   # fake tensors' own
         for batch in (1, 2):   # the difference: what grows with the tokens (RoPE's tables
             saved = {"layers": {}, "head": {}}   # are saved once per batch)
-            tokens = torch.zeros(batch, seq, dtype=torch.long, device="cpu")   # fake
+            tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
             with _ElementwiseBytes() as count, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss(model(tokens), tokens).backward()
             per_batch.append([sum(saved["layers"].values()), sum(saved["head"].values()),
