@@ -184,8 +184,9 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     acts = per_layer * layers_here * inflight
     first, rest = forward_traffic(spec, cand, setup, stage)
     if last:   # the output layer lives on the last stage: the final norm's and the
-        # projection's inputs (2 s b h elements) and the fp32 logits, for one micro-batch
-        acts += output_bytes(spec, cand, setup)
+        # projection's inputs (2 s b h elements) and the fp32 logits, for one micro-batch,
+        # for all of them under GPipe (every forward, the loss's too, before any backward)
+        acts += output_bytes(spec, cand, setup) * (inflight if p.schedule == "gpipe" else 1)
     buffers = _zero_buffers(spec, cand, setup, psi, bucket_bytes)
     # the loss's backward works on logits-shaped tensors: on the last stage only; a stage
     # without the loss peaks in its last block's backward, with every activation still

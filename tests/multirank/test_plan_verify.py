@@ -1,7 +1,7 @@
 """`meshtrain plan --verify` machinery on a tiny GPT: 2 DDP plans (world 1 and 2), a
 tensor-parallel one (tp 2), two pipeline stages and a parameter server (whose ranks differ,
 so each is reported per role), tensor parallel with sequence parallel, DiLoCo syncing every
-2 steps (measured over whole rounds), real ranks.
+2 steps (measured over whole rounds), GPipe's two stages, real ranks.
 
 Model-state bytes and the exact allocated peak are deterministic and asserted against the
 Trainer's accounting; step time and resident memory depend on the machine and its load, so
@@ -18,7 +18,8 @@ TINY = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=32)
 PLANS = (({"dp": 1}, 4), ({"dp": 2, "microbatches": 2}, 4), ({"tp": 2}, 4),
          ({"pp": 2, "microbatches": 2}, 4), ({"dp": 2, "dp_mode": "ps-sync"}, 4),
          ({"tp": 2, "sequence_parallel": True}, 4),
-         ({"dp": 2, "dp_mode": "diloco", "sync_every": 2}, 4))
+         ({"dp": 2, "dp_mode": "diloco", "sync_every": 2}, 4),
+         ({"pp": 2, "microbatches": 2, "schedule": "gpipe"}, 4))
 
 PROFILE = synthetic_profile(worlds=("1", "2"))
 
@@ -34,7 +35,7 @@ def rows_and_text():
 
 def test_model_states_predicted_equal_the_trainers_accounting(rows_and_text):
     rows, _ = rows_and_text
-    assert [r["world"] for r in rows] == [1, 2, 2, 2, 2, 2, 2]
+    assert [r["world"] for r in rows] == [1, 2, 2, 2, 2, 2, 2, 2]
     for r in [r for row in rows for r in (row, *row.get("roles", ()))]:
         # the planner counts the GPT's parameters exactly: 4 + 4 (bucket) + 8 (AdamW) bytes
         # each; it leaves out only AdamW's 4-byte step counter per parameter tensor, and
@@ -135,6 +136,16 @@ def test_sequence_parallel_activations_are_korthikantis(rows_and_text):
     tp, sp = rows[2], rows[5]
     assert sp["predicted"]["activations"] == pytest.approx(sp["measured"]["activations"], rel=0.03)
     assert sp["measured"]["activations"] < tp["measured"]["activations"]   # all 34 split
+
+
+def test_gpipes_last_stage_holds_every_micro_batchs_output_layer(rows_and_text):
+    """GPipe runs every forward, the loss's too, before any backward: its last stage keeps
+    the output layer's inputs and the loss's logits for each micro-batch (1F1B's, one)."""
+    rows, _ = rows_and_text
+    for row in (rows[3], rows[7]):
+        for stage in row["roles"]:
+            assert stage["predicted"]["activations"] == pytest.approx(
+                stage["measured"]["activations"], rel=0.03), (row["plan"], stage["plan"])
 
 
 def test_calibration_ranks_agree_on_repetitions_and_measure_every_collective():
