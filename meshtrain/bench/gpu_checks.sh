@@ -9,9 +9,9 @@
 #     bash meshtrain/bench/gpu_checks.sh env tier        # only these steps
 #
 # Steps: install env default gpt2 offload recompute single train8 compile profile tier calibrate
-# verify verify-gpt2. A step that fails, or outlasts $STEP_TIMEOUT seconds (default 600), is recorded and the
+# verify verify-gpt2 verify-llama. A step that fails, or outlasts $STEP_TIMEOUT seconds (default 600), is recorded and the
 # next one runs. Runs train in a scratch folder (checkpoints stay out of $OUT). The timing steps
-# (single, train8, compile, profile, calibrate, verify, verify-gpt2) want the GPU to themselves; the others can
+# (single, train8, compile, profile, calibrate, verify*) want the GPU to themselves; the others can
 # share it, e.g. in one call of about four minutes on an H100 (docs/gpu.md was measured this way):
 #
 #     export STEP_TIMEOUT=150; S=meshtrain/bench/gpu_checks.sh
@@ -23,7 +23,7 @@
 set -u
 cd "$(dirname "$0")/../.."   # the repository root (this file is meshtrain/bench/gpu_checks.sh)
 ALL="install env default gpt2 offload recompute single train8 compile profile tier calibrate"
-ALL="$ALL verify verify-gpt2"
+ALL="$ALL verify verify-gpt2 verify-llama"
 STEPS=${*:-$ALL}
 for s in $STEPS; do
     case " $ALL " in *" $s "*) ;; *) echo "unknown step $s (steps: $ALL)" >&2; exit 2 ;; esac
@@ -96,6 +96,8 @@ torch.cuda.nccl.version() if torch.cuda.is_available() else None)'" ;;
     verify) step verify "$PY" -m meshtrain plan --verify --json ;;
     verify-gpt2)   # the same plans on GPT-2 124M, the model bench single and train8 time
         step verify-gpt2 "$PY" -m meshtrain plan --verify --model gpt2-124m --json ;;
+    verify-llama)   # a transformers Llama, priced from its trace (measure/traced.py)
+        step verify-llama "$PY" -m meshtrain plan --verify --model llama-tiny --json ;;
     esac
 done
 
