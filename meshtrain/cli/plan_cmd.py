@@ -140,6 +140,8 @@ def build_inputs(args):
             spec = model_spec.preset(args.model, seq=args.seq)
         except model_spec.ModelSpecError:   # a model `train` builds: torch, only for those
             from meshtrain.measure.trained_model import model_of
+            print(f"reading {args.model}: built on the meta device, a transformers model also "
+                  "run once on fake tensors (seconds)", file=sys.stderr)
             spec = model_of(args.model, args.seq)
     elif all(v is not None for v in raw) and args.seq:
         spec = model_spec.from_description(*raw, seq=args.seq)
