@@ -25,7 +25,8 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
     - disk: seconds per byte of offloaded state (paging it in and out, and the heap that
       the step's trim returns and the next step faults back in), and "disk_memory", its
       staging (the trim returns the heap it would otherwise stage in);
-    - tpT: seconds per token and block of what width T does not split, and "tpT_memory",
+    - tpT: seconds per token and block of what width T does not split ("tp_hidden": the
+      model's width, which the planner scales it from), and "tpT_memory",
       the resident bytes its collectives' buffers add; "tp2sp_memory", with sequence
       parallel, (fixed bytes, bytes per byte of forward traffic) through its runs on the
       reference GPT and a deeper one (its gathers and scatters are staged per layer, some
@@ -70,6 +71,7 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
                 fitted[f"{name.split('_')[0]}_memory"] = [max(0.0, e0 - rate * t0), rate]
         elif name.startswith("tp"):
             fitted[name] = median(t / (batch * spec.seq * (spec.layers + 1)) for t in late)
+            fitted["tp_hidden"] = spec.hidden   # the width it scales from
             fitted[f"{name}_memory"] = median(extra)
         else:   # pipelines: per stage kind, the first stage's and the last's
             roles = predict_roles(profile, plan, batch, model)

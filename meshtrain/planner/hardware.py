@@ -128,6 +128,7 @@ class Cluster:
     tp_overhead: dict = field(default_factory=dict, compare=False)  # tp width -> seconds per
                                     # block per token beyond its FLOPs and collectives (the
                                     # work it cannot split; calibrated)
+    tp_overhead_hidden: int = 0     # ... on a model this wide (0: any model's)
     staging: dict = field(default_factory=dict, compare=False)  # ZeRO stage (or "disk") ->
                                     # runtime bytes per byte of its largest collective buffer
     tp_memory: dict = field(default_factory=dict, compare=False)  # tp width -> runtime bytes

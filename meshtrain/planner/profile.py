@@ -153,6 +153,9 @@ def cluster_from_profile(profile: dict, world: int | None = None, nodes: int = 1
     if fitted:
         widths = [k for k in fitted if k[:2] == "tp" and k[2:].isdigit()]
         settings.update(tp_overhead={int(k[2:]): fitted[k] for k in widths},
+                        # fitted on calibration's reference GPT (a profile from before the
+                        # width was recorded: the CPU's, the only one with tp runs then)
+                        tp_overhead_hidden=fitted.get("tp_hidden", REFERENCE_GPT["d_model"]),
                         tp_memory={int(k[2:]): fitted.get(f"{k}_memory", 0.0) for k in widths},
                         sp_memory={int(k[2:-len("sp_memory")]): tuple(v) for k, v in fitted.items()
                                    if k.startswith("tp") and k.endswith("sp_memory")},

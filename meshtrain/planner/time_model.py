@@ -71,10 +71,14 @@ def bucket_sizes(total: float, bucket: float) -> tuple[int, float, float]:
     return full, float(bucket), rest
 
 
-def tp_overhead(cluster: Cluster, tp: int) -> float:
+def tp_overhead(cluster: Cluster, tp: int, hidden: int) -> float:
     """The calibrated unsplit work per block and token at width `tp` (the nearest width
-    calibrated when this one was not; 0 when none was)."""
-    return nearest(cluster.tp_overhead, tp)
+    calibrated when this one was not; 0 when none was), for a model `hidden` wide: the
+    norms, residuals and copies it stands for each touch every channel, so it scales with
+    the width from the calibrated model's."""
+    per_token = nearest(cluster.tp_overhead, tp)
+    return per_token * hidden / cluster.tp_overhead_hidden if cluster.tp_overhead_hidden \
+        else per_token
 
 
 def family_exchange(psi: float, setup: Setup, plan, cluster: Cluster) -> float:
@@ -103,7 +107,8 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     t_mb = micro_batch_compute(spec, cand, cluster, b, setup.precision) * compute_scale
     if p.tp > 1:   # what tensor parallel does not split (norms, residuals, the vocabulary
         # loss's extra passes), calibrated per token and block
-        t_mb += tp_overhead(cluster, p.tp) * b * spec.seq * (math.ceil(spec.layers / p.pp) + 1)
+        t_mb += (tp_overhead(cluster, p.tp, spec.hidden) * b * spec.seq
+                 * (math.ceil(spec.layers / p.pp) + 1))
     t_tp = tp_comm_time(spec, cand, setup, cluster, b)
     t_pp = pp_comm_time(spec, cand, setup, cluster, b)
     slot = t_mb + t_tp + t_pp

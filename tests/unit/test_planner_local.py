@@ -114,8 +114,12 @@ def test_tensor_parallel_pays_for_the_work_it_does_not_split():
     more = step_time(SPEC, cand, FP32, LOCAL.with_(tp_overhead={2: 1e-8, 4: 3e-8})).total
     assert more - base == pytest.approx(2 * 4 * SPEC.seq * (SPEC.layers + 1) * 1e-8)
     # a width not calibrated takes the nearest one's
-    assert tp_overhead(LOCAL.with_(tp_overhead={2: 1e-8, 4: 3e-8}), 8) == 3e-8
-    assert tp_overhead(LOCAL, 2) == 0.0
+    assert tp_overhead(LOCAL.with_(tp_overhead={2: 1e-8, 4: 3e-8}), 8, SPEC.hidden) == 3e-8
+    assert tp_overhead(LOCAL, 2, SPEC.hidden) == 0.0
+    # the norms, residuals and copies it stands for touch every channel: a model half as
+    # wide as the one it was calibrated on pays half per token
+    fitted = LOCAL.with_(tp_overhead={2: 1e-8}, tp_overhead_hidden=2 * SPEC.hidden)
+    assert tp_overhead(fitted, 2, SPEC.hidden) == pytest.approx(0.5e-8)
 
 
 def test_on_cpu_ranks_cpu_offload_moves_nothing_and_disk_keeps_the_gradient_shard():
