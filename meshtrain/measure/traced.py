@@ -12,8 +12,8 @@ fp32 copy of its input; GPT-2's GELU is built from several saved ops):
   GPT's) scales with it.
 
 Not scaled: the host's dispatch. A Llama step dispatches about twice a GPT's operators,
-but timed on 2 CPU cores its fixed cost per block was about 1.3 times a GPT's, and
-pipeline stages (which skip transformers' own forward) paid a GPT's.
+but timed on CPU ranks its fixed cost per block was about 1.3 times a GPT's, and pipeline
+stages (which skip transformers' own forward) paid a GPT's.
 
 Fake tensors live on the CPU, so attention takes the CPU's fused kernel, which saves what a
 GPU's flash kernel saves (the output and its log-sum-exp).
@@ -75,11 +75,11 @@ def trace(build: Callable[[], nn.Module], loss: Callable, seq: int) -> Traced:
     layer_bytes, head_bytes, scale = [], [], []
     for elem, dtype in PRECISIONS.items():
         model = _trace_one(build, loss, seq, dtype)
-        config = model.pop("gpt")
-        gpt = _trace_one(lambda: GPT(config), None, seq, dtype)
         layer_bytes.append((elem, model["layer"]))
         head_bytes.append((elem, model["head"]))
-        scale.append((elem, model["elementwise"] / gpt["elementwise"]))
+        if model["gpt"] is not None:   # meshtrain's GPT itself: the scale's own reference
+            gpt = _trace_one(lambda: GPT(model["gpt"]), None, seq, dtype)
+            scale.append((elem, model["elementwise"] / gpt["elementwise"]))
     return Traced(tuple(layer_bytes), tuple(head_bytes), tuple(scale))
 
 
