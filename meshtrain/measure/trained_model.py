@@ -48,16 +48,16 @@ def model_of(name: str, seq: int | None) -> ModelSpec:
     module, seq = built.module, seq or built.seq_len
     if kind == "callable":
         return model_spec.from_module(module, seq=seq, name=name)
+    def count(*modules: nn.Module) -> int:
+        return sum(p.numel() for m in modules for p in m.parameters())
+
     layers = structure.units_of(module)
     pieces = [*layers, module.get_input_embeddings(), module.get_output_embeddings()]
-    params = sum(p.numel() for p in module.parameters())
-    in_layers = sum(p.numel() for layer in layers for p in layer.parameters())
     spec = replace(model_spec.from_transformers_config(
-        module.config, seq, name, params=params,
-        largest=max(sum(p.numel() for p in piece.parameters()) for piece in pieces)),
+        module.config, seq, name, params=count(module), largest=max(map(count, pieces))),
         # ZeRO-3's root (all outside the decoder layers) and its last unit
-        measured_gathered_once=params - in_layers + sum(p.numel() for p in layers[-1].parameters()))
-    try:   # what its layers save and dispatch, beyond a GPT block's counts
+        measured_gathered_once=count(module) - count(*layers) + count(layers[-1]))
+    try:   # what its layers save and its elementwise work, beyond a GPT's counts
         found = traced.trace(lambda: registry.build_model(name, {}, seq).module, built.loss, seq)
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         return spec   # a forward fake tensors cannot run: priced by the counts alone

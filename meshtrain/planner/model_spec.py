@@ -149,6 +149,7 @@ class ModelSpec:
         """This model's elementwise work against a GPT's of its shape, as traced (1: not
         traced in that precision)."""
         return dict(self.traced_elementwise).get(elem_bytes, 1.0)
+
     def describe(self) -> str:
         return (f"{self.name}: {self.num_params / 1e9:.3g}B parameters, {self.layers} layers, "
                 f"hidden {self.hidden}, {self.heads} heads, vocab {self.vocab}, seq {self.seq}")
