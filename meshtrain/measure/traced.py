@@ -89,7 +89,7 @@ def _trace_one(build: Callable[[], nn.Module], loss: Callable | None, seq: int,
     model after them, the elementwise bytes of a step; the GPTConfig of meshtrain's GPT of
     this model's shape. `loss` None: the model's own `.loss`."""
     default = torch.get_default_dtype()
-    with FakeTensorMode(), _as_eager():
+    with FakeTensorMode(), _as_eager(), _fused_attention():
         torch.set_default_dtype(dtype)   # built in `dtype`, as Plan(precision=...) runs it
         try:
             model = build().train()
@@ -121,6 +121,7 @@ def _trace_one(build: Callable[[], nn.Module], loss: Callable | None, seq: int,
             tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
             with _ElementwiseBytes() as count, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss(model(tokens), tokens).backward()
+            model.zero_grad(set_to_none=True)   # the next pass makes its gradients anew
             per_batch.append([sum(saved["layers"].values()), sum(saved["head"].values()),
                               count.elementwise])
         for h in handles:
@@ -144,6 +145,20 @@ def _as_eager():
         return
     with mock.patch.object(masking, "is_tracing", lambda tensor=None: False), \
             mock.patch.object(masking, "find_packed_sequence_indices", lambda positions: None):
+        yield
+
+
+@contextmanager
+def _fused_attention():
+    """Attention's dropout as a GPU's fused kernel runs it: inside the kernel, keeping only
+    its random state. The CPU's fused kernel has no dropout and falls back to materialising
+    the scores (s x s per head, and their mask), which no GPU run keeps: traced without it."""
+    fused = torch.nn.functional.scaled_dot_product_attention
+
+    def without_dropout(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        return fused(query, key, value, attn_mask, 0.0, *args, **kwargs)
+
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", without_dropout):
         yield
 
 
