@@ -89,7 +89,7 @@ def _trace_one(build: Callable[[], nn.Module], loss: Callable | None, seq: int,
     model after them, the elementwise bytes of a step; the GPTConfig of meshtrain's GPT of
     this model's shape. `loss` None: the model's own `.loss`."""
     default = torch.get_default_dtype()
-    with FakeTensorMode(), _as_eager(), _fused_attention():
+    with FakeTensorMode(), _as_eager(), _fused_attention(), _quiet():
         torch.set_default_dtype(dtype)   # built in `dtype`, as Plan(precision=...) runs it
         try:
             model = build().train()
@@ -146,6 +146,22 @@ def _as_eager():
     with mock.patch.object(masking, "is_tracing", lambda tensor=None: False), \
             mock.patch.object(masking, "find_packed_sequence_indices", lambda positions: None):
         yield
+
+
+@contextmanager
+def _quiet():
+    """transformers' warnings about the config were said when it was built on the meta
+    device (trained_model.model_of); the trace builds it twice more."""
+    logs = sys.modules.get("transformers.utils.logging")
+    if logs is None:
+        yield
+        return
+    level = logs.get_verbosity()
+    logs.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logs.set_verbosity(level)
 
 
 @contextmanager
