@@ -116,10 +116,13 @@ def _trace_one(build: Callable[[], nn.Module], loss: Callable | None, seq: int,
         handles += [layers[-1].register_forward_hook(at("head")),
                     model.register_forward_hook(at(None))]
         per_batch, device = [], next(model.parameters()).device   # fake tensors' own
-        for batch in (1, 2):   # the difference: what grows with the tokens (RoPE's tables
-            saved = {"layers": {}, "head": {}}   # are saved once per batch)
+        # one sequence, then two: their difference is what grows with the tokens (RoPE's
+        # tables, for one, are saved once per batch)
+        for batch in (1, 2):
+            saved = {"layers": {}, "head": {}}
             tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
-            with _ElementwiseBytes() as count, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            with _ElementwiseBytes() as count, hooks:
                 loss(model(tokens), tokens).backward()
             model.zero_grad(set_to_none=True)   # the next pass makes its gradients anew
             per_batch.append([sum(saved["layers"].values()), sum(saved["head"].values()),
