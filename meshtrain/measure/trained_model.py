@@ -48,6 +48,7 @@ def model_of(name: str, seq: int | None) -> ModelSpec:
     module, seq = built.module, seq or built.seq_len
     if kind == "callable":
         return model_spec.from_module(module, seq=seq, name=name)
+
     def count(*modules: nn.Module) -> int:
         return sum(p.numel() for m in modules for p in m.parameters())
 

@@ -97,8 +97,8 @@ LIMITS = {"model_states": 0.02, "peak_alloc": 0.15, "peak_rss": 0.10, "step": 0.
 GPU_LIMITS = {**LIMITS, "peak_alloc": 0.05, "peak_rss": 0.05}
 
 
-def verify_rank(model: dict | TrainedModel, plan: dict, batch: int, steps: int = STEPS, warmup: int = WARMUP,
-                exact: bool = True) -> dict:
+def verify_rank(model: dict | TrainedModel, plan: dict, batch: int, steps: int = STEPS,
+                warmup: int = WARMUP, exact: bool = True) -> dict:
     """One rank of one verification run: train, then report measured memory and time, and
     with `exact` the quantities one round suffices for: the allocated peak and the bytes
     sent per axis, each from one more step (None without). `calibrate` runs it too, for
@@ -175,7 +175,8 @@ def predict(profile: dict, plan: dict, batch: int, model: dict | TrainedModel = 
     return evaluate(*plan_inputs(plan, batch, model), predict_cluster(profile, plan))
 
 
-def predict_roles(profile: dict, plan: dict, batch: int, model: dict | TrainedModel = MODEL) -> dict:
+def predict_roles(profile: dict, plan: dict, batch: int,
+                  model: dict | TrainedModel = MODEL) -> dict:
     """The memory each role of `plan` (memory.rank_role) needs, predicted."""
     spec, cand, setup = plan_inputs(plan, batch, model)
     cluster = predict_cluster(profile, plan)
@@ -283,8 +284,8 @@ def _compare(name: str, results: list[list[dict]], mem, step: float,
             "rounds": {"step": step_rounds, "peak_rss": rss_rounds}, "error": errors}
 
 
-def predict_sent(plan: dict, batch: int, model: dict | TrainedModel = MODEL, role: str | None = None
-                 ) -> dict[str, float] | None:
+def predict_sent(plan: dict, batch: int, model: dict | TrainedModel = MODEL,
+                 role: str | None = None) -> dict[str, float] | None:
     """Bytes per axis a rank of `role` (None: the busiest) sends per step, predicted; None
     for DP, whose copies never leave its one process."""
     spec, cand, setup = plan_inputs(plan, batch, model)

@@ -11,7 +11,7 @@ from meshtrain.planner.calibrated import model_efficiency
 from meshtrain.planner.flops import elementwise_bytes_per_token, forward_flops_per_token
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.model_spec import ModelSpec
-from meshtrain.planner.setup import Candidate
+from meshtrain.planner.setup import Candidate, element_bytes
 
 
 def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: float,
@@ -39,7 +39,7 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
         apart = True
     if apart:   # the FLOPs' rate is the GEMMs' and attention's alone: the rest at memory speed
         moved = elementwise_bytes_per_token(spec, blocks_run(spec, cand), p.tp,
-                                            2 if precision == "bf16" else 4)
+                                            element_bytes(precision))
         device += b * spec.seq * moved / (cluster.elementwise_bw or cluster.mem_bw)
     return max(device, dispatch) if cluster.async_dispatch else device + dispatch
 

@@ -15,6 +15,11 @@ RECOMPUTE = ("none", "selective", "full")
 OPTIMIZERS = ("adam", "sgd")
 
 
+def element_bytes(precision: str | None) -> int:
+    """Bytes of one compute-precision element: 2 in bf16, else 4."""
+    return 2 if precision == "bf16" else 4
+
+
 class SetupError(ValueError):
     """A training setup that cannot be planned: the message names the value and the fix."""
 
@@ -55,7 +60,7 @@ class Setup:
     # master weights, momentum, variance). In fp32 the weights are the master copy: 4 + 4 + 8.
     @property
     def param_bytes(self) -> int:
-        return 2 if self.precision == "bf16" else 4
+        return element_bytes(self.precision)
 
     @property
     def grad_bytes(self) -> int:
