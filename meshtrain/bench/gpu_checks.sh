@@ -10,7 +10,10 @@
 #
 # Steps: install env default gpt2 offload recompute single train8 compile profile tier calibrate
 # verify verify-gpt2 verify-llama. A step that fails, or outlasts $STEP_TIMEOUT seconds (default 600), is recorded and the
-# next one runs. Runs train in a scratch folder (checkpoints stay out of $OUT). The timing steps
+# next one runs. ROUNDS=N repeats calibrate's and verify's runs N times (their default: 3).
+# TARBALL=PATH packs $OUT into one file after every step (a machine that hands back only a
+# few files, or is taken back mid-way, still returns the steps done). Runs train in a
+# scratch folder (checkpoints stay out of $OUT). The timing steps
 # (single, train8, compile, profile, calibrate, verify*) want the GPU to themselves; the others can
 # share it, e.g. in one call of about four minutes on an H100 (docs/gpu.md was measured this way):
 #
@@ -32,6 +35,7 @@ OUT=${OUT:-$PWD/gpu-checks}
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/meshtrain-gpu-checks.XXXXXX")
 PY=${PYTHON:-python3}
 STEP_TIMEOUT=${STEP_TIMEOUT:-600}
+ROUNDS_ARG=${ROUNDS:+--rounds $ROUNDS}
 mkdir -p "$OUT/runs"
 : > "$OUT/results.txt"
 
@@ -42,6 +46,7 @@ step() {   # step NAME COMMAND...: run it, log to $OUT/NAME.log, record its exit
     timeout -k 10 "$STEP_TIMEOUT" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     echo "   $name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/results.txt"
+    if [ -n "${TARBALL:-}" ]; then tar czf "$TARBALL" -C "$OUT" .; fi
 }
 
 train() {   # train NAME ARGS...: meshtrain train in the scratch folder; keep what it reports
@@ -91,13 +96,14 @@ torch.cuda.nccl.version() if torch.cuda.is_available() else None)'" ;;
     tier) step tier "$PY" -m pytest -m cuda tests/gpu -v -rs -p no:cacheprovider -o addopts= \
             -n "${TIER_WORKERS:-4}" --dist load --junitxml "$OUT/tier.xml" ;;
     calibrate)   # the planner's profile of this GPU, kept beside the logs
-        step calibrate "$PY" -m meshtrain plan --calibrate
+        step calibrate "$PY" -m meshtrain plan --calibrate $ROUNDS_ARG
         cp ~/.cache/meshtrain/profiles/*.json "$OUT/" 2>/dev/null || true ;;
-    verify) step verify "$PY" -m meshtrain plan --verify --json ;;
+    verify) step verify "$PY" -m meshtrain plan --verify --json $ROUNDS_ARG ;;
     verify-gpt2)   # the same plans on GPT-2 124M, the model bench single and train8 time
-        step verify-gpt2 "$PY" -m meshtrain plan --verify --model gpt2-124m --json ;;
+        step verify-gpt2 "$PY" -m meshtrain plan --verify --model gpt2-124m --json $ROUNDS_ARG ;;
     verify-llama)   # a transformers Llama, priced from its trace (measure/traced.py)
-        step verify-llama "$PY" -m meshtrain plan --verify --model llama-tiny --json ;;
+        step verify-llama "$PY" -m meshtrain plan --verify --model llama-tiny --json \
+            $ROUNDS_ARG ;;
     esac
 done
 
@@ -117,4 +123,5 @@ for summary in sorted(out.glob("runs/*/summary.json")):
 print(json.dumps(figures, indent=1))
 EOF
 rm -rf "$SCRATCH"
+if [ -n "${TARBALL:-}" ]; then tar czf "$TARBALL" -C "$OUT" .; fi
 echo "logs and figures in $OUT"

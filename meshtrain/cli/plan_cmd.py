@@ -60,6 +60,9 @@ def add_parser(subparsers) -> None:
     o.add_argument("--rank", action="store_true", help="with --verify: run the planner's "
                    "top plans and a sample of the rest at --nproc ranks; report the rank "
                    "correlation of predicted and measured step times")
+    o.add_argument("--rounds", type=int, help="with --calibrate or --verify: how many times "
+                   "each run is repeated, interleaved with the others (default 3; 5 calibrating "
+                   "CPU ranks): fewer are quicker, more ride out a noisy machine")
     o.add_argument("--nproc", type=int, default=4, help="largest number of local ranks "
                    "--calibrate measures (it measures 1, 2 and this; --verify needs 4)")
     p.set_defaults(run=run)
@@ -74,7 +77,8 @@ def check_counts(args) -> None:
     """The whole-number options, each at least its least sensible value."""
     for flag, value, least in (("--top", args.top, 1), ("--nproc", args.nproc, 1),
                                ("--micro-batch", args.micro_batch, 0), ("--seq", args.seq, 1),
-                               ("--gpus-per-node", args.gpus_per_node, 1)):
+                               ("--gpus-per-node", args.gpus_per_node, 1),
+                               ("--rounds", args.rounds, 1)):
         if value is not None and value < least:
             raise ValueError(f"{flag} {value}: must be a whole number >= {least}")
 
@@ -192,7 +196,9 @@ def run(args) -> int:
         check_counts(args)
         if args.calibrate:
             from meshtrain.measure.calibrate import calibrate_command
-            return calibrate_command(args)
+            return calibrate_command(args, args.rounds)
+        if args.rounds is not None and not (args.verify or args.calibrate):
+            raise ValueError("--rounds repeats --calibrate's or --verify's runs: add either")
         if args.rank and not args.verify:
             raise ValueError("--rank ranks plans by running them: add --verify")
         if args.verify and args.rank:

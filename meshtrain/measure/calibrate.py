@@ -16,6 +16,14 @@ square matmul), the time one op takes to launch, and how many ops a block dispat
 `plan --gpu KIND` takes from a profile of that kind (planner/calibrated.py). The profile
 names its device kind (hardware.device_kind) and is saved as profiles/<kind>.json.
 
+The host's side of a GPU step (Python, autograd, kernel launches, the Trainer's and the
+optimizer's own work), which the device's work hides until it outlasts it: a launch's cost
+times the ops a block dispatches counts the launches only, a third of what the host spends
+per block in a Trainer's step. So in each round the Trainer trains a GPT too narrow to keep
+the GPU busy (runs.HOST_RUNS: 2 and 8 blocks, 4 micro-batches, full recomputation), and its
+steps give the host's cost per step, per layer, per block and micro-batch, and of a
+recomputed block (fit.fit_host).
+
 Timing on a noisy machine: within a launch every quantity is measured once per repetition,
 in alternation, for a few seconds, and each is the median of its repetitions; each world
 size is launched in several rounds interleaved with the others (1, 2, 4, 1, 2, 4, ...) and
@@ -47,9 +55,10 @@ from tqdm import tqdm
 
 from meshtrain.core.device import gpu_count, resolve_device, total_memory
 from meshtrain.launch import launch
-from meshtrain.measure.fit import fit_runtime_memory, fit_strategies, fit_trainer
+from meshtrain.measure.fit import fit_host, fit_runtime_memory, fit_strategies, fit_trainer
 from meshtrain.measure.probe import add_efficiencies, combine, mean_of_rounds, measure_rank
-from meshtrain.measure.runs import (BUDGET_S, GPU_ROUNDS, MEMORY_RUNS, ROUNDS, SQUARE,
+from meshtrain.measure.runs import (BUDGET_S, GPU_ROUNDS, HOST_GPT, HOST_RUNS, MEMORY_RUNS,
+                                    ROUNDS, SQUARE,
                                     reference_gpt, run_model, run_plan, strategy_runs)
 from meshtrain.measure.verify import plan_inputs, verify_rank
 from meshtrain.planner.activations import forward_traffic, transient_bytes
@@ -70,8 +79,10 @@ def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S
     rates: dict[int, list[dict]] = {w: [] for w in worlds}
     memory: dict[int, list[list[tuple[float, float]]]] = {w: [] for w in worlds}
     strategies: dict[int, list[dict]] = {w: [] for w in worlds}
-    runs = sum(1 + len(MEMORY_RUNS) + len(strategy_runs(w)) for w in worlds)
+    host: dict[int, list[list[float]]] = {w: [] for w in worlds}
     device = resolve_device()
+    host_runs = HOST_RUNS if device == "cuda" else ()   # CPU ranks: the host is the device
+    runs = sum(1 + len(MEMORY_RUNS) + len(host_runs) + len(strategy_runs(w)) for w in worlds)
     bar = tqdm(total=rounds * runs, unit="run", desc="calibrating", disable=not progress,
                file=sys.stderr)
     for _ in range(rounds):
@@ -83,6 +94,9 @@ def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S
             memory[w].append([runtime_memory_point(w, b, layers, m, *step)
                               for layers, b, m in MEMORY_RUNS])
             bar.update(len(MEMORY_RUNS))
+            if host_runs:
+                host[w].append([host_step(w, *run) for run in host_runs])
+                bar.update(len(host_runs))
             if w > 1:
                 strategies[w].append(strategy_points(w, bar.update))
     bar.close()
@@ -92,6 +106,8 @@ def calibrate(worlds=(1, 2, 4), rounds: int = ROUNDS, budget_s: float = BUDGET_S
         entry = mean_of_rounds(rates[w])
         add_efficiencies(entry, kind, profile["device"]["dtype"])
         entry["runtime_memory"] = fit_runtime_memory([[(t, o) for t, o, _ in r] for r in memory[w]])
+        if host[w]:   # before the Trainer's fit, which prices the host by it
+            entry["host"] = fit_host(host[w])
         profile["worlds"][str(w)] = entry
         entry["trainer"] = fit_trainer(profile, w, [[t for *_, t in r] for r in memory[w]])
         if w > 1:
@@ -152,6 +168,18 @@ def runtime_memory_point(world: int, batch: int, layers: int | None = None,
     return (forward_traffic(spec, cand, setup, 0), max(r["peak_growth"] for r in results)
             - tensors, step)
 
+def host_step(world: int, layers: int, microbatches: int, recompute: str) -> float:
+    """Seconds of the Trainer's step on HOST_GPT with `layers` blocks, `microbatches` of one
+    sequence and `recompute`, in fresh ranks as `--verify` runs a plan (the median rank's):
+    the host's time, which the device's work on so narrow a GPT never outlasts."""
+    plan = run_plan({"dp": world, "microbatches": microbatches, "recompute": recompute},
+                    resolve_device())
+    results = launch(verify_rank, nproc=world, args=({**HOST_GPT, "n_layer": layers}, plan,
+                                                     microbatches),
+                     kwargs={"steps": 8, "exact": False})
+    return statistics.median(r["step"] for r in results)
+
+
 def _host_mem() -> float:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -182,8 +210,14 @@ def describe(profile: dict) -> str:
                          f"the rest of its forward" + (
                              f"; + {rt['accumulation'] / 1e6:.1f} MB accumulating over "
                              f"micro-batches" if "accumulation" in rt else ""))
-        tr = e.get("trainer")
-        if tr and profile_device(profile) == "cuda":   # fit._fit_queued_trainer
+        tr, host = e.get("trainer"), e.get("host")
+        if tr and host:   # fit.fit_host
+            lines.append(f"      Trainer step: the slower of {tr['compute_scale']:.3f} x the "
+                         f"model's compute and the host's {host['per_step'] * 1e3:.1f} ms + "
+                         f"{host['per_layer'] * 1e3:.2f} ms per layer + "
+                         f"{host['per_block'] * 1e3:.2f} ms per block and micro-batch (a "
+                         f"recomputed block {host['recompute_blocks']:.2f} blocks)")
+        elif tr and profile_device(profile) == "cuda":   # fit._fit_queued_trainer
             lines.append(f"      Trainer step: the slower of {tr['compute_scale']:.3f} x the "
                          f"model's compute and the host's {tr['per_step'] * 1e3:.1f} ms + "
                          f"its dispatch")

@@ -7,8 +7,8 @@ import copy
 import itertools
 import statistics
 
-from meshtrain.measure.runs import (MEMORY_BATCHES, MEMORY_RUNS, reference_gpt, run_model,
-                                    run_plan, strategy_runs)
+from meshtrain.measure.runs import (HOST_RUNS, MEMORY_BATCHES, MEMORY_RUNS, reference_gpt,
+                                    run_model, run_plan, strategy_runs)
 from meshtrain.measure.verify import plan_inputs, predict, predict_cluster, predict_roles
 from meshtrain.planner.activations import forward_traffic
 from meshtrain.planner.profile import profile_device
@@ -91,6 +91,27 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
     return fitted
 
 
+def fit_host(rounds: list[list[float]]) -> dict:
+    """The host's side of a GPU step from the HOST_RUNS steps of each round (each point the
+    median over rounds), as the time model adds it up: seconds per step, per layer a rank
+    holds (the optimizer's and the Trainer's work per parameter tensor), per block and
+    micro-batch (the embedding, head and loss one more block), and the blocks' dispatch a
+    block costs under full recomputation (its second forward and the checkpoint's own
+    work). HOST_RUNS' four points (short, deep, deep in several micro-batches, deep
+    recomputed) give the four exactly; none below 0, recomputation not below one block."""
+    steps = [statistics.median(point) for point in zip(*rounds)]
+    short, deep, many, recomputed = steps
+    (l_short, _, _), (l_deep, _, _), (_, m_many, _), _ = HOST_RUNS
+    per_block = max(0.0, (many - deep) / ((m_many - 1) * (l_deep + 1)))
+    per_layer = max(0.0, (deep - short) / (l_deep - l_short) - per_block)
+    per_step = max(0.0, short - per_layer * l_short - per_block * (l_short + 1))
+    recompute = max(1.0, 1 + (recomputed - deep) / (per_block * l_deep)) if per_block else 1.0
+    return {"per_step": per_step, "per_layer": per_layer, "per_block": per_block,
+            "recompute_blocks": recompute,
+            "points": [{"layers": l, "microbatches": m, "recompute": r, "step": t}
+                       for (l, m, r), t in zip(HOST_RUNS, steps)]}
+
+
 def fit_trainer(profile: dict, world: int, rounds: list[list[float]]) -> dict:
     """The Trainer's step against the model of a bare forward and backward: from the DDP
     steps of the runtime-memory runs (each point the median over rounds: the reference GPT
@@ -122,19 +143,23 @@ def _fit_queued_trainer(profile: dict, world: int, points: list, single: list) -
     """fit_trainer on GPU ranks, whose host queues a step ahead of the device (the time
     model's `async_dispatch`: the step is the slower of the device's work and the host's).
     The larger points keep the device busy: the factor on compute is the one nearest to
-    them (through the origin). The smallest is taken as the host's: its fixed cost is what
-    that step took beyond its micro-batch's dispatch, so the fitted model meets it whichever
-    side bound it. (One line through all three would turn the host's work at the smallest
-    batch into a fixed cost that every larger step pays.)"""
+    them (through the origin). The host's fixed cost per step is the one its own runs
+    measured (fit_host); a profile without them takes it from the smallest point: what that
+    step took beyond its micro-batch's dispatch, so the fitted model meets it whichever side
+    bound it. (One line through all three would turn the host's work at the smallest batch
+    into a fixed cost that every larger step pays.)"""
     (m_small, *_), *device_bound = points
     late = [(m - p, c) for m, p, c in device_bound]
     factor = sum(c * d for d, c in late) / sum(c * c for _, c in late)
-    layers, batch = single[0]
-    plan = run_plan({"dp": world}, "cuda")
-    spec, cand, _ = plan_inputs(plan, batch, reference_gpt("cuda", layers))
-    host = dispatch_time(spec, cand, predict_cluster(profile, plan))
-    return {"compute_scale": min(2.0, max(0.5, 1 + factor)),
-            "per_step": max(0.0, m_small - host),
+    host = profile["worlds"][str(world)].get("host")
+    if host:
+        per_step = host["per_step"]
+    else:
+        layers, batch = single[0]
+        plan = run_plan({"dp": world}, "cuda")
+        spec, cand, _ = plan_inputs(plan, batch, reference_gpt("cuda", layers))
+        per_step = max(0.0, m_small - dispatch_time(spec, cand, predict_cluster(profile, plan)))
+    return {"compute_scale": min(2.0, max(0.5, 1 + factor)), "per_step": per_step,
             "points": [{"measured": m, "predicted": p} for m, p, _ in points]}
 
 

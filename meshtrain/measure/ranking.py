@@ -127,7 +127,8 @@ def rank_command(args, model: dict | TrainedModel | None = None) -> int:
     print(f"ranking {len(plans)} plans at {args.nproc} ranks: the planner's top "
           f"{min(3, len(plans))} and a sample across the rest", file=sys.stderr)
     table = io.StringIO()
-    rows = verify(profile, plans=plans, out=table, model=model, progress=True)
+    rows = verify(profile, plans=plans, out=table, model=model, progress=True,
+                  **({"rounds": args.rounds} if args.rounds else {}))
     print(table.getvalue(), end="")
     result, text = rank_report(rows)
     print("\n" + text)

@@ -47,6 +47,12 @@ GPU_GPT = dict(vocab_size=8192, seq_len=1024, n_layer=2, n_head=16, d_model=2048
 REFERENCE_GPTS = {"cpu": REFERENCE_GPT, "cuda": GPU_GPT}
 VERIFY_GPTS = {"cpu": dict(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256),
                "cuda": {**GPU_GPT, "n_layer": 4}}
+# The host's side of a GPU step (Python, autograd, launches: what the device's work hides
+# until it outlasts it), timed on a GPT so narrow that the device waits on the host: the
+# Trainer's step at (layers, micro-batches of one sequence, recompute), apart in what grows
+# per step, per layer held and per block a micro-batch runs (fit.fit_host).
+HOST_GPT = dict(vocab_size=256, seq_len=64, n_layer=2, n_head=2, d_model=64)
+HOST_RUNS = ((2, 1, "none"), (8, 1, "none"), (8, 4, "none"), (8, 1, "full"))
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 # the runtime-memory runs in calibration order, (layers, batch, micro-batches): the reference
 # GPT at MEMORY_BATCHES, the deeper one, the accumulating one (fit_runtime_memory and

@@ -28,19 +28,21 @@ def verify_command(args, model: dict | TrainedModel | None = None) -> int:
     device = resolve_device()
     model = model or VERIFY_GPTS[device]
     plans, predicted, too_big = _plans(args, profile, kind, device, model)
-    steps = ROUNDS * (WARMUP + STEPS) + 1   # the first round's one more, for exact counts
+    rounds = args.rounds or ROUNDS
+    steps = rounds * (WARMUP + STEPS) + 1   # the first round's one more, for exact counts
     seconds = steps * sum(ev.time.total for ev in predicted)
     fp32 = fp32_only(device)
     left_out = "".join(f"; {n} {why}" for n, why in (
         (len(PLANS) - len(plans) - len(too_big) - fp32, "need more GPUs"),
         (fp32, "run in fp32 only"), (len(too_big), "predicted not to fit")) if n)
-    print(f"verifying {len(plans)} plans of {describe(model)} (AdamW{left_out}), {ROUNDS} "
-          f"rounds, against the profile of {profile['created']}; their steps alone are "
+    print(f"verifying {len(plans)} plans of {describe(model)} (AdamW{left_out}), {rounds} "
+          f"round{'s' * (rounds != 1)}, against the profile of {profile['created']}; their steps alone are "
           f"predicted to take {fmt_duration(seconds)}, beside each run's start", file=sys.stderr)
     if too_big:
         print(f"predicted not to fit: {' | '.join(too_big)}", file=sys.stderr)
     table, failed = io.StringIO(), []
-    rows = verify(profile, plans=plans, out=table, model=model, progress=True, failed=failed)
+    rows = verify(profile, plans=plans, out=table, model=model, rounds=rounds, progress=True,
+                  failed=failed)
     print(header(device))
     print(table.getvalue(), end="")
     ok, text = summary(rows, GPU_LIMITS if device == "cuda" else LIMITS) if rows else (False, "")

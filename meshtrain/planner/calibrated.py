@@ -18,9 +18,11 @@ profiles/H100-80GB.json), its figures replace the table's:
   (`elementwise_apart`: flops.ELEMENTWISE_BYTES at mem_bw);
 - mem_bw: the measured device copy bandwidth (the optimizer step and the elementwise work
   are bound by it);
-- block_overhead: seconds per op launch x the ops one block of the reference GPT dispatches
-  in a training step (both measured): the host's time, which the device's work hides
-  (a micro-batch costs the slower of the two, as on a local GPU profile);
+- the host's work, which the device's hides (a micro-batch costs the slower of the two, as
+  on a local GPU profile): the Trainer's step on a GPT too narrow to keep the device busy,
+  per block and micro-batch (block_overhead), per layer held, per step, and under full
+  recomputation (fit.fit_host); in an older profile, seconds per op launch x the ops one
+  block of the reference GPT dispatches;
 - the collective curves, measured over the GPUs of one node at the largest calibrated world
   (> 1), for groups inside a node.
 What a profile cannot measure stays the table's: the peak (the efficiency is against it),
@@ -31,7 +33,7 @@ from __future__ import annotations
 from meshtrain.planner.flops import forward_flops_per_token
 from meshtrain.planner.hardware import Cluster, Curve, HardwareError
 from meshtrain.planner.model_spec import ModelSpec
-from meshtrain.planner.profile import step_costs
+from meshtrain.planner.profile import host_settings, step_costs
 
 TABLE = ("peak_flops", "gpu_mem", "inter_bw", "host_bw")   # never measured by a profile
 
@@ -92,10 +94,11 @@ def calibrated_cluster(cluster: Cluster, profile: dict, spec: ModelSpec, precisi
         peak = entry.get("peak_flops", cluster.peak_flops)
         changes["efficiency"] = min(1.0, efficiency * peak / cluster.peak_flops)
         changes["elementwise_apart"] = True   # measured on GEMMs and attention alone
-    if entry.get("launch_rate") and entry.get("ops_per_block"):
-        # the host's dispatch, which a GPU runs beside its work: the slower of the two counts
-        changes["block_overhead"] = entry["ops_per_block"] / entry["launch_rate"]
-        changes["async_dispatch"] = True
+    host = host_settings(entry)
+    if host:   # the host's work, which a GPU runs beside its own: the slower of the two counts
+        changes.update(host, async_dispatch=True)
+        if entry.get("host"):
+            changes["step_overhead"] = entry["host"]["per_step"]
     else:   # a profile from before launches were timed: the reference step's fixed cost
         changes["block_overhead"] = step_costs(entry)[1]
     multi = [w for w, e in worlds.items() if w > 1 and e.get("collectives")]

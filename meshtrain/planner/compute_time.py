@@ -46,10 +46,13 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
 
 def dispatch_time(spec: ModelSpec, cand: Candidate, cluster: Cluster) -> float:
     """Host seconds to dispatch one micro-batch on one rank: kernel launches, autograd,
-    Python (calibrated; 0 on GPU presets), per block it runs (`blocks_run`); tensor parallel
-    does not divide it; the embedding, head and loss count as one more block."""
+    Python (calibrated; 0 on GPU presets), per block it runs, a fully recomputed one
+    `cluster.recompute_dispatch` blocks; tensor parallel does not divide it; the embedding,
+    head and loss count as one more block."""
     p = cand.plan
-    dispatch = cluster.block_overhead * (blocks_run(spec, cand) + 1)
+    blocks = math.ceil(spec.layers / p.pp) * (cluster.recompute_dispatch
+                                              if cand.recompute == "full" else 1)
+    dispatch = cluster.block_overhead * (blocks + 1)
     if p.dp_mode == "dp":   # the replicas' threads take turns at Python's interpreter lock
         dispatch *= p.dp
     return dispatch

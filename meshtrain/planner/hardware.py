@@ -106,6 +106,10 @@ class Cluster:
     optimizer_rate: float = 0.0     # parameters/s the optimizer step updates (0: from mem_bw)
     overlap: float = 1.0            # fraction of hideable gradient traffic really hidden
     block_overhead: float = 0.0     # seconds per block per micro-batch not in FLOPs (dispatch)
+    recompute_dispatch: float = 4 / 3   # ... blocks' dispatch a fully recomputed block
+                                    # costs (its second forward; a GPU's host: calibrated)
+    layer_step_overhead: float = 0.0   # host seconds per step per layer a rank holds (the
+                                    # optimizer's per-tensor work; a GPU's host: calibrated)
     compute_scale: float = 1.0      # the Trainer's micro-batch against the bare model's
     step_overhead: float = 0.0      # seconds per step the Trainer adds (calibrated)
     process_trainer: tuple | None = None   # (compute_scale, step_overhead) of one process

@@ -183,20 +183,33 @@ def gpu_settings(entry: dict, measured_peak: float, dtype: str) -> dict:
     """The Cluster fields of CUDA ranks (module docstring): the device's dense peak (the
     table's for a GPU it knows: probe.add_efficiencies), the efficiency curves and, for a
     precision they were not measured in, the reference step's achieved rate against that
-    peak; the dispatch per block from the launch cost, overlapping the device's work; the
+    peak; the host's work, overlapping the device's: per block and micro-batch, per layer
+    held and under full recomputation as its own runs measured it (fit.fit_host), or, in a
+    profile without them, the dispatch per block from the launch cost; the
     optimizer step's moment (its temporaries per parameter, measured); every rank its own
     GPU (no shared cores to gain when others idle), the gradient exchange hidden as on GPU
     presets (NCCL runs on its own SMs), host memory apart."""
     peak = entry.get("peak_flops", measured_peak)
     curves = {family: entry[family] for family in ("gemm", "attention")
               if entry.get(family, {}).get("efficiency")}
-    ops, launches = entry.get("ops_per_block"), entry.get("launch_rate")
     return dict(peak_flops=peak, efficiency=min(1.0, entry["model_flops"] / peak),
                 efficiency_curves={**curves, "dtype": dtype} if "gemm" in curves else None,
-                block_overhead=ops / launches if ops and launches else 0.0,
+                **host_settings(entry),
                 optimizer_temporaries=entry.get("optimizer_temporaries", 0.0),
                 async_dispatch=True, idle_speedup=1.0, overlap=1.0, host_is_device=False,
                 host_bw=Cluster.host_bw)
+
+
+def host_settings(entry: dict) -> dict:
+    """The Cluster fields of a GPU's host work from a profile entry (gpu_settings): measured
+    apart (fit.fit_host), or the launch cost times the ops a block dispatches (a profile
+    from before the host's runs; {} from before launches were timed)."""
+    host = entry.get("host")
+    if host:
+        return dict(block_overhead=host["per_block"], layer_step_overhead=host["per_layer"],
+                    recompute_dispatch=host["recompute_blocks"])
+    ops, launches = entry.get("ops_per_block"), entry.get("launch_rate")
+    return dict(block_overhead=ops / launches) if ops and launches else {}
 
 
 def step_costs(entry: dict) -> tuple[float, float]:

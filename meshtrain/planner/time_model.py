@@ -123,8 +123,11 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     device_work = pipeline + exposed + t_off + t_opt
     if cluster.async_dispatch:
         # the host queues the step ahead of the device: its own work (the Trainer's fixed
-        # cost, each micro-batch's dispatch) sets the step only where it outlasts the device's
-        total = max(device_work, step_overhead + m * dispatch_time(spec, cand, cluster))
+        # cost, its work per layer held, each micro-batch's dispatch) sets the step only
+        # where it outlasts the device's
+        host = (step_overhead + cluster.layer_step_overhead * math.ceil(spec.layers / p.pp)
+                + m * dispatch_time(spec, cand, cluster))
+        total = max(device_work, host)
     else:
         total = device_work + step_overhead
     return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, t_opt, total)

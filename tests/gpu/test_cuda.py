@@ -157,3 +157,17 @@ def test_verify_meters_a_gpu_ranks_peak_on_the_gpu():
     tiny = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=32)
     r = run_ranks(1, verify_rank, tiny, {"dp": 1}, 4, 2, 1, device="cuda")[0]
     assert r["peak_growth"] >= r["peak_alloc"] > r["model_states"] > 0
+
+
+def test_calibration_times_the_hosts_work_on_a_gpt_too_narrow_to_keep_the_gpu_busy():
+    """The host's runs (runs.HOST_RUNS) on the GPU: a deeper GPT's step and more micro-batches
+    cost the host more, so the fit finds a positive cost per block and per step."""
+    from meshtrain.measure.calibrate import host_step
+    from meshtrain.measure.fit import fit_host
+    from meshtrain.measure.runs import HOST_RUNS
+
+    steps = [host_step(1, *run) for run in HOST_RUNS]
+    short, deep, many, _ = steps
+    assert short < deep < many
+    fit = fit_host([steps])
+    assert fit["per_block"] > 0 and fit["per_step"] > 0 and fit["recompute_blocks"] >= 1

@@ -150,6 +150,19 @@ def test_figures_the_user_gives_and_other_precisions_keep_theirs(capsys, monkeyp
     assert fp32["efficiency"] == 0.5 and "efficiency" in fp32["calibration"]["table"]
 
 
+def test_the_hosts_own_runs_replace_the_launch_count_where_measured():
+    """A profile whose calibration timed the host apart (fit.fit_host) gives a GPU of its
+    kind that host: per block and micro-batch, per layer, per step, a recomputed block's."""
+    host = {"per_step": 0.006, "per_layer": 0.0002, "per_block": 0.0015, "recompute_blocks": 2.5}
+    cl = calibrated_cluster(make_cluster("H100-80GB"), _profile({**FLAT, "host": host}), SPEC,
+                            "bf16", "p.json")
+    assert cl.async_dispatch and (cl.block_overhead, cl.layer_step_overhead, cl.step_overhead,
+                                  cl.recompute_dispatch) == (0.0015, 0.0002, 0.006, 2.5)
+    older = calibrated_cluster(make_cluster("H100-80GB"), _profile(FLAT), SPEC, "bf16", "p.json")
+    assert older.block_overhead == pytest.approx(50 / 2e5) and older.step_overhead == 0
+    assert (older.layer_step_overhead, older.recompute_dispatch) == (0.0, 4 / 3)
+
+
 def test_a_profile_of_another_kind_is_refused():
     with pytest.raises(HardwareError, match="measured on 'A100-80GB', not 'H100-80GB'"):
         calibrated_cluster(make_cluster("H100-80GB"), _profile(FLAT, kind="A100-80GB"), SPEC,

@@ -159,6 +159,54 @@ def test_the_gpu_trainer_fit_keeps_the_hosts_fixed_cost_out_of_device_bound_step
         assert verify.predict(fitted, plan, b, model).time.total == pytest.approx(m, rel=1e-6)
 
 
+HOST = {"per_step": 0.006, "per_layer": 0.0002, "per_block": 0.0015, "recompute_blocks": 2.5}
+
+
+def _host_step(layers: int, microbatches: int, recompute: str, host: dict = HOST) -> float:
+    """The host's seconds for one of HOST_RUNS, as fit_host reads them."""
+    blocks = layers * (host["recompute_blocks"] if recompute == "full" else 1)
+    return (host["per_step"] + host["per_layer"] * layers
+            + microbatches * host["per_block"] * (blocks + 1))
+
+
+def test_the_hosts_own_runs_give_its_four_costs_and_the_planner_meets_them():
+    """Calibration's host runs on a GPT too narrow to keep the device busy: their four
+    steps give the host's cost per step, per layer, per block and micro-batch, and of a
+    recomputed block, exactly; with them in the profile, the planner's step for each run
+    is that run's (the host bounds it), and the Trainer's fixed cost is the host's."""
+    from meshtrain.measure.fit import fit_host, fit_trainer
+
+    steps = [_host_step(*run) for run in runs.HOST_RUNS]
+    fit = fit_host([steps, [t * 1.5 for t in steps], steps])   # the median round
+    assert {k: fit[k] for k in HOST} == pytest.approx(HOST)
+    entry = {**ENTRY, "host": fit}
+    profile = {**GPU, "worlds": {"1": entry}}
+    gpu = cluster_from_profile(profile, 1)
+    assert (gpu.block_overhead, gpu.layer_step_overhead, gpu.recompute_dispatch) == \
+        pytest.approx((0.0015, 0.0002, 2.5))
+    bare = [verify.predict(GPU, runs.run_plan({"dp": 1}, "cuda"), b, model).time
+            for model, b in [(runs.reference_gpt("cuda", layers), b)
+                             for layers, b, m in runs.MEMORY_RUNS if m == 1]]
+    entry["trainer"] = fit_trainer(profile, 1, [[t.total for t in bare]])
+    assert entry["trainer"]["per_step"] == pytest.approx(0.006)
+    for layers, m, recompute in runs.HOST_RUNS:
+        plan = runs.run_plan({"dp": 1, "microbatches": m, "recompute": recompute}, "cuda")
+        model = {**runs.HOST_GPT, "n_layer": layers}
+        assert verify.predict(profile, plan, m, model).time.total == pytest.approx(
+            _host_step(layers, m, recompute), rel=1e-9)
+
+
+def test_the_hosts_fit_never_goes_below_zero_nor_a_recomputed_block_below_one():
+    from meshtrain.measure.fit import fit_host
+
+    flat = [0.01] * len(runs.HOST_RUNS)   # no step longer than another: all fixed cost
+    fit = fit_host([flat])
+    assert (fit["per_block"], fit["per_layer"], fit["recompute_blocks"]) == (0.0, 0.0, 1.0)
+    assert fit["per_step"] == pytest.approx(0.01)
+    cheap = [_host_step(*run, host={**HOST, "recompute_blocks": 0.5}) for run in runs.HOST_RUNS]
+    assert fit_host([cheap])["recompute_blocks"] == 1.0
+
+
 def test_elementwise_work_is_priced_apart_only_beside_gemm_and_attention_rates():
     """A rate measured on GEMMs and attention alone (a GPU profile's curves, or a preset
     calibrated with one) leaves the elementwise work out: it runs at the memory's speed,

@@ -116,3 +116,27 @@ def test_on_one_gpu_verify_says_what_it_leaves_out_and_why(capsys, monkeypatch, 
     assert all(verify.world_of(p) == 1 for p, _ in plans)
     more = len(verify.PLANS) - len(plans) - fp32
     assert f"(AdamW; {more} need more GPUs; {fp32} run in fp32 only)" in err
+
+
+def test_verify_repeats_each_plan_the_rounds_given(capsys, monkeypatch, tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(PROFILE))
+    asked = {}
+
+    def ran(profile, plans, model, rounds, **_):
+        asked["rounds"] = rounds
+        raise _Ran()
+
+    monkeypatch.setattr(verify_cli, "verify", ran)
+    with pytest.raises(_Ran):
+        main(["plan", "--verify", "--profile", str(path), "--rounds", "1"])
+    assert asked == {"rounds": 1} and ", 1 round," in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--rounds", "0"], "--rounds 0: must be a whole number >= 1"),
+    (["--rounds", "2"], "add either"),
+])
+def test_rounds_is_refused_where_it_means_nothing(capsys, argv, words):
+    assert main(["plan", "--model", "gpt2-124m", *argv]) == 2
+    assert words in capsys.readouterr().err
