@@ -58,8 +58,8 @@ from meshtrain.launch import launch
 from meshtrain.measure.fit import fit_host, fit_runtime_memory, fit_strategies, fit_trainer
 from meshtrain.measure.probe import add_efficiencies, combine, mean_of_rounds, measure_rank
 from meshtrain.measure.runs import (BUDGET_S, GPU_ROUNDS, HOST_GPT, HOST_RUNS, MEMORY_RUNS,
-                                    ROUNDS, SQUARE,
-                                    reference_gpt, run_model, run_plan, strategy_runs)
+                                    ROUNDS, SQUARE, reference_gpt, run_model, run_plan,
+                                    strategy_runs)
 from meshtrain.measure.verify import plan_inputs, verify_rank
 from meshtrain.planner.activations import forward_traffic, transient_bytes
 from meshtrain.planner.hardware import GPUS
@@ -167,6 +167,7 @@ def runtime_memory_point(world: int, batch: int, layers: int | None = None,
     step = statistics.median(r["step"] for r in results)
     return (forward_traffic(spec, cand, setup, 0), max(r["peak_growth"] for r in results)
             - tensors, step)
+
 
 def host_step(world: int, layers: int, microbatches: int, recompute: str) -> float:
     """Seconds of the Trainer's step on HOST_GPT with `layers` blocks, `microbatches` of one

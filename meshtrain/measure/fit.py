@@ -94,7 +94,7 @@ def fit_strategies(profile: dict, world: int, rounds: list[dict]) -> dict:
 def fit_host(rounds: list[list[float]]) -> dict:
     """The host's side of a GPU step from the HOST_RUNS steps of each round (each point the
     median over rounds), as the time model adds it up: seconds per step, per layer a rank
-    holds (the optimizer's and the Trainer's work per parameter tensor), per block and
+    holds (once a step: the optimizer's and the Trainer's work over its tensors), per block and
     micro-batch (the embedding, head and loss one more block), and the blocks' dispatch a
     block costs under full recomputation (its second forward and the checkpoint's own
     work). HOST_RUNS' four points (short, deep, deep in several micro-batches, deep

@@ -19,7 +19,7 @@ from meshtrain.core.admit import check_plan
 from meshtrain.core.plan import PlanError
 from meshtrain.measure.probe import local_kind
 from meshtrain.measure.trained_model import TrainedModel, spec_of
-from meshtrain.measure.verify import MODEL, verify
+from meshtrain.measure.verify import MODEL, ROUNDS, verify
 from meshtrain.planner.advisor import advise
 from meshtrain.planner.profile import cluster_from_profile, load_profile
 from meshtrain.planner.setup import Setup
@@ -127,8 +127,8 @@ def rank_command(args, model: dict | TrainedModel | None = None) -> int:
     print(f"ranking {len(plans)} plans at {args.nproc} ranks: the planner's top "
           f"{min(3, len(plans))} and a sample across the rest", file=sys.stderr)
     table = io.StringIO()
-    rows = verify(profile, plans=plans, out=table, model=model, progress=True,
-                  **({"rounds": args.rounds} if args.rounds else {}))
+    rows = verify(profile, plans=plans, out=table, model=model, rounds=args.rounds or ROUNDS,
+                  progress=True)
     print(table.getvalue(), end="")
     result, text = rank_report(rows)
     print("\n" + text)

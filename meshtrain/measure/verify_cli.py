@@ -36,8 +36,9 @@ def verify_command(args, model: dict | TrainedModel | None = None) -> int:
         (len(PLANS) - len(plans) - len(too_big) - fp32, "need more GPUs"),
         (fp32, "run in fp32 only"), (len(too_big), "predicted not to fit")) if n)
     print(f"verifying {len(plans)} plans of {describe(model)} (AdamW{left_out}), {rounds} "
-          f"round{'s' * (rounds != 1)}, against the profile of {profile['created']}; their steps alone are "
-          f"predicted to take {fmt_duration(seconds)}, beside each run's start", file=sys.stderr)
+          f"round{'s' * (rounds != 1)}, against the profile of {profile['created']}; their "
+          f"steps alone are predicted to take {fmt_duration(seconds)}, beside each run's "
+          "start", file=sys.stderr)
     if too_big:
         print(f"predicted not to fit: {' | '.join(too_big)}", file=sys.stderr)
     table, failed = io.StringIO(), []

@@ -65,3 +65,25 @@ def test_the_sample_spans_the_rest_of_the_predicted_order():
     rest = len(ranked) - 3
     slices = [(verify_form.index(p) - 3) * 9 // rest for p in plans[3:]]
     assert slices == list(range(9))
+
+
+def test_rank_repeats_each_plan_the_rounds_given(monkeypatch, tmp_path):
+    from meshtrain.cli.main import main
+    from meshtrain.measure import ranking
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(PROFILE))
+    asked = []
+
+    class Ran(Exception):
+        pass
+
+    def ran(profile, plans, rounds, **_):
+        asked.append(rounds)
+        raise Ran()
+
+    monkeypatch.setattr(ranking, "verify", ran)
+    for argv, rounds in ((["--rounds", "2"], 2), ([], ranking.ROUNDS)):
+        with pytest.raises(Ran):
+            main(["plan", "--verify", "--rank", "--profile", str(path), *argv])
+        assert asked.pop() == rounds
