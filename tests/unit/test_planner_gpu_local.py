@@ -194,6 +194,10 @@ def test_the_hosts_own_runs_give_its_four_costs_and_the_planner_meets_them():
         model = {**runs.HOST_GPT, "n_layer": layers}
         assert verify.predict(profile, plan, m, model).time.total == pytest.approx(
             _host_step(layers, m, recompute), rel=1e-9)
+    from meshtrain.measure.calibrate import describe
+
+    assert ("the host's 6.0 ms + 0.20 ms per layer + 1.50 ms per block and micro-batch (a "
+            "recomputed block 2.50 blocks)") in describe(profile)
 
 
 def test_the_hosts_fit_never_goes_below_zero_nor_a_recomputed_block_below_one():
