@@ -194,7 +194,7 @@ def gpu_settings(entry: dict, measured_peak: float, dtype: str) -> dict:
               if entry.get(family, {}).get("efficiency")}
     return dict(peak_flops=peak, efficiency=min(1.0, entry["model_flops"] / peak),
                 efficiency_curves={**curves, "dtype": dtype} if "gemm" in curves else None,
-                **host_settings(entry),
+                **(host_settings(entry) or {"block_overhead": 0.0}),   # none: not timed
                 optimizer_temporaries=entry.get("optimizer_temporaries", 0.0),
                 async_dispatch=True, idle_speedup=1.0, overlap=1.0, host_is_device=False,
                 host_bw=Cluster.host_bw)
