@@ -97,8 +97,6 @@ def calibrated_cluster(cluster: Cluster, profile: dict, spec: ModelSpec, precisi
     host = host_settings(entry)
     if host:   # the host's work, which a GPU runs beside its own: the slower of the two counts
         changes.update(host, async_dispatch=True)
-        if entry.get("host"):
-            changes["step_overhead"] = entry["host"]["per_step"]
     else:   # a profile from before launches were timed: the reference step's fixed cost
         changes["block_overhead"] = step_costs(entry)[1]
     multi = [w for w, e in worlds.items() if w > 1 and e.get("collectives")]

@@ -9,7 +9,7 @@ import math
 
 from meshtrain.planner.calibrated import model_efficiency
 from meshtrain.planner.flops import elementwise_bytes_per_token, forward_flops_per_token
-from meshtrain.planner.hardware import Cluster
+from meshtrain.planner.hardware import RECOMPUTED_BLOCK, Cluster
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, element_bytes
 
@@ -50,15 +50,14 @@ def dispatch_time(spec: ModelSpec, cand: Candidate, cluster: Cluster) -> float:
     `cluster.recompute_dispatch` blocks; tensor parallel does not divide it; the embedding,
     head and loss count as one more block."""
     p = cand.plan
-    blocks = math.ceil(spec.layers / p.pp) * (cluster.recompute_dispatch
-                                              if cand.recompute == "full" else 1)
-    dispatch = cluster.block_overhead * (blocks + 1)
+    dispatch = cluster.block_overhead * (blocks_run(spec, cand, cluster.recompute_dispatch) + 1)
     if p.dp_mode == "dp":   # the replicas' threads take turns at Python's interpreter lock
         dispatch *= p.dp
     return dispatch
 
 
-def blocks_run(spec: ModelSpec, cand: Candidate) -> float:
-    """The blocks one micro-batch runs forward and backward on the busiest stage, full
-    recomputation's second forward a third of a block more each."""
-    return math.ceil(spec.layers / cand.plan.pp) * (4 / 3 if cand.recompute == "full" else 1)
+def blocks_run(spec: ModelSpec, cand: Candidate, recomputed: float = RECOMPUTED_BLOCK) -> float:
+    """The blocks one micro-batch runs forward and backward on the busiest stage, a fully
+    recomputed one `recomputed` blocks (its second forward: a third more of a block's work;
+    of its dispatch, as calibrated)."""
+    return math.ceil(spec.layers / cand.plan.pp) * (recomputed if cand.recompute == "full" else 1)

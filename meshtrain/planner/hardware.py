@@ -61,6 +61,11 @@ def bandwidth(text: str) -> float:
     return parse_bandwidth(text)
 
 
+# A fully recomputed block runs its forward twice: a third of a block's work (forward and
+# backward) more, and, where not calibrated, a third more of its dispatch
+RECOMPUTED_BLOCK = 4 / 3
+
+
 @dataclass(frozen=True)
 class Curve:
     """Measured bus bandwidth of one collective against message size (log-linear between)."""
@@ -106,8 +111,8 @@ class Cluster:
     optimizer_rate: float = 0.0     # parameters/s the optimizer step updates (0: from mem_bw)
     overlap: float = 1.0            # fraction of hideable gradient traffic really hidden
     block_overhead: float = 0.0     # seconds per block per micro-batch not in FLOPs (dispatch)
-    recompute_dispatch: float = 4 / 3   # ... blocks' dispatch a fully recomputed block
-                                    # costs (its second forward; a GPU's host: calibrated)
+    recompute_dispatch: float = RECOMPUTED_BLOCK   # ... blocks' dispatch a fully
+                                    # recomputed block costs (a GPU's host: calibrated)
     layer_step_overhead: float = 0.0   # host seconds per step per layer a rank holds (the
                                     # optimizer's per-tensor work; a GPU's host: calibrated)
     compute_scale: float = 1.0      # the Trainer's micro-batch against the bare model's

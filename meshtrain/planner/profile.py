@@ -183,8 +183,9 @@ def gpu_settings(entry: dict, measured_peak: float, dtype: str) -> dict:
     """The Cluster fields of CUDA ranks (module docstring): the device's dense peak (the
     table's for a GPU it knows: probe.add_efficiencies), the efficiency curves and, for a
     precision they were not measured in, the reference step's achieved rate against that
-    peak; the host's work, overlapping the device's: per block and micro-batch, per layer
-    held and under full recomputation as its own runs measured it (fit.fit_host), or, in a
+    peak; the host's work, overlapping the device's: per step, per layer held, per block
+    and micro-batch and under full recomputation as its own runs measured it
+    (fit.fit_host), or, in a
     profile without them, the dispatch per block from the launch cost; the
     optimizer step's moment (its temporaries per parameter, measured); every rank its own
     GPU (no shared cores to gain when others idle), the gradient exchange hidden as on GPU
@@ -206,7 +207,8 @@ def host_settings(entry: dict) -> dict:
     from before the host's runs; {} from before launches were timed)."""
     host = entry.get("host")
     if host:
-        return dict(block_overhead=host["per_block"], layer_step_overhead=host["per_layer"],
+        return dict(step_overhead=host["per_step"], block_overhead=host["per_block"],
+                    layer_step_overhead=host["per_layer"],
                     recompute_dispatch=host["recompute_blocks"])
     ops, launches = entry.get("ops_per_block"), entry.get("launch_rate")
     return dict(block_overhead=ops / launches) if ops and launches else {}

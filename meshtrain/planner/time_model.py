@@ -105,10 +105,10 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     b = cand.micro_batch / p.dp if p.dp_mode == "dp" else cand.micro_batch
     compute_scale, step_overhead = trainer_costs(cand, cluster)
     t_mb = micro_batch_compute(spec, cand, cluster, b, setup.precision) * compute_scale
+    layers_here = math.ceil(spec.layers / p.pp)
     if p.tp > 1:   # what tensor parallel does not split (norms, residuals, the vocabulary
         # loss's extra passes), calibrated per token and block
-        t_mb += (tp_overhead(cluster, p.tp, spec.hidden) * b * spec.seq
-                 * (math.ceil(spec.layers / p.pp) + 1))
+        t_mb += tp_overhead(cluster, p.tp, spec.hidden) * b * spec.seq * (layers_here + 1)
     t_tp = tp_comm_time(spec, cand, setup, cluster, b)
     t_pp = pp_comm_time(spec, cand, setup, cluster, b)
     slot = t_mb + t_tp + t_pp
@@ -125,7 +125,7 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
         # the host queues the step ahead of the device: its own work (the Trainer's fixed
         # cost, its work per layer held, each micro-batch's dispatch) sets the step only
         # where it outlasts the device's
-        host = (step_overhead + cluster.layer_step_overhead * math.ceil(spec.layers / p.pp)
+        host = (step_overhead + cluster.layer_step_overhead * layers_here
                 + m * dispatch_time(spec, cand, cluster))
         total = max(device_work, host)
     else:
