@@ -57,6 +57,9 @@ class Stages(Protocol):
     def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """The buffers this rank holds, by canonical name."""
 
+    def modules(self) -> list[nn.Module]:
+        """The modules this rank runs (what a model on the meta device makes real)."""
+
     def merge(self, local: dict[str, object]) -> dict[str, object]:
         """Every stage's entries (name -> tensor or dict of tensors), on every rank.
         Collective over pp."""
@@ -212,6 +215,9 @@ class WholeModel:
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(self._canonical[n], p) for n, p in self.model.named_parameters()]
+
+    def modules(self) -> list[nn.Module]:
+        return [self.model]
 
     def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
         # non-persistent buffers (RoPE's inv_freq) are in no state dict: not ours to sync

@@ -10,6 +10,7 @@ by name before anything is built.
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Callable
 
@@ -38,6 +39,7 @@ from meshtrain.strategies.data_parallel.parameter_server import ParameterServer
 from meshtrain.strategies.data_parallel.powersgd import PowerSGD
 from meshtrain.strategies.data_parallel.ps_async import AsyncParameterServer
 from meshtrain.strategies.compile import apply_compile, compiled_token_loss, graph_step_marker
+from meshtrain.strategies.materialise import init_source, materialise
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.strategies.zero.zero3 import ZeRO3
@@ -70,9 +72,15 @@ def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout) -
     return pipeline.keep_stages(model, plan, comm, layout, _list(plan.stage_cuts))
 
 
-def sync_gradients(stages: Stages, plan: Plan, comm: Comm) -> GradientSync:
+def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
+                   fill: Callable | None = None) -> GradientSync:
     """Slots 3 and 4: how dp replicas agree on gradients, and who owns the optimizer.
-    Parameters in `stages.shared` must be laid out identically on every stage holding them."""
+    Parameters in `stages.shared` must be laid out identically on every stage holding them.
+    `fill(take_parameter)` makes a model on the meta device real (strategies/materialise.py):
+    before the sync is built, or, under ZeRO-3, straight into its shards."""
+    zero3 = plan.zero == 3 and plan.dp_mode == "ddp"
+    if fill is not None and not zero3:
+        fill(None)
     params, buffers = stages.named_parameters(), [b for _, b in stages.named_buffers()]
     if plan.dp_mode == "dp":
         return MasterDP(stages.model, params, comm, replicas=plan.dp)
@@ -82,9 +90,10 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm) -> GradientSync:
         return AsyncParameterServer(params, buffers, comm, plan)
     if plan.dp_mode in LOCAL_STEP_MODES:
         return DiLoCo(params, buffers, comm, plan)
-    if plan.zero == 3:
+    if zero3:
         return ZeRO3(stages.model, params, buffers, comm, plan,
-                     unit_names=_list(plan.zero3_units), offload_dir=plan.offload_dir)
+                     unit_names=_list(plan.zero3_units), offload_dir=plan.offload_dir,
+                     fill=fill)
     if plan.zero in (1, 2):
         return ZeRO(params, buffers, comm, plan, shared=list(stages.shared),
                     offload_dir=plan.offload_dir)
@@ -126,7 +135,9 @@ class Trainer:
         self.mesh = Mesh.build(plan)
         self.comm = Comm(self.mesh)
         self.watchdog = watch(self.comm)   # names the culprit when a collective fails
-        self.model = model.to(self.mesh.device)
+        # a model on the meta device is made real only where it is kept, after slots 1-2
+        source = init_source(model)
+        self.model = model if source is not None else model.to(self.mesh.device)
         self.loss_fn = loss_fn or model.loss
         if uses_lean_loss(plan.recompute, plan.tp) and is_token_cross_entropy(self.loss_fn):
             # recomputed layers keep little; the loss's fp32 copies would then dominate
@@ -154,7 +165,10 @@ class Trainer:
         if self.activations is not None:
             self.activations.track(p for _, p in self.stages.named_parameters())
         # 3-4. gradient sync before the optimizer: the optimizer must see what the sync owns
-        self.data_parallel = sync_gradients(self.stages, plan, self.comm)
+        fill = None if source is None else functools.partial(
+            materialise, self.model, self.stages.modules(), self.layout, self.sharding, source,
+            self.mesh.device)
+        self.data_parallel = sync_gradients(self.stages, plan, self.comm, fill)
         self.optimizer = self.data_parallel.build_optimizer(optimizer)
         # 5. the step driver
         self.driver = drive_steps(self.model, self.stages, plan, self.comm, self.loss_fn,

@@ -60,7 +60,8 @@ class ZeRO(GradientSync):
         # fp32 master, two moments, ZeRO-3's shard: at most 16 bytes per element of a shard
         self.offload = Offloader(plan.offload, comm.mesh.device, offload_dir,
                                  16 * (elements // self.n + 1), comm.mesh.rank)
-        broadcast_tensors([p for _, p in named_params] + list(buffers), comm, axis)
+        if not any(p.is_meta for _, p in named_params):   # else made equal by construction
+            broadcast_tensors([p for _, p in named_params] + list(buffers), comm, axis)
         self.named = {n: p for n, p in named_params if p.requires_grad}
         self.params = list(self.named.values())
         names = {id(p): n for n, p in self.named.items()}
