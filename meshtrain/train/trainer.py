@@ -327,12 +327,40 @@ class Trainer:
 
     def save(self, path, extra: dict | None = None) -> None:
         """Checkpoint (torch.distributed.checkpoint) of the consolidated state, written
-        atomically, each tensor by one rank; loadable under any plan, except a DiLoCo / local
-        SGD checkpoint taken mid-round under a plan keeping one replica (refused by name)."""
-        optimizer_state = self.full_optimizer_state()
-        checkpoint.save(path, self.full_state_dict(),
-                        optimizer_state if optimizer_state["state"] else None, self.plan,
-                        dict(extra or {}, steps_done=self.steps_done))
+        atomically; loadable under any plan, except a DiLoCo / local SGD checkpoint taken
+        mid-round under a plan keeping one replica (refused by name). No rank holds the
+        whole state: it is consolidated a group at a time (ZeRO: a bucket, ZeRO-3 a unit)
+        and each rank of a stage keeps and writes its share."""
+        params, states, groups = self._share_of_state()
+        stepped = torch.tensor([float(len(states))], device=self.mesh.device)
+        for axis in ("tp", "pp", "dp"):
+            self.comm.all_reduce(stepped, axis, tag="save")
+        optimizer_state = {"state": states, "param_groups": groups} if stepped.item() else None
+        checkpoint.save(path, params, optimizer_state, self.plan,
+                        dict(extra or {}, steps_done=self.steps_done), shapes=self.layout.shapes)
+
+    def _share_of_state(self) -> tuple[dict, dict, list]:
+        """This rank's share of the consolidated state: (model state by state-dict key,
+        optimizer states by name, param groups). The ranks of a stage take its tensors in
+        turn; tied tensors and buffers appear on every stage that holds them."""
+        mine = self.mesh.axis_rank("dp") * self.mesh.size("tp") + self.mesh.axis_rank("tp")
+        share = self.mesh.size("dp") * self.mesh.size("tp")
+        params, states, turn = {}, {}, 0
+        for local, local_states in self.data_parallel.local_state_groups():
+            for name, value in local.items():
+                full = self.sharding.full(name, value)   # collective over tp
+                full_states = {k: self.sharding.full(name, v) if _param_shaped(v) else v
+                               for k, v in local_states.get(name, {}).items()}
+                if turn % share == mine:
+                    params[name] = full.clone()
+                    if full_states:
+                        states[name] = full_states
+                turn += 1
+        if mine == 0:
+            params.update({n: b.detach() for n, b in self.stages.named_buffers()})
+        by_key = {key: params[c] for key, c in self.layout.canonical.items() if c in params}
+        groups = self.data_parallel.optimizer_groups()
+        return by_key, states, groups
 
     def load(self, path) -> dict:
         """Restore model and optimizer from `path` (saved under any plan); returns its extras."""
