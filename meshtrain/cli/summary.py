@@ -3,6 +3,14 @@ memory per rank (and per GPU where there is one), and the emulated link if any."
 from __future__ import annotations
 
 
+def _beyond(m: dict) -> str:
+    """The training peak taken apart: the runtime's fixed cost, what is accounted, the rest."""
+    if m.get("runtime") is None or m.get("unaccounted") is None:
+        return ""
+    return (f" = runtime {_mib(m['runtime'])} + accounted {_mib(m['accounted'])} + "
+            f"unaccounted {_mib(m['unaccounted'])}")
+
+
 def _mib(n) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
@@ -32,6 +40,9 @@ def print_summary(s: dict) -> None:
         lines.append(f"memory rank {rank}  params {_mib(m['parameters'])}, grads "
                      f"{_mib(m['gradients'])}, optimizer {_mib(m['optimizer_states'])}{host}"
                      f"{extra}, activations {act}, process peak {_mib(m['peak_process'])}")
+        if m.get("build_peak") is not None:
+            lines.append(f"  rank {rank} peaks  building {_mib(m['build_peak'])}; training "
+                         f"{_mib(m['peak_process'])}" + _beyond(m))
         if m.get("device_peak") is not None:
             lines.append(f"  GPU rank {rank}   allocated {_mib(m['device_allocated'])}, peak "
                          f"allocated {_mib(m['device_peak'])}; host pinned "

@@ -47,7 +47,12 @@ TRAIN_RANK = ("meshtrain.train.run", "train_rank")   # the function every rank r
 
 def _add_run_options(p) -> None:
     """The model, the data, the schedule of steps and the run folder."""
-    p.add_argument("--model", default="tiny",
+    p.add_argument("--init-from", metavar="FOLDER",
+                   help="start from the weights of a transformers model folder (config.json "
+                        "and model.safetensors, or shards with their index, as save_pretrained "
+                        "or meshtrain export write): each rank reads only the slices it keeps; "
+                        "--model defaults to the folder's config.json")
+    p.add_argument("--model", default=None,
                    help="a GPT preset (tiny, small, gpt2-124m, ...), your own model as "
                         "package.module:function (returns an nn.Module reading token ids), or "
                         "a transformers causal-LM config.json (random weights; needs .[hf]), "
@@ -232,7 +237,7 @@ def build_config(args):
     run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return RunConfig(run_dir=run_dir, plan=plan.to_dict(), model=args.model, device=device,
                      model_overrides=overrides, seq_len=None if is_gpt else args.seq,
-                     loss=args.loss, data=args.data,
+                     loss=args.loss, data=args.data, init_from=args.init_from,
                      steps=250 if args.steps is None else args.steps,
                      batch_size=args.batch, optimizer=args.optimizer,
                      lr=DEFAULT_LR[args.optimizer] if args.lr is None else args.lr,
@@ -279,7 +284,19 @@ def parse_straggler(text: str, world: int) -> list:
     return [rank, seconds]
 
 
+def check_init_from(config) -> None:
+    """Refuse a folder whose weights do not fit --model (names, shapes, kinds, missing or
+    truncated files), reading only its headers, before any rank starts."""
+    from meshtrain.models.pretrained import SafetensorsFolder, attach
+    from meshtrain.models.registry import build_model
+
+    built = build_model(config.model, config.model_overrides, config.seq_len, on_meta=True)
+    attach(built.module, SafetensorsFolder(config.init_from))
+
+
 def run(args) -> int:
+    if args.model is None:   # a folder to start from brings its own model
+        args.model = str(Path(args.init_from) / "config.json") if args.init_from else "tiny"
     if not _under_torchrun():   # the ranks' process imports torch while this one does
         from meshtrain.core.processes import start_forkserver
         from meshtrain.models.hf_presets import names_transformers
@@ -299,6 +316,8 @@ def run(args) -> int:
             raise ValueError("under torchrun, pass --max-restarts to torchrun itself (the "
                              "ranks resume from the latest checkpoint on their own)")
         check_model_spec(config.model, config.model_overrides)   # here, not on N ranks
+        if config.init_from and not config.resume:
+            check_init_from(config)
         check_model_plan(config, plan)
         check_batch_split(config, plan)
         if config.tensorboard:

@@ -33,9 +33,41 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
 
 
 def peak_process_bytes() -> int:
-    """Peak resident set size of this process (Linux reports KiB, macOS bytes)."""
+    """Peak resident set size of this process since it started or since the last
+    `reset_process_peak()` (Linux's VmHWM; elsewhere the lifetime peak, ru_maxrss)."""
+    hwm = _status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set size now (Linux), else None."""
+    return _status_bytes("VmRSS")
+
+
+def reset_process_peak() -> bool:
+    """Start a new peak window: the peak resident size becomes the current one (Linux's
+    clear_refs 5), so a phase's peak (building, training) is told apart from the one
+    before it. False where the system cannot (the peak then stays the lifetime's)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024   # kB
+    except OSError:
+        return None
+    return None
 
 
 @dataclass
@@ -51,13 +83,29 @@ class MemoryReport:
     device_peak: int | None = None       # CUDA: its peak allocated bytes (None on CPU)
     host_pinned: int = 0             # CUDA: pinned host bytes offload holds (pinned_buffers)
     optimizer_on_host: int = 0       # CUDA: of optimizer_states, the bytes in host memory
+    build_peak: int | None = None    # the process's peak while the Trainer built (and loaded)
+    runtime: int | None = None       # resident before the model had memory: the runtime's
+                                     # fixed cost (interpreter, torch, libraries, groups)
 
     @property
     def model_states(self) -> int:
         return self.parameters + self.gradients + self.optimizer_states
 
+    @property
+    def accounted(self) -> int:
+        """Every byte counted from tensors: model states, gathered units, activations."""
+        return self.model_states + (self.gathered_peak or 0) + (self.activations or 0)
+
+    @property
+    def unaccounted(self) -> int | None:
+        """What the training peak holds beyond the runtime and the accounted bytes (CPU)."""
+        if self.runtime is None or self.device_peak is not None:
+            return None
+        return self.peak_process - self.runtime - self.accounted
+
     def to_dict(self) -> dict:
-        return dict(asdict(self), model_states=self.model_states)
+        return dict(asdict(self), model_states=self.model_states, accounted=self.accounted,
+                    unaccounted=self.unaccounted)
 
 
 class ActivationMeter:

@@ -64,6 +64,9 @@ class _Op:
     kwargs: dict
     outputs: object
     overwrites: int | None   # the storage this op wholly overwrites, if any
+    writes: frozenset        # storages it writes (in place, or creates)
+    reads: frozenset         # storages of its tensor arguments
+    random: bool             # draws from the RNG
 
 
 class _Recorder(TorchDispatchMode):
@@ -107,7 +110,13 @@ class _Recorder(TorchDispatchMode):
         if name in _OVERWRITES and isinstance(first, _Ref) and first.covers(
                 self.nbytes[first.storage]):
             overwrites = first.storage
-        self.ops.append(_Op(func, args_spec, kwargs_spec, outputs, overwrites))
+        arguments = [a for a in func._schema.arguments]
+        written = {r.storage for a, r in zip(arguments, args_spec)
+                   if isinstance(r, _Ref) and a.alias_info is not None and a.alias_info.is_write}
+        written |= {r.storage for r in _refs_in(outputs)}
+        self.ops.append(_Op(func, args_spec, kwargs_spec, outputs, overwrites,
+                            frozenset(written), frozenset(r.storage for r in _refs_in(
+                                (args_spec, kwargs_spec))), _draws(name)))
         return out
 
 
@@ -122,50 +131,70 @@ class InitRecording:
         for name, t in [*model.named_parameters(remove_duplicate=False),
                         *model.named_buffers(remove_duplicate=False)]:
             self.names[name] = recorder.ref(t.detach())
-        self._plan_lifetimes()
 
-    def _plan_lifetimes(self) -> None:
-        """For each op, the storages whose current value is dead after it: the next op to
-        touch them overwrites them whole, or none does (then model tensors are handed out)."""
+    def _lifetimes(self, kept: list[int]) -> tuple[dict[int, list[int]], dict[int, int]]:
+        """Over the ops `kept`: after each, the storages whose current value is dead (the
+        next op to touch them overwrites them whole, or none does), and each storage's last."""
         touches: dict[int, list[int]] = {}
-        for i, op in enumerate(self.ops):
-            for sid in {r.storage for r in _refs(op)}:
+        for i in kept:
+            for sid in self.ops[i].reads | self.ops[i].writes:
                 touches.setdefault(sid, []).append(i)
-        self.dead_after: list[list[int]] = [[] for _ in self.ops]
-        self.last_touch = {sid: ts[-1] for sid, ts in touches.items()}
+        dead_after: dict[int, list[int]] = {}
         for sid, ts in touches.items():
             for i, j in zip(ts, ts[1:] + [None]):
                 if j is None or self.ops[j].overwrites == sid:
-                    self.dead_after[i].append(sid)
-        self.names_of: dict[int, list[str]] = {}
-        for name, ref in self.names.items():
-            self.names_of.setdefault(ref.storage, []).append(name)
+                    dead_after.setdefault(i, []).append(sid)
+        return dead_after, {sid: ts[-1] for sid, ts in touches.items()}
 
-    def tensors(self, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, value) for every parameter and buffer, each the value an eager build on
-        this RNG state gives it, in the order the build finished them; values computed on
-        `device` (the CPU for an eager CPU build's numbers). Leaves the global RNG where the
-        eager build leaves it."""
+    def _needed(self, wanted: set[str]) -> list[int]:
+        """The ops the final values of `wanted` depend on (a backward slice); every op if
+        one of them draws random numbers, whose place in the RNG stream the others fix."""
+        needed = {self.names[n].storage for n in wanted if n in self.names}
+        kept = []
+        for i in reversed(range(len(self.ops))):
+            op = self.ops[i]
+            if op.writes & needed:
+                if op.random:
+                    return list(range(len(self.ops)))
+                kept.append(i)
+                needed -= op.writes - op.reads if op.overwrites is None else {op.overwrites}
+                needed |= op.reads - ({op.overwrites} if op.overwrites is not None else set())
+        return kept[::-1]
+
+    def tensors(self, device: torch.device | str = "cpu", wanted: set[str] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, value) for every parameter and buffer (or those `wanted`), each the value
+        an eager build on this RNG state gives it, in the order the build finished them;
+        values computed on `device` (the CPU for an eager CPU build's numbers). A whole
+        replay leaves the global RNG where the eager build leaves it."""
         device = torch.device(device)
+        kept = list(range(len(self.ops))) if wanted is None else self._needed(wanted)
+        dead_after, last_touch = self._lifetimes(kept)
+        names_of: dict[int, list[str]] = {}
+        for name, ref in self.names.items():
+            if wanted is None or name in wanted:
+                names_of.setdefault(ref.storage, []).append(name)
         storages: dict[int, torch.UntypedStorage] = {}
         torch.set_rng_state(self.rng_state)
-        for i, op in enumerate(self.ops):
-            for r in _refs(op, outputs=False):
-                if r.storage not in storages and r.storage not in self.constants:
-                    storages[r.storage] = torch.UntypedStorage(self.nbytes[r.storage], device=device)
+        for i in kept:
+            op = self.ops[i]
+            for sid in op.reads:
+                if sid not in storages and sid not in self.constants:
+                    storages[sid] = torch.UntypedStorage(self.nbytes[sid], device=device)
             real = lambda x: _view(x, storages, self.constants) if isinstance(x, _Ref) else (
                 device if isinstance(x, torch.device) and x == META else x)
             out = op.func(*tree_map(real, op.args), **tree_map(real, op.kwargs))
             _adopt(op.outputs, out, storages)
-            for sid in self.dead_after[i]:
-                if self.last_touch[sid] == i:
-                    for name in self.names_of.get(sid, ()):
+            for sid in dead_after.get(i, ()):
+                if last_touch[sid] == i:
+                    for name in names_of.get(sid, ()):
                         yield name, _view(self.names[name], storages, self.constants)
                 storages.pop(sid, None)
-        for name, ref in self.names.items():   # never touched by the build: uninitialised
-            if ref.storage not in self.last_touch:
-                yield name, _view(ref, {ref.storage: torch.UntypedStorage(
-                    self.nbytes[ref.storage], device=device)}, self.constants)
+        for sid, names in names_of.items():   # never touched by the build: uninitialised
+            if sid not in last_touch:
+                for name in names:
+                    yield name, _view(self.names[name], {sid: torch.UntypedStorage(
+                        self.nbytes[sid], device=device)}, self.constants)
 
 
 def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
@@ -199,11 +228,16 @@ def _is_factory(func, args, kwargs) -> bool:
     return has_device and not tensors
 
 
-def _refs(op: _Op, outputs: bool = True) -> list[_Ref]:
+def _refs_in(tree) -> list[_Ref]:
     found: list[_Ref] = []
-    for tree in (op.args, op.kwargs, op.outputs) if outputs else (op.args, op.kwargs):
-        tree_map(lambda x: found.append(x) if isinstance(x, _Ref) else None, tree)
+    tree_map(lambda x: found.append(x) if isinstance(x, _Ref) else None, tree)
     return found
+
+
+def _draws(name: str) -> bool:
+    """Whether an aten op of this name draws from the RNG."""
+    return any(word in name for word in ("rand", "normal", "uniform", "bernoulli", "multinomial",
+                                         "dropout", "exponential", "geometric", "cauchy"))
 
 
 def _view(ref: _Ref, storages: dict, constants: dict) -> torch.Tensor:

@@ -23,8 +23,9 @@ TakeParameter = Callable[[str, torch.Tensor], None]
 
 
 class TensorSource(Protocol):
-    def tensors(self, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-        """(state-dict name, whole tensor) for the model's tensors, each once or more."""
+    def tensors(self, device: torch.device | str = "cpu", wanted: set[str] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, whole tensor) for the model's tensors (at least those `wanted`)."""
 
 
 class MaterialiseError(RuntimeError):
@@ -71,7 +72,7 @@ def materialise(model: nn.Module, kept: Iterable[nn.Module], layout: StateLayout
     (by canonical name, as slices) and stay as they are; buffers are filled either way."""
     targets = kept_meta_tensors(model, kept)
     done: set[int] = set()
-    for name, whole in source.tensors("cpu"):
+    for name, whole in source.tensors("cpu", wanted=set(targets)):
         for module, slot, key in targets.pop(name, ()):
             current = getattr(module, slot)[key]
             if id(current) in done:

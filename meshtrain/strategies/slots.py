@@ -128,6 +128,9 @@ class GradientSync(ABC):
     def local_optimizer_state(self) -> tuple[dict[str, dict], list[dict]]:
         """(state by parameter name, param groups by name), whole along dp."""
 
+    forward_gathers = False
+    """Whether a forward takes part in collectives over dp (ZeRO-3 gathers parameters)."""
+
     def local_state_groups(self) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, dict]]]:
         """(parameters, optimizer states) by name, whole along dp, a group at a time: what
         a checkpoint consolidates without holding the whole state at once. Collective where

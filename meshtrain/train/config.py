@@ -29,6 +29,7 @@ class RunConfig:
     seq_len: int | None = None     # the data's window for a model other than the GPT presets
     loss: str = "auto"             # "auto" (the model's .loss, else cross-entropy) | "cross-entropy"
     data: str | None = None
+    init_from: str | None = None   # a transformers model folder the weights start from
     steps: int = 250
     batch_size: int = 32          # global batch, sequences
     optimizer: str = "adamw"       # "adamw" | "sgd" (with momentum, no weight decay)

@@ -39,6 +39,7 @@ from meshtrain.core.processes import process_start_time
 from meshtrain.train.config import RunConfig, latest_checkpoint, learning_rate, write_latest
 from meshtrain.data.corpus import check_fits, load_corpus
 from meshtrain.data.sampler import BatchSampler, eval_batches
+from meshtrain.models.pretrained import SafetensorsFolder, attach
 from meshtrain.models.registry import build_model, token_cross_entropy
 from meshtrain.strategies.compile import limit_compile_workers
 from meshtrain.train import faults
@@ -58,6 +59,8 @@ def train_rank(config: RunConfig) -> dict:
     corpus = load_corpus(config.data)
     torch.manual_seed(config.seed)
     built = build_model(config.model, config.model_overrides, config.seq_len, on_meta=True)
+    if config.init_from and not config.resume:   # each rank reads only what it keeps
+        attach(built.module, SafetensorsFolder(config.init_from))
     seq_len = built.seq_len
     flops_tok = model_flops_per_token(built.module, seq_len)   # before any sharding
     check_fits(corpus, seq_len)
@@ -86,8 +89,9 @@ def train_rank(config: RunConfig) -> dict:
         _save_trace(trainer, plan, config)
 
     final_val = trainer.evaluate(val)
-    metrics.write({"step": config.steps, "val_loss": final_val})
     memory = trainer.comm.gather_objects(trainer.memory_report().to_dict(), tag="report")
+    # each rank's peaks (building, training) beside what it accounts for
+    metrics.write({"step": config.steps, "val_loss": final_val, "memory_per_rank": memory})
     metrics.close(memory, config.steps)
     trainer.close()   # offload's files go with the run
     median = _median_step(step_times)

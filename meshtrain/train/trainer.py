@@ -23,7 +23,8 @@ from meshtrain.core.watchdog import CollectiveFailure, is_communication_error, w
 from meshtrain.core.device import device_memory
 from meshtrain.core.loss_chunks import uses_lean_loss
 from meshtrain.core.memory import (ActivationMeter, MemoryReport, optimizer_state_tensors,
-                                   peak_process_bytes, storage_bytes)
+                                   peak_process_bytes, reset_process_peak, resident_bytes,
+                                   storage_bytes)
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.models import hf
@@ -49,6 +50,8 @@ class Trainer:
         """Everything that shapes the run is in `plan` (saved and compared whole); the
         optimizer and the loss are code. `loss_fn` None: the model's own .loss."""
         check_plan(plan, model)   # the world size: Mesh.build, after the model's refusals
+        self.runtime_bytes = resident_bytes()   # before this rank holds any of the model
+        reset_process_peak()
         # a transformers causal LM brings its own loss and tp plan (models/hf.py): model
         # defaults, filled where the plan leaves them unset
         loss_fn, tp_plan = hf.defaults(model, plan.tp, loss_fn,
@@ -101,6 +104,8 @@ class Trainer:
         self.driver = drive_steps(self.model, self.stages, plan, self.comm, self.loss_fn,
                                   self.activations, self.data_parallel)
         self._held = {name for name, _ in self.stages.named_parameters()}   # this rank's
+        self.build_peak = peak_process_bytes()   # the training peak is told apart from it
+        reset_process_peak()
         self.steps_done = 0
         self._grad_norm: torch.Tensor | None = None   # read by `last_grad_norm`
 
@@ -189,9 +194,14 @@ class Trainer:
     def _evaluate(self, batches: list) -> float:
         self._settle()
         mine = batches[self.dp_rank::self.dp_size]
+        # a forward that gathers over dp (ZeRO-3) must run as often on every dp rank: a
+        # rank short of batches runs the first one again, uncounted
+        rounds = -(-len(batches) // self.dp_size) if self.data_parallel.forward_gathers else 0
         self.model.eval()
         try:
             losses = [self.driver.evaluate(x, y) for x, y in mine]
+            for _ in range(rounds - len(mine)):
+                self.driver.evaluate(*batches[0])
         finally:
             self.model.train()
         total = torch.tensor([sum(losses), len(mine)], dtype=torch.float64,
@@ -309,6 +319,7 @@ class Trainer:
             peak_process=peak_process_bytes(),
             host_pinned=storage_bytes(self.data_parallel.pinned_buffers()),   # offload's
             optimizer_on_host=self._optimizer_on_host(),
+            build_peak=self.build_peak, runtime=self.runtime_bytes,
             **(device_memory(self.mesh.device) or {}))
 
     def _optimizer_on_host(self) -> int:

@@ -138,6 +138,8 @@ class ZeRO3(ZeRO):
     """Slots 3 and 4 for Plan(zero=3): ZeRO-2's sharded gradients and optimizer, and
     parameters gathered unit by unit around their use."""
 
+    forward_gathers = True
+
     def __init__(self, model: nn.Module, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, plan: Plan,
                  unit_names: list[str] | None = None, axis: str = "dp",
