@@ -11,7 +11,8 @@ reads from their structure so that no wrapper, tp_plan or loss is needed.
   anywhere between decoder layers. They are built fresh from the model's current
   attributes on each call, so they always see the modules tensor parallel swapped in;
 - `tp_plan_of`: the model's own `base_model_tp_plan` (its base model under its prefix)
-  mapped onto meshtrain's styles; GPT-2's built in.
+  mapped onto meshtrain's styles, or one derived from its modules (models/hf_plans.py);
+  GPT-2's built in.
 Non-persistent buffers (RoPE's `inv_freq`) stay non-persistent: every rank keeps its own
 copy, and they never enter a checkpoint (they are not in `state_dict()`).
 """
@@ -24,8 +25,6 @@ from torch import nn
 
 from meshtrain.core.plan import PlanError
 
-STYLE_OF = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "vocab",
-            "embedding_rowwise": "vocab"}
 GPT2_TP_PLAN = {
     "transformer.wte": "vocab",               # embedding rows split over the vocabulary
     "transformer.h.*.attn.c_attn": "qkv",     # fused q, k, v: each rank its heads' q, k, v
@@ -82,30 +81,24 @@ def defaults(model: nn.Module, tp: int, loss_fn, tp_plan: dict | None):
 
 def tp_plan_of(model: nn.Module, tp: int) -> dict:
     """The model's own tensor-parallel plan in meshtrain's styles: GPT-2's built in; else its
-    config's `base_model_tp_plan` under the base model's prefix, with the embedding and the
-    output layer vocab-parallel. Refuses heads (query or key/value) that tp does not divide:
-    each rank computes whole heads, and grouped-query attention is not replicated."""
-    config = model.config
+    config's `base_model_tp_plan` under the base model's prefix, or one derived from its
+    modules' names where it has none (models/hf_plans.py), with the embedding and the output
+    layer vocab-parallel. Refuses heads (query or key/value) that tp does not divide: each
+    rank computes whole heads, and grouped-query attention is not replicated."""
+    from meshtrain.models.hf_plans import tp_plan_of as own_plan
+    from meshtrain.models.hf_stages import layer_list_name
+
     if family(model) == "gpt2":
         return dict(GPT2_TP_PLAN)
-    base_plan = getattr(config, "base_model_tp_plan", None)
-    if not base_plan:
-        raise PlanError(f"{type(model).__name__} ({family(model)!r}) carries no "
-                        "base_model_tp_plan in its config: pass tp_plan={'module-name "
-                        "pattern': 'column' | 'row' | 'qkv' | 'vocab'} in the Plan (Plan(tp=T, tp_plan=...)), or use tp=1")
     check_heads(model, tp)
-    prefix = model.base_model_prefix
-    plan = {}
-    for pattern, style in base_plan.items():
-        if style not in STYLE_OF:
-            raise PlanError(f"{type(model).__name__}'s base_model_tp_plan[{pattern!r}] = "
-                            f"{style!r}: meshtrain maps only {', '.join(STYLE_OF)}; pass "
-                            "Plan(tp_plan=...) instead")
-        plan[f"{prefix}.{pattern}"] = STYLE_OF[style]
-    embed = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
-    plan[embed] = "vocab"
-    plan["lm_head"] = "vocab"   # logits stay split for the vocab-parallel loss
-    return plan
+    layers = layer_list_name(model)
+    if layers is None:
+        raise PlanError(f"{type(model).__name__} ({family(model)!r}) carries no "
+                        "base_model_tp_plan and no decoder-layer list to derive one from: pass "
+                        "tp_plan={'module-name pattern': 'column' | 'row' | 'qkv' | 'vocab'} in "
+                        "the Plan (Plan(tp=T, tp_plan=...)), or use tp=1")
+    pattern = f"{model.base_model_prefix}.{layers}.*"
+    return own_plan(model, tp, (pattern, getattr(model.base_model, layers)[0]))
 
 
 def check_heads(model: nn.Module, tp: int) -> None:
