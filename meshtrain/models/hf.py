@@ -3,7 +3,8 @@ reads from their structure so that no wrapper, tp_plan or loss is needed.
 
 - the loss: next-token cross-entropy on the output's `.logits` (`token_cross_entropy`);
 - `decoder_layers`: the list of decoder layers (the ModuleList the config's
-  `base_model_pp_plan` names, else `model.layers` / `transformer.h`): the units of recomputation and of ZeRO-3's gathers;
+  `base_model_pp_plan` names, else `model.layers` / `transformer.h`): the units of
+  recomputation and of ZeRO-3's gathers;
 - `stage_layers`: the model as a list of registered modules that, run one after another,
   compute its logits (embedding, one per decoder layer, final norm + output layer), each
   running the model's own forward code so that every family's positions, masks and
@@ -95,7 +96,8 @@ def tp_plan_of(model: nn.Module, tp: int) -> dict:
     if layers is None:
         raise PlanError(f"{type(model).__name__} ({family(model)!r}) carries no "
                         "base_model_tp_plan and no decoder-layer list to derive one from: pass "
-                        "tp_plan={'module-name pattern': 'column' | 'row' | 'qkv' | 'vocab'} in "
+                        "tp_plan={'module-name pattern': 'column' | 'row' | 'qkv' | 'vocab' | "
+                        "'column_gather' | 'row_split' | 'replicated'} in "
                         "the Plan (Plan(tp=T, tp_plan=...)), or use tp=1")
     pattern = f"{model.base_model_prefix}.{layers}.*"
     return own_plan(model, tp, (pattern, getattr(model.base_model, layers)[0]))

@@ -45,7 +45,8 @@ def check(model: nn.Module, plan: Plan, tp_plan: dict | None) -> None:
     else:
         raise PlanError(f"tensor parallel shards meshtrain's GPT natively; for a "
                         f"{type(model).__name__} pass tp_plan={{'module-name pattern': "
-                        f"'column' | 'row' | 'qkv' | 'vocab', ...}} in the Plan")
+                        f"'column' | 'row' | 'qkv' | 'vocab' | 'column_gather' | 'row_split' | "
+                        "'replicated', ...} in the Plan")
 
 
 def shard(model: nn.Module, plan: Plan, comm: Comm, tp_plan: dict | None) -> TensorParallel:
