@@ -57,7 +57,7 @@ def train_rank(config: RunConfig) -> dict:
         limit_compile_workers()   # after init_distributed set this rank's threads
     corpus = load_corpus(config.data)
     torch.manual_seed(config.seed)
-    built = build_model(config.model, config.model_overrides, config.seq_len)
+    built = build_model(config.model, config.model_overrides, config.seq_len, on_meta=True)
     seq_len = built.seq_len
     flops_tok = model_flops_per_token(built.module, seq_len)   # before any sharding
     check_fits(corpus, seq_len)
