@@ -7,8 +7,9 @@ embedding, a padding row and sliding windows (gemma2), a parallel residual with 
 per-head q/k/v (gpt-neox), and a family with no tp plan of its own (stablelm, derived).
 
 Every family runs tp=2, pp=2, dp x tp and pp x tp; the schedules (1F1B, interleaved),
-ZeRO-3 and recompute are spread over the families pairwise, not crossed with all of them.
-One launch per world size runs every cell."""
+ZeRO-3, recompute and the build on the meta device (each rank materialising what it keeps,
+as `meshtrain train` builds) are spread over the families pairwise, not crossed with all of
+them. One launch per world size runs every cell."""
 from __future__ import annotations
 
 import warnings
@@ -26,28 +27,31 @@ pytest.importorskip("transformers")
 STEPS = 3
 ONE_F_ONE_B = dict(pp=2, microbatches=2, schedule="1f1b")
 INTERLEAVED = dict(pp=2, microbatches=2, schedule="interleaved", virtual_stages=2)
-# (plan, the families it runs on): each family under tp, pp, dp x tp and pp x tp
+# (plan, the families it runs on, built on the meta device): each family under tp, pp,
+# dp x tp and pp x tp
 PLANS = {
-    2: [(dict(tp=2), FAMILIES),
-        (ONE_F_ONE_B, FAMILIES[0::2]), (INTERLEAVED, FAMILIES[1::2]),
-        (dict(dp=2, zero=3), FAMILIES[0::2]),
-        (dict(tp=2, recompute="full"), FAMILIES[1::2])],
-    4: [(dict(dp=2, tp=2), FAMILIES),
-        (dict(pp=2, tp=2, microbatches=2, schedule="1f1b"), FAMILIES[1::2]),
+    2: [(dict(tp=2), FAMILIES, False),
+        (ONE_F_ONE_B, FAMILIES[0::2], True), (INTERLEAVED, FAMILIES[1::2], False),
+        (dict(dp=2, zero=3), FAMILIES[0::2], False),
+        (dict(tp=2, recompute="full"), FAMILIES[1::2], True)],
+    4: [(dict(dp=2, tp=2), FAMILIES, False),
+        (dict(pp=2, tp=2, microbatches=2, schedule="1f1b"), FAMILIES[1::2], True),
         (dict(pp=2, tp=2, microbatches=2, schedule="interleaved", virtual_stages=2,
-              recompute="full"), FAMILIES[0::2])],
+              recompute="full"), FAMILIES[0::2], False)],
 }
 
 
-def _cases(world: int) -> list[tuple[dict, str]]:
-    return [(plan, family) for plan, families in PLANS[world] for family in families]
+def _cases(world: int) -> list[tuple[dict, str, bool]]:
+    return [(plan, family, meta) for plan, families, meta in PLANS[world]
+            for family in families]
 
 
-def train_quietly(cases: list[tuple[dict, str]]) -> list[dict]:
-    """hf_cases.train_many for STEPS steps, without the derived plan's notice per rank."""
+def train_quietly(cases: list[tuple[dict, str, bool]]) -> list[dict]:
+    """Each case trained STEPS steps, without the derived plan's notice on every rank."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return [eq.train(mt.Plan(**plan), model, steps=STEPS) for plan, model in cases]
+        return [eq.train(mt.Plan(**plan), model, steps=STEPS, meta=meta)
+                for plan, model, meta in cases]
 
 
 @pytest.fixture(scope="module")
@@ -59,20 +63,20 @@ def references():
 def test_every_family_matches_one_process(references, world):
     cases = _cases(world)
     for rank, results in enumerate(run_ranks(world, train_quietly, cases, timeout=240)):
-        for (plan, family), result in zip(cases, results):
-            what = f"{family} rank {rank} {mt.Plan(**plan).describe()}"
+        for (plan, family, meta), result in zip(cases, results):
+            what = f"{family} rank {rank} {mt.Plan(**plan).describe()}{' (meta)' * meta}"
             eq.assert_equivalent(result, references[family], what=what)
 
 
 def test_each_family_is_in_every_acceptance_plan():
     """tp=2, pp=2, dp x tp and pp x tp for each family; both schedules, ZeRO-3, recompute."""
     for family in FAMILIES:
-        plans = [p for world in PLANS for p, fams in PLANS[world] if family in fams]
+        plans = [p for world in PLANS for p, fams, _ in PLANS[world] if family in fams]
         assert any(p.get("tp") == 2 and "pp" not in p and "dp" not in p for p in plans)
         assert any(p.get("pp") == 2 and "tp" not in p for p in plans)
         assert any(p.get("dp") == 2 and p.get("tp") == 2 for p in plans)
         assert any(p.get("pp") == 2 and p.get("tp") == 2 for p in plans)
-    every = [p for world in PLANS for p, _ in PLANS[world]]
+    every = [p for world in PLANS for p, _, _ in PLANS[world]]
     for wanted in ({"schedule": "1f1b"}, {"schedule": "interleaved"}, {"zero": 3},
                    {"recompute": "full"}):
         assert any(wanted.items() <= p.items() for p in every), wanted
