@@ -101,3 +101,12 @@ def derive(model: nn.Module, pattern: str, layer: nn.Module) -> dict:
                         "which write its output; pass the plan in Plan(tp_plan={...}), e.g."
                         f" {{{shown}\n}} (plus the embedding and lm_head as 'vocab')")
     return plan
+
+
+def sequence_stream(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers, between which sequence parallel splits the residual stream:
+    what comes before (embedding, positions, masks) and after (final norm, output layer)
+    sees the whole sequence, so the family's own code computes them as it would."""
+    from meshtrain.models.hf_stages import layer_list_name
+
+    return list(getattr(model.base_model, layer_list_name(model)))

@@ -6,8 +6,8 @@ hybrids, equal to one process (tests/multirank/hf_cases.py): per-head q/k norms 
 embedding, a padding row and sliding windows (gemma2), a parallel residual with a fused
 per-head q/k/v (gpt-neox), and a family with no tp plan of its own (stablelm, derived).
 
-Every family runs tp=2, pp=2, dp x tp and pp x tp; the schedules (1F1B, interleaved),
-ZeRO-3, recompute and the build on the meta device (each rank materialising what it keeps,
+Every family runs tp=2, pp=2, dp x tp and pp x tp, and tp=2 with sequence parallel; the
+schedules (1F1B, interleaved), ZeRO-3, recompute and the build on the meta device (each rank materialising what it keeps,
 as `meshtrain train` builds) are spread over the families pairwise, not crossed with all of
 them. One launch per world size runs every cell."""
 from __future__ import annotations
@@ -33,7 +33,8 @@ PLANS = {
     2: [(dict(tp=2), FAMILIES, False),
         (ONE_F_ONE_B, FAMILIES[0::2], True), (INTERLEAVED, FAMILIES[1::2], False),
         (dict(dp=2, zero=3), FAMILIES[0::2], False),
-        (dict(tp=2, recompute="full"), FAMILIES[1::2], True)],
+        (dict(tp=2, sequence_parallel=True), (*FAMILIES[0::2], "hf-gpt2-tiny"), False),
+        (dict(tp=2, sequence_parallel=True, recompute="full"), FAMILIES[1::2], True)],
     4: [(dict(dp=2, tp=2), FAMILIES, False),
         (dict(pp=2, tp=2, microbatches=2, schedule="1f1b"), FAMILIES[1::2], True),
         (dict(pp=2, tp=2, microbatches=2, schedule="interleaved", virtual_stages=2,
@@ -56,7 +57,8 @@ def train_quietly(cases: list[tuple[dict, str, bool]]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def references():
-    return {family: hf.reference(family, steps=STEPS) for family in FAMILIES}
+    models = {m for world in PLANS for _, families, _ in PLANS[world] for m in families}
+    return {model: hf.reference(model, steps=STEPS) for model in models}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -78,5 +80,5 @@ def test_each_family_is_in_every_acceptance_plan():
         assert any(p.get("pp") == 2 and p.get("tp") == 2 for p in plans)
     every = [p for world in PLANS for p, _, _ in PLANS[world]]
     for wanted in ({"schedule": "1f1b"}, {"schedule": "interleaved"}, {"zero": 3},
-                   {"recompute": "full"}):
+                   {"recompute": "full"}, {"sequence_parallel": True}):
         assert any(wanted.items() <= p.items() for p in every), wanted

@@ -109,3 +109,11 @@ def test_the_families_exercise_what_the_sweep_claims():
     assert build("gpt-neox-tiny").config.use_parallel_residual
     assert not getattr(build("stablelm-tiny").config, "base_model_tp_plan", None)
     assert len(FAMILIES) >= 6
+
+
+def test_sequence_parallel_with_a_tp_plan_is_refused_with_pipeline_stages():
+    with pytest.raises(PlanError, match="sequence_parallel=True is built for meshtrain's GPT "
+                                        "and, with a tp_plan, for transformers causal LMs "
+                                        "without pipeline stages"):
+        mt.Trainer(build("qwen3-tiny"), mt.Plan(tp=2, pp=2, sequence_parallel=True), eq.sgd)
+    assert not dist.is_initialized()

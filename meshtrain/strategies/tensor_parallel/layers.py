@@ -44,7 +44,8 @@ class Enter:
         """While `module` runs a forward, the column layers under it that take this entry
         and read one input share one copy of it: their input gradients are summed before
         one all-reduce, not all-reduced each (q, k and v projections apart: one all-reduce
-        in backward where there were three, as Megatron's fused qkv)."""
+        in backward where there were three, as Megatron's fused qkv); under sequence
+        parallel, one gathered whole (one all-gather, one regather in backward)."""
         module.register_forward_pre_hook(self._start_sharing)
         module.register_forward_hook(self._stop_sharing)
 
@@ -67,9 +68,13 @@ class Enter:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_dim is None:
             return self._copy(x)
+        if self._copies is not None and x in self._copies:   # a sibling gathered it
+            return self._copies[x]
         whole = gather_from_sequence(x, self.comm, self.sequence_dim, self.tag)
         if whole is not x:   # tp > 1
             self._slices[whole] = (x.detach(), Regather(self.comm, self.sequence_dim, self.tag))
+        if self._copies is not None:
+            self._copies[x] = whole
         return whole
 
     def gathered_slice(self, whole: torch.Tensor) -> tuple | None:

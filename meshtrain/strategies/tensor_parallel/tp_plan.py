@@ -37,6 +37,7 @@ from torch import nn
 from meshtrain.core.comm import Comm
 from meshtrain.core.plan import PlanError
 from meshtrain.strategies.tensor_parallel.aliases import refuse_aliases
+from meshtrain.strategies.tensor_parallel.communications import gather_from_tp, scatter_to_tp
 from meshtrain.strategies.tensor_parallel.layers import Enter, Exit
 from meshtrain.strategies.tensor_parallel.sharder import Sharder, is_conv1d, linear_sizes
 from meshtrain.strategies.tensor_parallel.sharding import TensorParallel
@@ -44,6 +45,7 @@ from meshtrain.strategies.tensor_parallel.sharding import TensorParallel
 STYLES = ("column", "row", "qkv", "vocab", "column_gather", "row_split", "replicated")
 SPLIT_OUTPUT = ("column", "qkv")   # styles whose output stays split over tp
 HEAD_ATTRIBUTES = ("num_heads", "split_size")   # divided by T on a "qkv" module's parent
+SEQUENCE_DIM = 1   # activations are (B, S, h)
 
 
 def resolve(model: nn.Module, tp_plan: dict, tp: int) -> list[tuple[str, str]]:
@@ -158,11 +160,14 @@ def _refuse_own_forward(name: str, module: nn.Module, kind: str | None) -> None:
                     "out of the tp_plan (replicated) or shard the modules inside it")
 
 
-def shard_with_plan(model: nn.Module, comm: Comm, tp_plan: dict) -> TensorParallel:
-    """Swap every module the plan names for its tensor-parallel layer, in place."""
+def shard_with_plan(model: nn.Module, comm: Comm, tp_plan: dict,
+                    sequence: SequenceSplit | None = None) -> TensorParallel:
+    """Swap every module the plan names for its tensor-parallel layer, in place; with
+    `sequence`, in their sequence-parallel forms (see SequenceSplit)."""
     tp = comm.mesh.size("tp")
     sharder = Sharder(model, comm)
     resolved = resolve(model, tp_plan, tp)
+    seq = SEQUENCE_DIM if sequence is not None else None
     originals = [(name, model.get_submodule(name)) for name, style in resolved
                  if style != "replicated"]   # the swapped ones, kept alive
     shared: dict[str, Enter] = {}   # parent module -> the entry its "column" layers share
@@ -173,21 +178,95 @@ def shard_with_plan(model: nn.Module, comm: Comm, tp_plan: dict) -> TensorParall
         if style == "replicated":
             partial |= {f"{name}.{n}" for n, _ in module.named_parameters()}
         elif style == "vocab" and isinstance(module, nn.Embedding):
-            sharder.vocab_embedding(name, Exit(comm, name))
+            sharder.vocab_embedding(name, Exit(comm, name))   # whole: split where it enters
         elif style in ("row", "row_split"):
-            sharder.row(name, Exit(comm, name), split_input=style == "row_split")
+            sharder.row(name, Exit(comm, name, seq), split_input=style == "row_split")
         elif style in ("column", "column_gather"):   # siblings reading one input enter once
             if parent not in shared:
-                shared[parent] = Enter(comm, parent or name)
-                shared[parent].share(model.get_submodule(parent))
-            sharder.column(name, shared[parent], gather=style == "column_gather")
-        else:
-            sharder.column(name, Enter(comm, name), blocks=3 if style == "qkv" else 1,
-                           vocab=style == "vocab")
-            if style == "qkv":
-                _divide_heads(model.get_submodule(parent), tp)
+                shared[parent] = _entry(model.get_submodule(parent), comm, parent or name, seq)
+            sharder.column(name, None if seq else shared[parent], reads=shared[parent],
+                           gather=style == "column_gather")
+        elif style == "qkv":
+            entry = (_entry(model.get_submodule(parent), comm, parent, seq) if seq is not None
+                     else None)
+            sharder.column(name, None if entry else Enter(comm, name), blocks=3, reads=entry)
+            _divide_heads(model.get_submodule(parent), tp)
+        else:   # the output layer, after the sequence is whole again
+            sharder.column(name, Enter(comm, name), vocab=True)
     refuse_aliases(model, originals)   # never silently train an unsharded copy
+    if sequence is not None:
+        partial |= sequence.start(model, comm, dict(resolved))
     return sharder.finish(partial)
+
+
+class SequenceSplit:
+    """Sequence parallel for a model through its tp_plan (Korthikanti et al. 2022): the
+    residual stream is split along the sequence between the input of the first of
+    `layers` and the output of the last (split forward, all-gather backward, and the
+    reverse at the end), so the norms inside the layers see S/T tokens each and their
+    gradients are summed over tp; column layers' modules gather the sequence where they are
+    entered, row layers reduce-scatter it where they exit (their bias, added after, a
+    partial gradient too). What runs before and after the layers (embedding, positions,
+    masks; the final norm, the output layer) sees the whole sequence, as the family's own
+    code expects (GPT-2 views its output with the input's sequence length)."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.layers = layers
+
+    def start(self, model: nn.Module, comm: Comm, styles: dict[str, str]) -> set[str]:
+        """Hooks the split in; returns the parameters whose gradients are partial."""
+        split = lambda x: scatter_to_tp(x, comm, SEQUENCE_DIM, "sequence")  # noqa: E731
+        self.layers[0].register_forward_pre_hook(_OnHidden(split), with_kwargs=True)
+        self.layers[-1].register_forward_hook(_GatherOutput(comm))
+        regions = {n.rpartition(".")[0] for n, s in styles.items() if s not in
+                   ("row", "row_split", "replicated", "vocab")}
+        in_stream = {id(m) for top in self.layers for m in top.modules()}
+        partial = {f"{n}.bias" for n, s in styles.items() if s in ("row", "row_split")
+                   and model.get_submodule(n).bias is not None}
+        for name, module in model.named_modules():
+            if (id(module) in in_stream and name not in styles
+                    and name.rpartition(".")[0] not in regions):
+                partial |= {f"{name}.{p}" for p, v in module._parameters.items()
+                            if v is not None}
+        return partial
+
+
+class _GatherOutput:
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def __call__(self, module: nn.Module, args: tuple, out):
+        gather = lambda x: gather_from_tp(x, self.comm, SEQUENCE_DIM, "sequence")  # noqa: E731
+        return (gather(out[0]), *out[1:]) if isinstance(out, tuple) else gather(out)
+
+
+def _entry(parent: nn.Module, comm: Comm, tag: str, seq: int | None) -> Enter:
+    """The entry a module's column layers share. Under sequence parallel the module itself
+    enters (a pre-hook gathers its hidden-state input): an attention module reads the
+    sequence length off its input to shape its heads, so it must see the whole."""
+    enter = Enter(comm, tag, seq)
+    if seq is None:
+        enter.share(parent)
+    else:
+        parent.register_forward_pre_hook(_OnHidden(enter), with_kwargs=True)
+    return enter
+
+
+class _OnHidden:
+    """Forward pre-hook applying `fn` to a module's hidden-state input (its first
+    positional argument, or `hidden_states=`)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        if args:
+            return (self.fn(args[0]), *args[1:]), kwargs
+        if "hidden_states" not in kwargs:
+            raise PlanError(f"sequence parallel: {type(module).__name__} was called without "
+                            "its hidden states as first argument or hidden_states=, so "
+                            "meshtrain cannot gather or split them; drop sequence_parallel")
+        return args, {**kwargs, "hidden_states": self.fn(kwargs["hidden_states"])}
 
 
 def _divide_heads(attention: nn.Module, tp: int) -> None:
