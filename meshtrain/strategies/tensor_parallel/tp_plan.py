@@ -27,6 +27,8 @@ Sizes a style splits must divide by T (except the padded vocabulary). Every chec
 `resolve`, which needs no process group. A module with parameters beside "column"
 projections (a sibling of them, so it may see their split outputs) must be named too:
 "replicated" where it acts per head, else the projections must gather ("column_gather").
+Under sequence parallel (a transformers causal LM, `SequenceSplit`) the column layers'
+modules gather the sequence where they are entered and the row layers reduce-scatter it.
 """
 from __future__ import annotations
 
