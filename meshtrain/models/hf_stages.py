@@ -12,8 +12,9 @@ is replaced by `_StandIn`s:
   layer's input: embedding, scaling, dropout as the model does them;
 - decoder element i gives the base model its input hidden state as `inputs_embeds` only so
   that it computes, as it would, the positions, masks and rotary tables of every layer;
-  stand-in i runs the real layer i on the received hidden state with those arguments and
-  stops the forward there (what the base model did to the stand-in input is discarded);
+  stand-in i-1 returns the received hidden state as its layer's output (what the base model
+  did to the stand-in input is discarded, what it does between two layers is kept), and
+  stand-in i runs the real layer i with its arguments and stops the forward there;
 - the head element lets the base model run past its last layer (the final norm, anything
   after it) and then runs the causal LM's own forward on that (output layer, soft-capping).
 
@@ -218,10 +219,16 @@ class Decoder(_Element):
         self.index, self.layer = index, layer
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        def run(_, args, kwargs):
-            out = self.layer(hidden, *args, **kwargs)
+        """`hidden`: the output of layer index-1 (the first layer: its input). It is given
+        back to the base model as that layer's output, so that whatever the base model does
+        between two layers is done to it before layer `index` runs."""
+        def run(incoming, args, kwargs):
+            out = self.layer(hidden if self.index == 0 else incoming, *args, **kwargs)
             raise _Reached(out[0] if isinstance(out, tuple) else out)
-        stand_ins = self.runner.stand_ins({self.index: run})
+        act = {self.index: run}
+        if self.index > 0:
+            act[self.index - 1] = lambda *_: (hidden,) if self.runner.tuples else hidden
+        stand_ins = self.runner.stand_ins(act)
         return self.runner.base_until(stand_ins, inputs_embeds=hidden.detach())
 
 
