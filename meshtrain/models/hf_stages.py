@@ -142,7 +142,8 @@ class _Inert:
         from torch.func import functional_call
         from torch.utils._pytree import tree_map
 
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        device = next((a.device for a in (*args, *kwargs.values())
+                       if isinstance(a, torch.Tensor)), None)
         meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
         state = {n: meta(t) for n, t in self.module.state_dict(keep_vars=True).items()}
         out = functional_call(self.module, state, tree_map(meta, args), tree_map(meta, kwargs))
