@@ -35,6 +35,9 @@ def check_model_plan(config, plan: Plan) -> None:
                             "--layers")
     elif kind_of(config.model) in ("transformers", "hf-preset"):
         check_transformers_plan(config.model, plan)
+        if plan.sequence_parallel and config.seq_len:
+            from meshtrain.strategies.tensor_parallel.gpt import check_sequence
+            check_sequence(config.seq_len, plan.tp)
     elif plan.tp > 1:
         raise PlanError(f"--tp {plan.tp}: tensor parallel from the command line shards "
                         f"meshtrain's GPT presets and transformers causal LMs; {config.model!r} "

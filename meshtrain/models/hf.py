@@ -2,15 +2,18 @@
 reads from their structure so that no wrapper, tp_plan or loss is needed.
 
 - the loss: next-token cross-entropy on the output's `.logits` (`token_cross_entropy`);
-- `decoder_layers`: the list of decoder layers (Llama/Mistral/Qwen2 `model.layers`, GPT-2
-  `transformer.h`): the units of recomputation and of ZeRO-3's gathers;
+- `decoder_layers`: the list of decoder layers (the ModuleList the config's
+  `base_model_pp_plan` names, else `model.layers` / `transformer.h`): the units of
+  recomputation and of ZeRO-3's gathers;
 - `stage_layers`: the model as a list of registered modules that, run one after another,
   compute its logits (embedding, one per decoder layer, final norm + output layer), each
-  decoder stage computing RoPE and the causal mask itself, so a pipeline can cut anywhere
-  between decoder layers. They are built fresh from the model's current attributes on each
-  call, so they always see the modules tensor parallel swapped in;
+  running the model's own forward code so that every family's positions, masks and
+  scalings are computed where the stage runs (models/hf_stages.py), so a pipeline can cut
+  anywhere between decoder layers. They are built fresh from the model's current
+  attributes on each call, so they always see the modules tensor parallel swapped in;
 - `tp_plan_of`: the model's own `base_model_tp_plan` (its base model under its prefix)
-  mapped onto meshtrain's styles; GPT-2's built in.
+  mapped onto meshtrain's styles, or one derived from its modules (models/hf_plans.py);
+  GPT-2's built in.
 Non-persistent buffers (RoPE's `inv_freq`) stay non-persistent: every rank keeps its own
 copy, and they never enter a checkpoint (they are not in `state_dict()`).
 """
@@ -23,11 +26,6 @@ from torch import nn
 
 from meshtrain.core.plan import PlanError
 
-# families whose base-model forward stage_layers reproduces (tested equal to it)
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
-PIPELINE_FAMILIES = (*LLAMA_LIKE, "gpt2")
-STYLE_OF = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "vocab",
-            "embedding_rowwise": "vocab"}
 GPT2_TP_PLAN = {
     "transformer.wte": "vocab",               # embedding rows split over the vocabulary
     "transformer.h.*.attn.c_attn": "qkv",     # fused q, k, v: each rank its heads' q, k, v
@@ -52,14 +50,12 @@ def family(model: nn.Module) -> str:
 def decoder_layers(model: nn.Module) -> list[nn.Module] | None:
     """The decoder layers in forward order, or None where the model is not a causal LM
     with a recognisable layer list."""
+    from meshtrain.models.hf_stages import layer_list_name
+
     if not is_causal_lm(model):
         return None
-    base = model.base_model
-    for attr in ("layers", "h"):
-        layers = getattr(base, attr, None)
-        if isinstance(layers, nn.ModuleList) and len(layers):
-            return list(layers)
-    return None
+    name = layer_list_name(model)
+    return list(getattr(model.base_model, name)) if name is not None else None
 
 
 def prepare(model: nn.Module) -> None:
@@ -86,30 +82,25 @@ def defaults(model: nn.Module, tp: int, loss_fn, tp_plan: dict | None):
 
 def tp_plan_of(model: nn.Module, tp: int) -> dict:
     """The model's own tensor-parallel plan in meshtrain's styles: GPT-2's built in; else its
-    config's `base_model_tp_plan` under the base model's prefix, with the embedding and the
-    output layer vocab-parallel. Refuses heads (query or key/value) that tp does not divide:
-    each rank computes whole heads, and grouped-query attention is not replicated."""
-    config = model.config
+    config's `base_model_tp_plan` under the base model's prefix, or one derived from its
+    modules' names where it has none (models/hf_plans.py), with the embedding and the output
+    layer vocab-parallel. Refuses heads (query or key/value) that tp does not divide: each
+    rank computes whole heads, and grouped-query attention is not replicated."""
+    from meshtrain.models.hf_plans import tp_plan_of as own_plan
+    from meshtrain.models.hf_stages import layer_list_name
+
     if family(model) == "gpt2":
         return dict(GPT2_TP_PLAN)
-    base_plan = getattr(config, "base_model_tp_plan", None)
-    if not base_plan:
-        raise PlanError(f"{type(model).__name__} ({family(model)!r}) carries no "
-                        "base_model_tp_plan in its config: pass tp_plan={'module-name "
-                        "pattern': 'column' | 'row' | 'qkv' | 'vocab'} in the Plan (Plan(tp=T, tp_plan=...)), or use tp=1")
     check_heads(model, tp)
-    prefix = model.base_model_prefix
-    plan = {}
-    for pattern, style in base_plan.items():
-        if style not in STYLE_OF:
-            raise PlanError(f"{type(model).__name__}'s base_model_tp_plan[{pattern!r}] = "
-                            f"{style!r}: meshtrain maps only {', '.join(STYLE_OF)}; pass "
-                            "Plan(tp_plan=...) instead")
-        plan[f"{prefix}.{pattern}"] = STYLE_OF[style]
-    embed = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
-    plan[embed] = "vocab"
-    plan["lm_head"] = "vocab"   # logits stay split for the vocab-parallel loss
-    return plan
+    layers = layer_list_name(model)
+    if layers is None:
+        raise PlanError(f"{type(model).__name__} ({family(model)!r}) carries no "
+                        "base_model_tp_plan and no decoder-layer list to derive one from: pass "
+                        "tp_plan={'module-name pattern': 'column' | 'row' | 'qkv' | 'vocab' | "
+                        "'column_gather' | 'row_split' | 'replicated'} in "
+                        "the Plan (Plan(tp=T, tp_plan=...)), or use tp=1")
+    pattern = f"{model.base_model_prefix}.{layers}.*"
+    return own_plan(model, tp, (pattern, getattr(model.base_model, layers)[0]))
 
 
 def check_heads(model: nn.Module, tp: int) -> None:
@@ -129,93 +120,7 @@ def check_heads(model: nn.Module, tp: int) -> None:
 # ---- pipeline stages ---------------------------------------------------------------------------
 def stage_layers(model: nn.Module) -> list[nn.Module]:
     """[embedding, decoder layer 0, ..., decoder layer n-1, head]: run in order they compute
-    `model(ids).logits` (see the module docstring)."""
-    if family(model) not in PIPELINE_FAMILIES or decoder_layers(model) is None:
-        raise PlanError(f"pipeline parallel cuts transformers models of the families "
-                        f"{', '.join(PIPELINE_FAMILIES)} between decoder layers; "
-                        f"{type(model).__name__} ({family(model)!r}) is not one of them: use "
-                        "pp=1, or pass an nn.Module with a layers() method")
-    base, config = model.base_model, model.config
-    if family(model) == "gpt2":
-        embed = GPT2Embedding(base.wte, base.wpe, base.drop)
-        blocks = [GPT2Decoder(layer, config) for layer in base.h]
-        head = Head(base.ln_f, model.lm_head)
-    else:
-        embed = TokenEmbedding(base.embed_tokens)
-        blocks = [RotaryDecoder(layer, base.rotary_emb, config) for layer in base.layers]
-        head = Head(base.norm, model.lm_head)
-    return [embed, *blocks, head]
+    `model(ids).logits`, each by the model's own forward code (models/hf_stages.py)."""
+    from meshtrain.models.hf_stages import stage_layers as stages
 
-
-def _positions(hidden: torch.Tensor) -> torch.Tensor:
-    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-
-
-def _causal_mask(config, hidden: torch.Tensor, positions: torch.Tensor, layer: nn.Module):
-    """The mask the base model would give this layer (None where attention is causal by
-    itself, as transformers decides)."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    sliding = (getattr(layer, "attention_type", None) == "sliding_attention"
-               or (family_of_config(config) == "mistral"
-                   and getattr(config, "sliding_window", None) is not None))
-    make = create_sliding_window_causal_mask if sliding else create_causal_mask
-    return make(config=config, inputs_embeds=hidden, attention_mask=None, cache=None,
-                position_ids=positions)
-
-
-def family_of_config(config) -> str:
-    return getattr(config, "model_type", "")
-
-
-class TokenEmbedding(nn.Module):
-    def __init__(self, embed_tokens: nn.Module) -> None:
-        super().__init__()
-        self.embed_tokens = embed_tokens
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(ids)
-
-
-class RotaryDecoder(nn.Module):
-    """One Llama-family decoder layer with its RoPE and causal mask computed here."""
-
-    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config) -> None:
-        super().__init__()
-        self.layer, self.rotary_emb, self.config = layer, rotary_emb, config
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        positions = _positions(hidden)
-        return self.layer(hidden, attention_mask=_causal_mask(self.config, hidden, positions,
-                                                              self.layer),
-                          position_embeddings=self.rotary_emb(hidden, position_ids=positions),
-                          position_ids=positions, use_cache=False)
-
-
-class GPT2Embedding(nn.Module):
-    def __init__(self, wte: nn.Module, wpe: nn.Module, drop: nn.Module) -> None:
-        super().__init__()
-        self.wte, self.wpe, self.drop = wte, wpe, drop
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.wte(ids) + self.wpe(_positions(ids)))
-
-
-class GPT2Decoder(nn.Module):
-    def __init__(self, block: nn.Module, config) -> None:
-        super().__init__()
-        self.block, self.config = block, config
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        positions = _positions(hidden)
-        mask = _causal_mask(self.config, hidden, positions, self.block)
-        return self.block(hidden, None, mask, use_cache=False, position_ids=positions)
-
-
-class Head(nn.Module):
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
-        super().__init__()
-        self.norm, self.lm_head = norm, lm_head
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+    return stages(model)

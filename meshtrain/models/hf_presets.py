@@ -29,10 +29,45 @@ def _config(name: str):
         return tf.GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4,
                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                              bos_token_id=0, eos_token_id=0)
+    if name in FAMILIES:
+        return _family_config(tf, name)
     raise KeyError(name)
 
 
-PRESETS = ("llama-tiny", "llama-tiny-tied", "qwen2-tiny", "mistral-tiny", "hf-gpt2-tiny")
+def _family_config(tf, name: str):
+    """The decoder families beyond Llama's and GPT-2's, each with what sets it apart:
+    per-head q/k norms (qwen3), whole-width q/k norms over gathered projections (olmo2),
+    fused q/k/v and gate/up projections (phi3), soft-capped logits, tied and scaled
+    embeddings, a padding row and sliding-window layers (gemma2), a parallel residual with a
+    fused per-head q/k/v (gpt-neox), no tp plan of its own and a parallel residual (stablelm).
+    """
+    heads = dict(head_dim=16)
+    common = dict(SIZES, pad_token_id=None, bos_token_id=0, eos_token_id=0)
+    if name == "qwen3-tiny":
+        return tf.Qwen3Config(**common, **heads, tie_word_embeddings=False)
+    if name == "olmo2-tiny":
+        return tf.Olmo2Config(**common, tie_word_embeddings=False)
+    if name == "phi3-tiny":
+        return tf.Phi3Config(**common, tie_word_embeddings=False, resid_pdrop=0.0,
+                             embd_pdrop=0.0, attention_dropout=0.0)
+    if name == "gemma2-tiny":   # windows of 8 tokens in 16: the sliding layers differ
+        return tf.Gemma2Config(**{**common, "pad_token_id": 0}, **heads, sliding_window=8,
+                               final_logit_softcapping=3.0, attn_logit_softcapping=5.0,
+                               query_pre_attn_scalar=16, tie_word_embeddings=True)
+    if name == "gpt-neox-tiny":
+        return tf.GPTNeoXConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"},
+                                use_parallel_residual=True, rotary_pct=0.5,
+                                hidden_dropout=0.0, attention_dropout=0.0,
+                                tie_word_embeddings=False)
+    return tf.StableLmConfig(**common, use_parallel_residual=True, qk_layernorm=False,
+                             tie_word_embeddings=False, hidden_dropout=0.0,
+                             attention_dropout=0.0)
+
+
+FAMILIES = ("qwen3-tiny", "olmo2-tiny", "phi3-tiny", "gemma2-tiny", "gpt-neox-tiny",
+            "stablelm-tiny")
+PRESETS = ("llama-tiny", "llama-tiny-tied", "qwen2-tiny", "mistral-tiny", "hf-gpt2-tiny",
+           *FAMILIES)
 
 
 def names_transformers(spec: str) -> bool:

@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import meshtrain as mt
-from meshtrain.models.hf_presets import build
+from meshtrain.models.hf_presets import FAMILIES, build
 from tests.multirank import equivalence as eq
 
 SEQ, STEPS = 16, 4
 NAMES = ("llama-tiny", "llama-tiny-tied", "hf-gpt2-tiny", "qwen2-tiny")
-for _name in NAMES:
+for _name in (*NAMES, *FAMILIES):
     eq.MODELS[_name] = (partial(build, _name), None, 255, SEQ)   # data() is uint8
 
 

@@ -166,20 +166,21 @@ def test_calibration_ranks_agree_on_repetitions_and_measure_every_collective():
 
 def test_a_transformers_model_verifies_and_a_plan_it_cannot_run_is_refused_not_fatal():
     """`--verify --model llama-tiny`: the transformers model trains under verify's plans and
-    the planner judges it by its config; sequence parallel, built for meshtrain's GPT only,
-    is refused by the Trainer on its ranks, reported, and the other plans still run. What its
-    layers save is traced (measure/traced.py), and ZeRO-3 gathers its decoder layers twice
+    the planner judges it by its config; a plan with more stages than the model has
+    layers is refused by the Trainer on its ranks, reported, and the other plans still run.
+    What its layers save is traced (measure/traced.py), and ZeRO-3 gathers its decoder layers twice
     but the last, and all outside them once: both as measured."""
     from meshtrain.measure.trained_model import TrainedModel, spec_of
 
     model, out, failed = TrainedModel("llama-tiny", 32), io.StringIO(), []
-    plans = (({"dp": 1}, 2), ({"tp": 2, "sequence_parallel": True}, 2),
+    plans = (({"dp": 1}, 2), ({"pp": 2, "schedule": "interleaved", "virtual_stages": 4,
+                               "microbatches": 2}, 2),
              ({"dp": 2, "zero": 3}, 2))
     rows = verify.verify(PROFILE, plans=plans, steps=1, warmup=1, rounds=2, out=out,
                          model=model, failed=failed)
     assert [r["plan"] for r in rows] == [verify.label(*plans[0]), verify.label(*plans[2])]
     assert [(name, refused) for name, refused, _ in failed] == [(verify.label(*plans[1]), True)]
-    assert "sequence_parallel=True" in failed[0][2] and "refused" in out.getvalue()
+    assert "8 stages" in failed[0][2] and "refused" in out.getvalue()
     # the planner's model states are the built model's exact count: 4 + 4 + 8 bytes each
     params = spec_of(model).num_params
     assert rows[0]["predicted"]["model_states"] == 16 * params

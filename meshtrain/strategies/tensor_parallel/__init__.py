@@ -33,9 +33,10 @@ def check(model: nn.Module, plan: Plan, tp_plan: dict | None) -> None:
     if plan.tp == 1:
         return
     if tp_plan is not None:
-        if plan.sequence_parallel:
-            raise PlanError("sequence_parallel=True is built for meshtrain's GPT (Plan(tp=T, "
-                            "sequence_parallel=True) with no tp_plan); with a tp_plan, drop "
+        if plan.sequence_parallel and not (hf.is_causal_lm(model) and plan.pp == 1):
+            raise PlanError("sequence_parallel=True is built for meshtrain's GPT and, with a "
+                            "tp_plan, for transformers causal LMs without pipeline stages "
+                            f"(pp=1); for this {type(model).__name__} with pp={plan.pp}, drop "
                             "sequence_parallel")
         if hf.is_causal_lm(model):   # a tp_plan of its own still splits whole heads
             hf.check_heads(model, plan.tp)
@@ -45,14 +46,19 @@ def check(model: nn.Module, plan: Plan, tp_plan: dict | None) -> None:
     else:
         raise PlanError(f"tensor parallel shards meshtrain's GPT natively; for a "
                         f"{type(model).__name__} pass tp_plan={{'module-name pattern': "
-                        f"'column' | 'row' | 'qkv' | 'vocab', ...}} in the Plan")
+                        f"'column' | 'row' | 'qkv' | 'vocab' | 'column_gather' | 'row_split' | "
+                        "'replicated', ...} in the Plan")
 
 
 def shard(model: nn.Module, plan: Plan, comm: Comm, tp_plan: dict | None) -> TensorParallel:
     """Shard `model` in place over the tp axis: natively (the GPT) or through `tp_plan`."""
     from meshtrain.strategies.tensor_parallel import gpt, tp_plan as plan_module
 
+    from meshtrain.models import hf, hf_plans
+
     check(model, plan, tp_plan)
     if tp_plan is not None:
-        return plan_module.shard_with_plan(model, comm, tp_plan)
+        sequence = (plan_module.SequenceSplit(hf_plans.sequence_stream(model))
+                    if plan.sequence_parallel and hf.is_causal_lm(model) else None)
+        return plan_module.shard_with_plan(model, comm, tp_plan, sequence)
     return gpt.shard_gpt(model, comm, plan.sequence_parallel)

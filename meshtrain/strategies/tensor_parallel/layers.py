@@ -20,8 +20,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from meshtrain.core.comm import Comm
 from meshtrain.strategies.tensor_parallel.communications import (copy_to_tp, gather_from_sequence,
-                                                                  reduce_from_tp,
-                                                                  reduce_scatter_to_sequence)
+                                                                  gather_from_tp, reduce_from_tp,
+                                                                  reduce_scatter_to_sequence,
+                                                                  scatter_to_tp)
 from meshtrain.strategies.tensor_parallel.sequence import Regather, linear_on_gathered
 
 
@@ -43,7 +44,8 @@ class Enter:
         """While `module` runs a forward, the column layers under it that take this entry
         and read one input share one copy of it: their input gradients are summed before
         one all-reduce, not all-reduced each (q, k and v projections apart: one all-reduce
-        in backward where there were three, as Megatron's fused qkv)."""
+        in backward where there were three, as Megatron's fused qkv); under sequence
+        parallel, one gathered whole (one all-gather, one regather in backward)."""
         module.register_forward_pre_hook(self._start_sharing)
         module.register_forward_hook(self._stop_sharing)
 
@@ -66,9 +68,13 @@ class Enter:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_dim is None:
             return self._copy(x)
+        if self._copies is not None and x in self._copies:   # a sibling gathered it
+            return self._copies[x]
         whole = gather_from_sequence(x, self.comm, self.sequence_dim, self.tag)
         if whole is not x:   # tp > 1
             self._slices[whole] = (x.detach(), Regather(self.comm, self.sequence_dim, self.tag))
+        if self._copies is not None:
+            self._copies[x] = whole
         return whole
 
     def gathered_slice(self, whole: torch.Tensor) -> tuple | None:
@@ -150,13 +156,16 @@ class ColumnParallelLinear(_Sharded):
     `blocks` > 1: a fused projection whose outputs are `blocks` equal parts (q, k, v): each
     part is split separately, so rank i holds [q_i, k_i, v_i]. `valid` < out_features: the
     last columns are vocabulary padding; their outputs are -inf, so a softmax gives them 0.
+    `gather`: Y = [Y_1, …, Y_T] all-gathered after the product (what follows needs every
+    feature: a norm over the whole q, a fused q/k/v split at fixed offsets); backward keeps
+    this rank's slice of Y's gradient, which every rank computed whole.
     """
 
     def __init__(self, weight, bias, *, conv1d: bool, full_in: int, full_out: int, rank: int,
                  size: int, enter: Enter | None, blocks: int = 1, valid: int | None = None,
-                 reads: Enter | None = None):
+                 reads: Enter | None = None, gather: bool = False):
         super().__init__(weight, bias, conv1d, full_in, full_out, rank, size)
-        self.enter, self.blocks = enter, blocks
+        self.enter, self.blocks, self.gather = enter, blocks, gather
         self.reads = enter if enter is not None else reads
         self.valid = valid if valid is not None and valid < self.out_features else None
 
@@ -172,14 +181,18 @@ class ColumnParallelLinear(_Sharded):
             y = torch.cat([y[..., :self.valid],
                            y.new_full((*y.shape[:-1], self.out_features - self.valid),
                                       float("-inf"))], dim=-1)
+        if self.gather:
+            y = gather_from_tp(y, self.enter.comm if self.enter else self.reads.comm, -1,
+                               "gather-output")
         return y
 
     def extra_repr(self) -> str:
         parts = f" in {self.blocks} fused blocks" if self.blocks > 1 else ""
         pad = (f", {self.out_features - self.valid} padding" if self.valid is not None else "")
+        gather = ", output all-gathered" if self.gather else ""
         return (f"in_features={self.in_features}, out_features={self.out_features} of "
                 f"{self.full_out}{parts}{pad} (tp rank {self.tp_rank}/{self.tp_size}), "
-                f"bias={self.bias is not None}, enter={self.enter!r}")
+                f"bias={self.bias is not None}, enter={self.enter!r}{gather}")
 
 
 class RowParallelLinear(_Sharded):
@@ -189,21 +202,27 @@ class RowParallelLinear(_Sharded):
     it produced, and computes the partial product X_i·A_i. Y = Σ_i X_i·A_i + b: `exit` sums over
     the ranks (an all-reduce; under sequence parallel a reduce-scatter along the sequence),
     then b is added once. Backward: dL/dX_i = dL/dY·A_iᵀ, no communication.
+
+    `split_input`: X arrives whole (after a column layer that gathered its output), and
+    this rank takes its slice X_i itself; backward all-gathers dL/dX_i into dL/dX.
     """
 
     def __init__(self, weight, bias, *, conv1d: bool, full_in: int, full_out: int, rank: int,
-                 size: int, exit: Exit):
+                 size: int, exit: Exit, split_input: bool = False):
         super().__init__(weight, bias, conv1d, full_in, full_out, rank, size)
-        self.exit = exit
+        self.exit, self.split_input = exit, split_input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_input:
+            x = scatter_to_tp(x, self.exit.comm, -1, f"{self.exit.tag}:split-input")
         y = self.exit(_matmul(x, self.weight, None, self.conv1d))
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
+        split = "input split here, " if self.split_input else ""
         return (f"in_features={self.in_features} of {self.full_in}, out_features="
                 f"{self.out_features} (tp rank {self.tp_rank}/{self.tp_size}), "
-                f"bias={self.bias is not None}, exit={self.exit!r}")
+                f"bias={self.bias is not None}, {split}exit={self.exit!r}")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -214,14 +233,26 @@ class VocabParallelEmbedding(nn.Module):
     `exit` sums over the ranks (all-reduce): every token's row comes from exactly one rank.
     Backward: the gradient reaches only this rank's rows. Padding rows are past the last
     token id, so no lookup ever reaches them: the padding is exact.
+
+    `padding_idx` (the whole vocabulary's, as nn.Embedding's): that row's gradient stays
+    zero, on the rank holding it. `embed_scale` (a scaled embedding, Gemma's): the looked-up
+    rows are multiplied by it, as the module replaced did.
     """
 
-    def __init__(self, weight, *, vocab: int, start: int, rank: int, size: int, exit: Exit):
+    def __init__(self, weight, *, vocab: int, start: int, rank: int, size: int, exit: Exit,
+                 padding_idx: int | None = None, embed_scale: torch.Tensor | None = None):
         super().__init__()
         self.weight = _parameter(weight)
         self.vocab, self.start, self.stop = vocab, start, start + weight.shape[0]
         self.tp_rank, self.tp_size = rank, size
         self.exit = exit
+        self.padding_idx = padding_idx
+        self.local_padding = (padding_idx - start if padding_idx is not None
+                              and start <= padding_idx < self.stop else None)
+        if embed_scale is not None:   # non-persistent, as the module replaced kept it
+            self.register_buffer("embed_scale", embed_scale, persistent=False)
+        else:
+            self.embed_scale = None
 
     @property
     def num_embeddings(self) -> int:
@@ -234,12 +265,15 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.start) | (idx >= self.stop)            # (B, T)
         local = (idx - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight)                           # (B, T, d)
-        return self.exit(out.masked_fill(outside.unsqueeze(-1), 0.0))
+        out = F.embedding(local, self.weight, self.local_padding)       # (B, T, d)
+        out = self.exit(out.masked_fill(outside.unsqueeze(-1), 0.0))
+        return out * self.embed_scale.to(out.dtype) if self.embed_scale is not None else out
 
     def extra_repr(self) -> str:
         pad = max(0, self.stop - self.vocab)
         return (f"rows {self.start}..{self.stop - 1} of {self.vocab}"
                 + (f" (+{pad} padding)" if pad else "")
+                + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
+                + (", scaled" if self.embed_scale is not None else "")
                 + f", embedding_dim={self.embedding_dim} (tp rank {self.tp_rank}/"
                   f"{self.tp_size}), exit={self.exit!r}")

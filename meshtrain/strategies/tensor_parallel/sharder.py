@@ -8,6 +8,7 @@ different ways is refused. `finish` gives the slot-1 object that knows every spl
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from meshtrain.core.comm import Comm
@@ -50,10 +51,11 @@ class Sharder:
 
     # ---- the three kinds of layer --------------------------------------------------------
     def column(self, name: str, enter: Enter | None, blocks: int = 1, vocab: bool = False,
-               reads: Enter | None = None) -> ColumnParallelLinear:
+               reads: Enter | None = None, gather: bool = False) -> ColumnParallelLinear:
         """Split the output features (`vocab`: they are a vocabulary, padded to a multiple
         of tp, and the layer's outputs are the logits a vocab-parallel loss takes). `reads`:
-        the entry, made before this layer, whose output it takes (enter=None)."""
+        the entry, made before this layer, whose output it takes (enter=None). `gather`:
+        the outputs are all-gathered whole."""
         old = self.model.get_submodule(name)
         conv1d = is_conv1d(old)
         full_in, full_out = linear_sizes(old)
@@ -70,28 +72,36 @@ class Sharder:
             self._set_output(name, start, full_out)
         new = ColumnParallelLinear(weight, bias, conv1d=conv1d, full_in=full_in,
                                    full_out=full_out, rank=self.rank, size=self.size,
-                                   enter=enter, blocks=blocks, valid=valid, reads=reads)
+                                   enter=enter, blocks=blocks, valid=valid, reads=reads,
+                                   gather=gather)
         return self._swap(name, old, new)
 
-    def row(self, name: str, exit: Exit) -> RowParallelLinear:
-        """Split the input features; the bias stays whole (added once, after the sum)."""
+    def row(self, name: str, exit: Exit, split_input: bool = False) -> RowParallelLinear:
+        """Split the input features; the bias stays whole (added once, after the sum).
+        `split_input`: the input arrives whole and the layer takes its slice."""
         old = self.model.get_submodule(name)
         conv1d = is_conv1d(old)
         full_in, full_out = linear_sizes(old)
         weight = self._slice(name, "weight", old.weight, Split(0 if conv1d else 1, full_in,
                                                                full_in))
         new = RowParallelLinear(weight, old.bias, conv1d=conv1d, full_in=full_in,
-                                full_out=full_out, rank=self.rank, size=self.size, exit=exit)
+                                full_out=full_out, rank=self.rank, size=self.size, exit=exit,
+                                split_input=split_input)
         return self._swap(name, old, new)
 
     def vocab_embedding(self, name: str, exit: Exit) -> VocabParallelEmbedding:
-        """Split the rows (the vocabulary, padded to a multiple of tp)."""
+        """Split the rows (the vocabulary, padded to a multiple of tp); its padding row and
+        its scale (a scaled embedding's `embed_scale`) kept."""
         old = self.model.get_submodule(name)
         vocab = old.weight.shape[0]
         split = Split(0, vocab, padded(vocab, self.size))
         weight = self._slice(name, "weight", old.weight, split)
+        scale = getattr(old, "embed_scale", None)
         new = VocabParallelEmbedding(weight, vocab=vocab, start=self.rank * weight.shape[0],
-                                     rank=self.rank, size=self.size, exit=exit)
+                                     rank=self.rank, size=self.size, exit=exit,
+                                     padding_idx=old.padding_idx,
+                                     embed_scale=None if scale is None else
+                                     torch.as_tensor(scale).detach().clone())
         return self._swap(name, old, new)
 
     def finish(self, partial: set[str] = frozenset()) -> TensorParallel:
