@@ -17,6 +17,7 @@ from pathlib import Path
 
 from meshtrain.cli.summary import print_summary
 from meshtrain.cli.train_checks import check_batch_split, check_model_plan
+from meshtrain.cli.train_data import check_resumed_data, settle_data
 from meshtrain.core.plan import COMPILE_BACKENDS, Plan, PlanError
 from meshtrain.train.config import DEFAULT_LR, OPTIMIZERS, latest_checkpoint
 
@@ -301,6 +302,7 @@ def run(args) -> int:
         check_model_spec(config.model, config.model_overrides)   # here, not on N ranks
         check_model_plan(config, plan)
         check_batch_split(config, plan)
+        settle_data(config)   # bad data refused, a GPT's vocabulary set: before any rank
         if config.tensorboard:
             from meshtrain.train.tensorboard import require_tensorboard
             require_tensorboard()
@@ -308,7 +310,7 @@ def run(args) -> int:
             ckpt = latest_checkpoint(config.run_dir)
             if ckpt is not None:
                 from meshtrain.train import checkpoint
-                checkpoint.inspect(ckpt)
+                check_resumed_data(config, checkpoint.inspect(ckpt))
         make_run_dir(config.run_dir)
     except errors.CheckpointError as exc:
         return _refused(exc, config.run_dir)

@@ -97,7 +97,7 @@ def check_run_config(config: RunConfig) -> None:
     run_dir = Path(config.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--run-dir {run_dir}: a file of that name exists; give a folder")
-    if config.data is not None:
+    if config.data is not None and not any(c in config.data for c in ",@*"):   # one path
         data = Path(config.data)
         if not data.exists():
             raise FileNotFoundError(f"--data {data}: no such file or folder; give a text file "
