@@ -3,30 +3,71 @@ rank could train on is refused here, naming the file, and a GPT preset's vocabul
 the token dataset's."""
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 from meshtrain.core.plan import PlanError
 
 VOCAB_MULTIPLE = 64
 """A GPT preset's vocabulary is rounded up to this (nanoGPT's 50,257 -> 50,304: whole tiles)."""
 
 
-def settle_data(config) -> None:
-    """Check `config.data` against the model and, on resume, against the checkpoint's data;
-    set `config.model_overrides["vocab_size"]` for a GPT preset training on tokens."""
-    if config.data is None:
-        return
+def settle_data(config):
+    """Check `config.data` (and `config.tokenizer`) against the model and each other; text
+    with a tokenizer is tokenised once into a cache folder, which `config.data` then names;
+    a GPT preset's vocabulary is set to the data's. Returns the run's tokenizer (the one
+    given, else the one a prepared dataset carries), or None for bytes."""
     from meshtrain.data.source import load_data
+    from meshtrain.data.tokenizer import Tokenizer, check_matches
+    from meshtrain.data.tokens import is_token_data
 
+    tok = Tokenizer(config.tokenizer) if config.tokenizer else None
+    if config.data is None:
+        if tok is not None:
+            raise PlanError("--tokenizer needs --data: text to tokenise, or token shards")
+        return None
+    if tok is not None and "," not in config.data and not is_token_data(config.data):
+        config.data = str(tokenize_once(config.data, tok))
     data = load_data(config.data)   # every shard's header checked; DataError names the file
     if not data.tokens:
-        return
+        return None
+    for t in data.tokens:
+        if tok is not None:
+            check_matches(tok, t.index, t.files[0].rsplit("/", 1)[0])
+        elif t.index and (Path(t.files[0]).parent / "tokenizer" / "tokenizer.json").exists():
+            tok = Tokenizer(Path(t.files[0]).parent / "tokenizer")   # the dataset's own
+    declared = max(filter(None, [data.vocab_size, tok and tok.vocab_size]), default=None)
     vocab = model_vocab(config)
-    declared = data.vocab_size
     if vocab is None and config.model_overrides.get("vocab_size") is None and _is_gpt(config):
         need = declared or data.max_token + 1
         config.model_overrides["vocab_size"] = -(-need // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-        return
-    if vocab is None:
-        return   # the user's own model: ids beyond its embedding are refused when read
+    elif vocab is not None:
+        _check_vocab(config, data, declared, vocab)
+    return tok
+
+
+def tokenize_once(spec: str, tok) -> Path:
+    """Text `spec` as token shards in the cache (`~/.cache/meshtrain/tokens/<key>`), prepared
+    on first use; the key is the files' paths, sizes and times and the tokenizer's hash."""
+    import hashlib
+    import os
+
+    from meshtrain.data.prepare import INDEX, prepare
+
+    files = [spec] if Path(spec).is_file() else sorted(
+        str(p) for p in Path(spec).rglob("*") if p.is_file())
+    stamp = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    key = hashlib.sha256(json.dumps([stamp, tok.sha256]).encode()).hexdigest()[:16]
+    out = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "meshtrain" / \
+        "tokens" / key
+    if not (out / INDEX).exists():
+        print(f"meshtrain train: tokenising {spec} once, into {out}", file=sys.stderr)
+        prepare([spec], tok.file, out, eos=tok.eos)
+    return out
+
+
+def _check_vocab(config, data, declared: int | None, vocab: int) -> None:
     if declared is not None and declared > vocab:
         raise PlanError(f"--data {config.data}: its tokenizer has {declared:,} words, more than "
                         f"the model's vocabulary of {vocab:,}; use a model whose embedding holds "

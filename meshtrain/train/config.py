@@ -29,6 +29,7 @@ class RunConfig:
     seq_len: int | None = None     # the data's window for a model other than the GPT presets
     loss: str = "auto"             # "auto" (the model's .loss, else cross-entropy) | "cross-entropy"
     data: str | None = None
+    tokenizer: str | None = None   # the model's tokenizer (a copy is kept in run_dir/tokenizer)
     steps: int = 250
     batch_size: int = 32          # global batch, sequences
     optimizer: str = "adamw"       # "adamw" | "sgd" (with momentum, no weight decay)
