@@ -184,7 +184,7 @@ def _split(files: list[str], counts: list[int]) -> tuple[list[Piece], list[Piece
         train.append(Piece(f, 0, min(n, max(0, cut - seen))))
         val.append(Piece(f, min(n, max(0, cut - seen)), n))
         seen += n
-    return train, val, f"the last {held:,} tokens (10%, at most {VAL_TOKENS_MAX:,})"
+    return train, val, f"the last {held:,} tokens (a tenth, at most 2**20)"
 
 
 def scan_max_token(path) -> int:

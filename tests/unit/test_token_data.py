@@ -59,7 +59,7 @@ def test_validation_by_shard_name_else_by_fraction(tmp_path):
     write_shard(one / "b.bin", _tokens(4000), np.uint16)
     data = open_tokens(str(one))
     assert data.val.numel() == int(10_000 * VAL_FRACTION) and data.train.numel() == 9000
-    assert "last 1,000 tokens" in data.source
+    assert "the last 1,000 tokens (a tenth" in data.source
 
 
 def test_windows_are_the_shards_tokens_and_never_cross_a_shard(tmp_path):
@@ -139,3 +139,20 @@ def test_bad_token_data_is_refused_before_any_rank_starts(bad_data, argv, messag
     code = main(["train", "--nproc", "1", "--steps", "1", *argv.split()])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_bench_data_reports_the_loaders_headroom_over_a_step(tmp_path, capsys):
+    import json
+
+    write_shard(tmp_path / "a.bin", _tokens(20_000, high=256), np.uint16)
+    argv = ["bench", "data", "--data", str(tmp_path / "a.bin"), "--world", "2", "--batch", "4",
+            "--steps", "2", "--reps", "1", "--warmup", "0", "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    loader, step = r["loader"], r["training step"]
+    assert r["local_batch"] == 2 and r["seq_len"] == 128
+    assert loader["windows_per_s"] == pytest.approx(2 / loader["median_s"])
+    assert r["headroom"] == pytest.approx(loader["windows_per_s"] / step["windows_per_s"])
+    assert "headroom: the loader delivers" in capsys.readouterr().out
+    assert main(["bench", "data", "--data", str(tmp_path / "none.bin")]) == 2
+    assert "none.bin: no such file or folder" in capsys.readouterr().err
