@@ -114,8 +114,8 @@ def _is_gpt(config) -> bool:
 
 
 def _file_with_max(t) -> str:
-    from meshtrain.data.tokens import scan_max_token
+    from meshtrain.data.shards import max_token
 
     if t.index is not None and len(t.files) > 1:
         return f"{t.files[0].rsplit('/', 1)[0]} (its index's max_token)"
-    return max(t.files, key=scan_max_token) if len(t.files) > 1 else t.files[0]
+    return max(t.files, key=max_token) if len(t.files) > 1 else t.files[0]

@@ -76,8 +76,24 @@ def read_header(path) -> tuple[np.dtype, int]:
 
 def open_shard(path) -> np.ndarray:
     """The shard's tokens, memory-mapped read-only: nothing is read until it is indexed."""
-    dtype, count = read_header(path)
+    return map_tokens(path, *read_header(path))
+
+
+def map_tokens(path, dtype: np.dtype, count: int) -> np.ndarray:
+    """The tokens of a shard whose header said (dtype, count), memory-mapped read-only."""
     if count == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype.newbyteorder("<"), mode="r", offset=HEADER_BYTES,
                      shape=(count,))
+
+
+def max_token(path, chunk_bytes: int = 2**26) -> int:
+    """The largest id in one shard, read in chunks through a buffer (not mapped, so the
+    reading process's memory stays at one chunk however large the file)."""
+    dtype, count = read_header(path)
+    best = 0
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        while chunk := f.read(chunk_bytes):
+            best = max(best, int(np.frombuffer(chunk, dtype=dtype.newbyteorder("<")).max()))
+    return best

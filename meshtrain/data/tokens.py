@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshtrain.data.shards import DataError, open_shard, read_header
+from meshtrain.data.shards import DataError, map_tokens, max_token, read_header
 
 INDEX = "index.json"
 VAL_FRACTION = 0.1
@@ -25,7 +25,6 @@ VAL_TOKENS_MAX = 2**20
 """The held-out tail of a dataset without val shards: enough for evaluation's windows, and
 no more of a large dataset than that."""
 _VAL_NAME = re.compile(r"(^|[_.-])val([_.-]|$)")
-_SCAN_CHUNK = 2**24   # tokens per read when scanning a shard for its largest id
 
 
 @dataclass(frozen=True)
@@ -38,16 +37,14 @@ class Piece:
 
 class TokenStream:
     """One split's tokens: pieces of shards, in order. A window never crosses two pieces.
-    Pickles without its maps (each rank maps the files itself), and reads only the windows
-    asked for, so a rank's memory does not grow with the dataset."""
+    Reads only the windows asked for, through maps made for one read and dropped after it
+    (as nanoGPT does: a map kept open holds every page it ever touched), so a rank's memory
+    does not grow with the dataset nor with the steps."""
 
     def __init__(self, pieces, vocab_size: int | None = None) -> None:
         self.pieces = tuple(p for p in pieces if p.hi > p.lo)
         self.vocab_size = vocab_size
-        self._maps: dict[str, np.ndarray] = {}
-
-    def __getstate__(self):
-        return {"pieces": self.pieces, "vocab_size": self.vocab_size, "_maps": {}}
+        self._headers: dict[str, tuple] = {}   # path -> (dtype, count), read once
 
     def numel(self) -> int:
         return sum(p.hi - p.lo for p in self.pieces)
@@ -73,9 +70,9 @@ class TokenStream:
         return torch.from_numpy(out)
 
     def _map(self, path: str) -> np.ndarray:
-        if path not in self._maps:
-            self._maps[path] = open_shard(path)
-        return self._maps[path]
+        if path not in self._headers:
+            self._headers[path] = read_header(path)
+        return map_tokens(path, *self._headers[path])
 
     def _check_ids(self, windows: np.ndarray, piece: Piece, starts: np.ndarray) -> None:
         if self.vocab_size is not None and windows.size and windows.max() >= self.vocab_size:
@@ -110,7 +107,7 @@ class TokenData:
         """The largest id in the dataset: the index's, else scanned (once, chunk by chunk)."""
         if self.index and "max_token" in self.index:
             return int(self.index["max_token"])
-        return max(scan_max_token(f) for f in self.files)
+        return max(max_token(f) for f in self.files)
 
 
 def is_token_data(spec: str) -> bool:
@@ -185,12 +182,3 @@ def _split(files: list[str], counts: list[int]) -> tuple[list[Piece], list[Piece
         val.append(Piece(f, min(n, max(0, cut - seen)), n))
         seen += n
     return train, val, f"the last {held:,} tokens (a tenth, at most 2**20)"
-
-
-def scan_max_token(path) -> int:
-    """The largest id in one shard, read in chunks (memory bounded, time linear)."""
-    tokens = open_shard(path)
-    best = 0
-    for lo in range(0, len(tokens), _SCAN_CHUNK):
-        best = max(best, int(tokens[lo:lo + _SCAN_CHUNK].max()))
-    return best
