@@ -48,19 +48,19 @@ def settle_data(config):
 
 
 def tokenize_once(spec: str, tok) -> Path:
-    """Text `spec` as token shards in the cache (`~/.cache/meshtrain/tokens/<key>`), prepared
+    """Text `spec` as token shards in the cache (`cache_dir()/<key>`), prepared
     on first use; the key is the files' paths, sizes and times and the tokenizer's hash."""
     import hashlib
     import os
 
     from meshtrain.data.prepare import INDEX, prepare
+    from meshtrain.data.tokens import cache_dir
 
     files = [spec] if Path(spec).is_file() else sorted(
         str(p) for p in Path(spec).rglob("*") if p.is_file())
     stamp = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
     key = hashlib.sha256(json.dumps([stamp, tok.sha256]).encode()).hexdigest()[:16]
-    out = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "meshtrain" / \
-        "tokens" / key
+    out = cache_dir() / key
     if not (out / INDEX).exists():
         print(f"meshtrain train: tokenising {spec} once, into {out}", file=sys.stderr)
         prepare([spec], tok.file, out, eos=tok.eos)

@@ -107,7 +107,7 @@ class TokenData:
         """The largest id in the dataset: the index's, else scanned (once, chunk by chunk)."""
         if self.index and "max_token" in self.index:
             return int(self.index["max_token"])
-        return max(max_token(f) for f in self.files)
+        return max(cached_max_token(f) for f in self.files)
 
 
 def is_token_data(spec: str) -> bool:
@@ -182,3 +182,36 @@ def _split(files: list[str], counts: list[int]) -> tuple[list[Piece], list[Piece
         val.append(Piece(f, min(n, max(0, cut - seen)), n))
         seen += n
     return train, val, f"the last {held:,} tokens (a tenth, at most 2**20)"
+
+
+def cache_dir() -> Path:
+    """Where meshtrain keeps what it derives from datasets: `$XDG_CACHE_HOME/meshtrain/tokens`
+    (default ~/.cache/meshtrain/tokens)."""
+    import os
+
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "meshtrain" / \
+        "tokens"
+
+
+def cached_max_token(path) -> int:
+    """A bare shard's largest id, scanned once per (path, size, time) and kept in
+    `cache_dir()/max_token.json`: a multi-GB shard is read once, not per run."""
+    import os
+    import sys
+
+    stat = os.stat(path)
+    key = f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    cache = cache_dir() / "max_token.json"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, json.JSONDecodeError):
+        known = {}
+    if key not in known:
+        if stat.st_size > 2**28:
+            print(f"meshtrain: reading {path} once for its largest token id", file=sys.stderr)
+        known[key] = max_token(path)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, cache)
+    return known[key]

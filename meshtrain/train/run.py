@@ -96,6 +96,7 @@ def train_rank(config: RunConfig) -> dict:
     summary = {
         "run_dir": str(Path(config.run_dir).resolve()), "plan": plan.describe(),
         "steps": config.steps, "resumed_from": start, "restarts": faults.attempt(),
+        "data": corpus.source,
         "train_loss_start": first.get("train_loss"), "train_loss_end": loss,
         "val_loss_start": first["val_loss"], "val_loss_end": final_val,
         "median_step_s": median, "tokens_per_s": tokens_per_step / median,

@@ -7,6 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
+from meshtrain.cli.main import main
 from meshtrain.data.shards import write_shard
 from tests.multirank.test_cli_train import meshtrain, metrics
 
@@ -29,10 +30,13 @@ def uninterrupted(tmp_path_factory):
         tokens[noise] = rng.integers(0, 300, noise.sum())
         write_shard(data / name, tokens, np.uint16)
     run = root / "run"
+    env = pytest.MonkeyPatch()   # the largest id of these bare shards, cached here
+    env.setenv("XDG_CACHE_HOME", str(root / "cache"))
     out = meshtrain("train", "--nproc", "2", "--data", str(data), "--steps", "4",
                     "--run-dir", str(run), *SMALL)
     assert out.returncode == 0, out.stderr
-    return run, data
+    yield run, data
+    env.undo()
 
 
 def _resume_from_step_2(run, tmp_path, plan=None, nproc="4"):
@@ -76,9 +80,13 @@ def test_the_checkpoint_records_the_data_position(uninterrupted):
     position = meta["extra"]["data"]
     assert position["next_step"] == 4 and position["batch_size"] == 8
     assert position["seq_len"] == 32 and len(position["fingerprint"]) == 16
+    summary = json.loads((run / "summary.json").read_text())   # the split, stated
+    assert "(2 shard(s), 44,000 tokens; validation: the shards named *val* (1))" in \
+        summary["data"]
 
 
-def test_a_resume_on_changed_data_is_refused_before_any_rank_starts(uninterrupted, tmp_path):
+def test_a_resume_on_changed_data_is_refused_before_any_rank_starts(uninterrupted, tmp_path,
+                                                                   capsys):
     run, data = uninterrupted
     changed = tmp_path / "data"
     shutil.copytree(data, changed)
@@ -87,7 +95,6 @@ def test_a_resume_on_changed_data_is_refused_before_any_rank_starts(uninterrupte
     shutil.copytree(run, copy)
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps(dict(config, data=str(changed))))
-    out = meshtrain("train", "--resume", str(copy), "--steps", "6", "--no-progress")
-    assert out.returncode == 2
+    assert main(["train", "--resume", str(copy), "--steps", "6", "--no-progress"]) == 2
     assert f"--data {changed}: the data differs from what the checkpoint was trained on" \
-        in out.stderr
+        in capsys.readouterr().err

@@ -1,5 +1,7 @@
 """Token datasets: llm.c-format shards read memory-mapped, split, sampled by (seed, step),
 blended; and their bad input refused by `meshtrain train` before any rank starts."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -119,6 +121,7 @@ def test_a_token_at_or_above_the_vocabulary_is_refused_when_read(tmp_path):
 @pytest.fixture
 def bad_data(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))   # the scanned largest ids
     write_shard(tmp_path / "big.bin", np.arange(40_000) % 40_000, np.uint16)
     write_shard(tmp_path / "empty.bin", np.zeros(0), np.uint16)
     write_shard(tmp_path / "ok.bin", _tokens(4000), np.uint16)
@@ -139,6 +142,9 @@ def test_bad_token_data_is_refused_before_any_rank_starts(bad_data, argv, messag
     code = main(["train", "--nproc", "1", "--steps", "1", *argv.split()])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err, err
+    if "big.bin" in argv:   # scanned once, then known: (path, size, time) -> largest id
+        cached = json.loads((bad_data / "cache/meshtrain/tokens/max_token.json").read_text())
+        assert list(cached.values()) == [39_999]
 
 
 def test_bench_data_reports_the_loaders_headroom_over_a_step(tmp_path, capsys):
