@@ -34,7 +34,7 @@ def settle_data(config):
         return None
     for t in data.tokens:
         if tok is not None:
-            check_matches(tok, t.index, t.files[0].rsplit("/", 1)[0])
+            check_matches(tok, t.index, str(Path(t.files[0]).parent))
         elif t.index and (Path(t.files[0]).parent / "tokenizer" / "tokenizer.json").exists():
             tok = Tokenizer(Path(t.files[0]).parent / "tokenizer")   # the dataset's own
     declared = max(filter(None, [data.vocab_size, tok and tok.vocab_size]), default=None)

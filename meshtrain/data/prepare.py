@@ -78,7 +78,7 @@ def documents(inputs: list[str], text_field: str = "text") -> Iterator[str]:
     from meshtrain.data.corpus import _is_text, _walk
 
     def wanted(p: Path) -> bool:
-        return p.suffix in JSON_LINES + PARQUET or _is_text(p)
+        return p.suffix in JSON_LINES + PARQUET + (".arrow",) or _is_text(p)
 
     for name in inputs:
         path = Path(name)
@@ -90,6 +90,10 @@ def documents(inputs: list[str], text_field: str = "text") -> Iterator[str]:
 
 
 def _documents_of(path: Path, text_field: str) -> Iterator[str]:
+    if path.suffix == ".arrow":
+        raise DataError(f"{path}: a Hugging Face datasets folder (save_to_disk's Arrow files) "
+                        "is not read; write it as Parquet or JSON lines first "
+                        "(dataset.to_parquet(PATH) or dataset.to_json(PATH)) and give those")
     if path.suffix in JSON_LINES:
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):

@@ -106,4 +106,6 @@ def _missing(path: Path) -> str:
         return (f"--tokenizer {path}: the folder holds no tokenizer.json; give a fast "
                 "(tokenizers-library) tokenizer, e.g. one saved by transformers' "
                 "tokenizer.save_pretrained")
-    return f"--tokenizer {path}: no such file; give a tokenizer.json or a tokenizer folder"
+    return (f"--tokenizer {path}: no such file; give a tokenizer.json or a tokenizer folder "
+            "(a tiktoken encoding by name is not read: save its transformers equivalent with "
+            "AutoTokenizer.from_pretrained(NAME).save_pretrained(DIR) and give DIR)")

@@ -128,4 +128,8 @@ def test_bad_prepare_input_is_named(tokenizer, tmp_path, capsys):
     code = main(["prepare", str(tmp_path / "ok.txt"), "--tokenizer", str(tmp_path / "none"),
                  "--out", str(tmp_path / "x"), "--no-progress"])
     assert code == 2 and "no such file; give a tokenizer.json" in capsys.readouterr().err
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "data-00000-of-00001.arrow").write_bytes(b"ARROW1\0\0")
+    with pytest.raises(DataError, match=r"arrow: a Hugging Face datasets folder .*to_parquet"):
+        prepare([str(tmp_path / "hf")], tokenizer, tmp_path / "d2")
     shutil.rmtree(out)
