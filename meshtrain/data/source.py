@@ -30,6 +30,11 @@ class TrainingData:
     tokens: tuple[TokenData, ...]
     """The token datasets (empty for text read as bytes)."""
 
+    @classmethod
+    def of_corpus(cls, corpus) -> "TrainingData":
+        """Text read as bytes (corpus.py's Corpus)."""
+        return cls([corpus.train], None, corpus.val, corpus.source, "bytes", ())
+
     @property
     def vocab_size(self) -> int | None:
         """The vocabulary the datasets declare (their indexes), the largest; None if none do."""
@@ -63,8 +68,7 @@ def load_data(spec: str | None, vocab_size: int | None = None) -> TrainingData:
     model's) are refused when read."""
     parts = parse_blend(spec) if spec is not None else []
     if not parts or (len(parts) == 1 and not is_token_data(parts[0][0])):
-        corpus = load_corpus(spec)
-        return TrainingData([corpus.train], None, corpus.val, corpus.source, "bytes", ())
+        return TrainingData.of_corpus(load_corpus(spec))
     text = [p for p, _ in parts if not is_token_data(p)]
     if text:
         raise DataError(f"--data {spec}: {text[0]} is text; a blend takes token datasets "
@@ -80,9 +84,12 @@ def load_data(spec: str | None, vocab_size: int | None = None) -> TrainingData:
 
 
 def check_fits(data: TrainingData, seq_len: int) -> None:
-    """Raise a clear error unless every split holds a window of seq_len+1 tokens."""
-    for name, split in [("train", s) for s in data.train] + [("validation", data.val)]:
-        if as_tokens(split).num_windows(seq_len) < 1:
-            raise DataError(f"the {name} split of {data.source} has no window of "
-                            f"seq_len+1={seq_len + 1} tokens inside one shard; use more data "
-                            "or a shorter --seq")
+    """Raise a clear error unless every split holds a window of seq_len+1 tokens (inside
+    one shard: a window never crosses two)."""
+    unit = "tokens" if data.tokens else "bytes"
+    for name, split in [("train", s) for s in data.train] + [("val", data.val)]:
+        split = as_tokens(split)
+        if split.num_windows(seq_len) < 1:
+            raise DataError(f"{name} split of {data.source} has {split.numel()} {unit}, fewer "
+                            f"than seq_len+1={seq_len + 1} in one piece; use more data or a "
+                            "shorter --seq")
