@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshtrain.data.shards import DataError, map_tokens, max_token, read_header
+from meshtrain.data.shards import DataError, max_token, read_header, read_windows
 
 INDEX = "index.json"
 VAL_FRACTION = 0.1
@@ -37,9 +37,9 @@ class Piece:
 
 class TokenStream:
     """One split's tokens: pieces of shards, in order. A window never crosses two pieces.
-    Reads only the windows asked for, through maps made for one read and dropped after it
-    (as nanoGPT does: a map kept open holds every page it ever touched), so a rank's memory
-    does not grow with the dataset nor with the steps."""
+    Reads only the windows asked for, through maps made for one read and closed after it
+    (shards.read_windows), so a rank's memory grows neither with the dataset nor with the
+    steps."""
 
     def __init__(self, pieces, vocab_size: int | None = None) -> None:
         self.pieces = tuple(p for p in pieces if p.hi > p.lo)
@@ -60,19 +60,16 @@ class TokenStream:
         offsets = offsets.numpy()
         which = np.searchsorted(ends, offsets, side="right")    # (rows,) piece of each window
         out = np.empty((len(offsets), seq_len + 1), dtype=np.int64)
-        span = np.arange(seq_len + 1)
         for i in np.unique(which):
             rows = np.nonzero(which == i)[0]
             piece = self.pieces[i]
             starts = offsets[rows] - (ends[i] - counts[i]) + piece.lo
-            out[rows] = self._map(piece.path)[starts[:, None] + span]   # (rows_i, T+1)
+            if piece.path not in self._headers:
+                self._headers[piece.path] = read_header(piece.path)
+            out[rows] = read_windows(piece.path, *self._headers[piece.path], starts,
+                                     seq_len + 1)   # (rows_i, T+1)
             self._check_ids(out[rows], piece, starts)
         return torch.from_numpy(out)
-
-    def _map(self, path: str) -> np.ndarray:
-        if path not in self._headers:
-            self._headers[path] = read_header(path)
-        return map_tokens(path, *self._headers[path])
 
     def _check_ids(self, windows: np.ndarray, piece: Piece, starts: np.ndarray) -> None:
         if self.vocab_size is not None and windows.size and windows.max() >= self.vocab_size:
