@@ -50,7 +50,7 @@ def check_transformers_plan(spec: str, plan: Plan) -> None:
     from meshtrain.models import hf
     from meshtrain.models.registry import transformers_config
     from meshtrain.strategies import pipeline
-    from meshtrain.train.trainer import check_layer_sharding
+    from meshtrain.train.slots import check_layer_sharding
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(transformers_config(spec))

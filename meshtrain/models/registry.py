@@ -116,16 +116,20 @@ def transformers_config(spec: str):
     return config
 
 
-def build_model(spec: str, overrides: dict, seq_len: int | None = None) -> BuiltModel:
+def build_model(spec: str, overrides: dict, seq_len: int | None = None,
+                on_meta: bool = False) -> BuiltModel:
     """The model `spec` names (see the module docstring), freshly initialised from torch's
-    global RNG."""
+    global RNG. `on_meta`: built on the meta device with its initialisation recorded
+    (models/deferred.py), for the Trainer to make real only where each rank keeps it; a
+    model whose construction reads values is built eagerly instead, and said so."""
     kind = kind_of(spec)
     if kind == "gpt":
         config = gpt_config(spec, **overrides)
-        model = GPT(config)
+        model = _built(lambda: GPT(config), on_meta, spec)
         return BuiltModel(model, model.loss, config.seq_len, kind)
     check_model_spec(spec, overrides)
-    module = _from_callable(spec) if kind == "callable" else _from_transformers(spec)
+    make = _from_callable if kind == "callable" else _from_transformers
+    module = _built(lambda: make(spec), on_meta, spec)
     if kind != "callable":
         return BuiltModel(module, token_cross_entropy, seq_len or _context_of(module) or 128,
                           "transformers")
@@ -147,6 +151,19 @@ def _resolve(spec: str) -> Callable:
     if not callable(fn):
         raise ModelSpecError(f"--model {spec!r} is not callable")
     return fn
+
+
+def _built(build: Callable[[], nn.Module], on_meta: bool, spec: str) -> nn.Module:
+    if not on_meta:
+        return build()
+    from meshtrain.models.deferred import DeferredInitError, build_on_meta
+
+    try:
+        return build_on_meta(build)
+    except DeferredInitError as exc:
+        print(f"meshtrain: --model {spec} cannot be built on the meta device ({exc}); "
+              "every rank builds it whole first", file=sys.stderr)
+        return build()
 
 
 def _from_callable(spec: str) -> nn.Module:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
-from typing import Callable, ContextManager, Protocol
+from typing import Iterator, Callable, ContextManager, Protocol
 
 import torch
 from torch import nn
@@ -56,6 +56,9 @@ class Stages(Protocol):
 
     def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """The buffers this rank holds, by canonical name."""
+
+    def modules(self) -> list[nn.Module]:
+        """The modules this rank runs (what a model on the meta device makes real)."""
 
     def merge(self, local: dict[str, object]) -> dict[str, object]:
         """Every stage's entries (name -> tensor or dict of tensors), on every rank.
@@ -124,6 +127,16 @@ class GradientSync(ABC):
     @abstractmethod
     def local_optimizer_state(self) -> tuple[dict[str, dict], list[dict]]:
         """(state by parameter name, param groups by name), whole along dp."""
+
+    def local_state_groups(self) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, dict]]]:
+        """(parameters, optimizer states) by name, whole along dp, a group at a time: what
+        a checkpoint consolidates without holding the whole state at once. Collective where
+        sharded: every dp rank gets the same groups in the same order."""
+        yield self.local_parameters(), self.local_optimizer_state()[0]
+
+    def optimizer_groups(self) -> list[dict]:
+        """The optimizer's param groups by parameter name (as `local_optimizer_state`)."""
+        return self.local_optimizer_state()[1]
 
     @abstractmethod
     def load_local(self, params: dict[str, torch.Tensor],
@@ -212,6 +225,9 @@ class WholeModel:
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(self._canonical[n], p) for n, p in self.model.named_parameters()]
+
+    def modules(self) -> list[nn.Module]:
+        return [self.model]
 
     def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
         # non-persistent buffers (RoPE's inv_freq) are in no state dict: not ours to sync

@@ -8,8 +8,8 @@ Layout of a checkpoint folder:
 What is saved is the consolidated, one-process state (core/state.py): the model's own
 state-dict keys at full shapes, and the optimizer's state keyed by parameter name. So a
 checkpoint does not depend on the plan that wrote it: it loads under any other plan, each
-rank reading the whole state and keeping its part. Every rank hands DCP the same state; DCP
-writes each tensor once, spreading the writes over the ranks.
+rank reading the whole state and keeping its part. Each rank hands DCP its share of the
+state (Trainer.save: no rank holds it whole); DCP writes their union.
 
 [Note: atomic save]
 Every rank writes into `<path>.partial`; after a barrier, rank 0 writes meshtrain.json last
@@ -60,9 +60,10 @@ def _barrier() -> None:
 
 
 def save(path, model_state: dict[str, torch.Tensor], optimizer_state: dict | None, plan,
-         extra: dict) -> None:
-    """Write the consolidated state (every rank passes the same); `optimizer_state` is None
-    before the first optimizer step."""
+         extra: dict, shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Write the consolidated state: every rank passes its share of it (DCP writes the union,
+    each tensor once), or all the same; `optimizer_state` is None before the first optimizer
+    step. `shapes`: every state-dict key's shape (default: `model_state`'s)."""
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     if _rank() == 0:
@@ -79,7 +80,8 @@ def save(path, model_state: dict[str, torch.Tensor], optimizer_state: dict | Non
     if _rank() == 0:
         meta = {"format": 3, "plan": plan.to_dict(), "extra": extra,
                 "has_optimizer_state": optimizer_state is not None,
-                "shapes": {k: list(v.shape) for k, v in model_state.items()},
+                "shapes": {k: list(v) for k, v in (shapes or {
+                    k: v.shape for k, v in model_state.items()}).items()},
                 "files": manifest(partial)}
         tmp = partial / (META + ".tmp")
         tmp.write_text(json.dumps(meta, indent=1))

@@ -56,7 +56,7 @@ def train_rank(config: RunConfig) -> dict:
     if plan.compile_backend == "inductor":
         limit_compile_workers()   # after init_distributed set this rank's threads
     torch.manual_seed(config.seed)
-    built = build_model(config.model, config.model_overrides, config.seq_len)
+    built = build_model(config.model, config.model_overrides, config.seq_len, on_meta=True)
     seq_len = built.seq_len
     flops_tok = model_flops_per_token(built.module, seq_len)   # before any sharding
     corpus = load_data(config.data, getattr(getattr(built.module, "config", None),

@@ -10,6 +10,7 @@ by name before anything is built.
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Callable
 
@@ -28,83 +29,18 @@ from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.models import hf
 from meshtrain.models.lean_cross_entropy import lean_cross_entropy
 from meshtrain.models.registry import logits_of
-from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchLoop, NoSharding,
-                                        Stages, StepDriver, WholeModel)
-from meshtrain.strategies import pipeline, tensor_parallel
-from meshtrain.strategies.data_parallel.ddp import DDP
-from meshtrain.strategies.data_parallel.diloco import DiLoCo, one_replica_state
-from meshtrain.strategies.data_parallel.master_dp import MasterDP
-from meshtrain.strategies.data_parallel.parameter_server import ParameterServer
-from meshtrain.strategies.data_parallel.powersgd import PowerSGD
-from meshtrain.strategies.data_parallel.ps_async import AsyncParameterServer
-from meshtrain.strategies.compile import apply_compile, compiled_token_loss, graph_step_marker
+from meshtrain.strategies import pipeline
+from meshtrain.strategies.data_parallel.diloco import one_replica_state
+from meshtrain.strategies.compile import apply_compile, compiled_token_loss
+from meshtrain.strategies.materialise import init_source, materialise
 from meshtrain.strategies.recompute import apply_recompute
-from meshtrain.strategies.zero.sharded import ZeRO
-from meshtrain.strategies.zero.zero3 import ZeRO3
 from meshtrain.strategies.tensor_parallel.sharding import is_token_cross_entropy
 from meshtrain.train import checkpoint
+from meshtrain.train.slots import (check_layer_sharding, drive_steps, keep_stages, shard_layers,
+                                   sync_gradients)
 from meshtrain.core.state import StateLayout
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-
-
-# ---- the five slots, each a plain function of the plan ---------------------------------------
-def shard_layers(model: nn.Module, plan: Plan, comm: Comm, tp_plan: dict | None) -> LayerSharding:
-    """Slot 1: shard each layer's matrices over tp, in place, keeping parameter names."""
-    check_layer_sharding(model, plan, tp_plan)
-    if plan.tp == 1:
-        return NoSharding()
-    return tensor_parallel.shard(model, plan, comm, tp_plan)
-
-
-def check_layer_sharding(model: nn.Module, plan: Plan, tp_plan: dict | None) -> None:
-    """Slot 1's refusals that need the model's modules but no process group (run before
-    the mesh is built; check_plan has refused a tp_plan without tp)."""
-    tensor_parallel.check(model, plan, tp_plan)
-
-
-def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout) -> Stages:
-    """Slot 2: keep only this rank's pipeline stages (chunks) of the model."""
-    if plan.pp == 1:
-        return WholeModel(model, layout.canonical)
-    return pipeline.keep_stages(model, plan, comm, layout, _list(plan.stage_cuts))
-
-
-def sync_gradients(stages: Stages, plan: Plan, comm: Comm) -> GradientSync:
-    """Slots 3 and 4: how dp replicas agree on gradients, and who owns the optimizer.
-    Parameters in `stages.shared` must be laid out identically on every stage holding them."""
-    params, buffers = stages.named_parameters(), [b for _, b in stages.named_buffers()]
-    if plan.dp_mode == "dp":
-        return MasterDP(stages.model, params, comm, replicas=plan.dp)
-    if plan.dp_mode == "ps-sync":
-        return ParameterServer(params, buffers, comm, plan)
-    if plan.dp_mode == "ps-async":
-        return AsyncParameterServer(params, buffers, comm, plan)
-    if plan.dp_mode in LOCAL_STEP_MODES:
-        return DiLoCo(params, buffers, comm, plan)
-    if plan.zero == 3:
-        return ZeRO3(stages.model, params, buffers, comm, plan,
-                     unit_names=_list(plan.zero3_units), offload_dir=plan.offload_dir)
-    if plan.zero in (1, 2):
-        return ZeRO(params, buffers, comm, plan, shared=list(stages.shared),
-                    offload_dir=plan.offload_dir)
-    if plan.compression == "powersgd":
-        return PowerSGD(params, buffers, comm, plan.bucket_mb, plan.compression_rank,
-                        plan.compression_min_rate, plan.sync_warmup_steps)
-    return DDP(params, buffers, comm, bucket_mb=plan.bucket_mb, precision=plan.precision)
-
-
-def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_fn: Callable,
-                activations: ActivationMeter | None, sync: GradientSync) -> StepDriver:
-    """Slot 5: the order of forwards, backwards and communication in a step: the gradient
-    sync's own where it has one (master DP's replica threads), else by pp."""
-    own = sync.step_driver(loss_fn, plan.microbatches, comm.mesh.device)
-    if own is not None:
-        return own
-    if plan.pp > 1:
-        return pipeline.PipelineSchedule(stages, plan, comm, loss_fn, activations)
-    return MicrobatchLoop(model, loss_fn, plan.microbatches, comm.mesh.device, activations,
-                          graph_step_marker(plan.compile_mode))
 
 
 class Trainer:
@@ -126,7 +62,9 @@ class Trainer:
         self.mesh = Mesh.build(plan)
         self.comm = Comm(self.mesh)
         self.watchdog = watch(self.comm)   # names the culprit when a collective fails
-        self.model = model.to(self.mesh.device)
+        # a model on the meta device is made real only where it is kept, after slots 1-2
+        source = init_source(model)
+        self.model = model if source is not None else model.to(self.mesh.device)
         self.loss_fn = loss_fn or model.loss
         if uses_lean_loss(plan.recompute, plan.tp) and is_token_cross_entropy(self.loss_fn):
             # recomputed layers keep little; the loss's fp32 copies would then dominate
@@ -154,7 +92,10 @@ class Trainer:
         if self.activations is not None:
             self.activations.track(p for _, p in self.stages.named_parameters())
         # 3-4. gradient sync before the optimizer: the optimizer must see what the sync owns
-        self.data_parallel = sync_gradients(self.stages, plan, self.comm)
+        fill = None if source is None else functools.partial(
+            materialise, self.model, self.stages.modules(), self.layout, self.sharding, source,
+            self.mesh.device)
+        self.data_parallel = sync_gradients(self.stages, plan, self.comm, fill)
         self.optimizer = self.data_parallel.build_optimizer(optimizer)
         # 5. the step driver
         self.driver = drive_steps(self.model, self.stages, plan, self.comm, self.loss_fn,
@@ -313,12 +254,40 @@ class Trainer:
 
     def save(self, path, extra: dict | None = None) -> None:
         """Checkpoint (torch.distributed.checkpoint) of the consolidated state, written
-        atomically, each tensor by one rank; loadable under any plan, except a DiLoCo / local
-        SGD checkpoint taken mid-round under a plan keeping one replica (refused by name)."""
-        optimizer_state = self.full_optimizer_state()
-        checkpoint.save(path, self.full_state_dict(),
-                        optimizer_state if optimizer_state["state"] else None, self.plan,
-                        dict(extra or {}, steps_done=self.steps_done))
+        atomically; loadable under any plan, except a DiLoCo / local SGD checkpoint taken
+        mid-round under a plan keeping one replica (refused by name). No rank holds the
+        whole state: it is consolidated a group at a time (ZeRO: a bucket, ZeRO-3 a unit)
+        and each rank of a stage keeps and writes its share."""
+        params, states, groups = self._share_of_state()
+        stepped = torch.tensor([float(len(states))], device=self.mesh.device)
+        for axis in ("tp", "pp", "dp"):
+            self.comm.all_reduce(stepped, axis, tag="save")
+        optimizer_state = {"state": states, "param_groups": groups} if stepped.item() else None
+        checkpoint.save(path, params, optimizer_state, self.plan,
+                        dict(extra or {}, steps_done=self.steps_done), shapes=self.layout.shapes)
+
+    def _share_of_state(self) -> tuple[dict, dict, list]:
+        """This rank's share of the consolidated state: (model state by state-dict key,
+        optimizer states by name, param groups). The ranks of a stage take its tensors in
+        turn; tied tensors and buffers appear on every stage that holds them."""
+        mine = self.mesh.axis_rank("dp") * self.mesh.size("tp") + self.mesh.axis_rank("tp")
+        share = self.mesh.size("dp") * self.mesh.size("tp")
+        params, states, turn = {}, {}, 0
+        for local, local_states in self.data_parallel.local_state_groups():
+            for name, value in local.items():
+                full = self.sharding.full(name, value)   # collective over tp
+                full_states = {k: self.sharding.full(name, v) if _param_shaped(v) else v
+                               for k, v in local_states.get(name, {}).items()}
+                if turn % share == mine:
+                    params[name] = full.clone()
+                    if full_states:
+                        states[name] = full_states
+                turn += 1
+        if mine == 0:
+            params.update({n: b.detach() for n, b in self.stages.named_buffers()})
+        by_key = {key: params[c] for key, c in self.layout.canonical.items() if c in params}
+        groups = self.data_parallel.optimizer_groups()
+        return by_key, states, groups
 
     def load(self, path) -> dict:
         """Restore model and optimizer from `path` (saved under any plan); returns its extras."""

@@ -26,6 +26,7 @@ from torch import nn
 
 import meshtrain as mt
 from meshtrain.data.sampler import BatchSampler
+from meshtrain.models.deferred import build_on_meta
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.strategies.tensor_parallel import token_cross_entropy
 from tests.multirank.ddp_cases import CONFIG, data
@@ -221,13 +222,14 @@ def reference_bf16(model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
 
 
 def train(plan: mt.Plan, model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
-          max_grad_norm: float | None = None, dtype=None, **plan_kw) -> dict:
+          max_grad_norm: float | None = None, dtype=None, meta: bool = False, **plan_kw) -> dict:
     """The same training under `plan` (with `max_grad_norm` and the Plan fields in
     `plan_kw` set on it), on this rank and its mesh's device (MESHTRAIN_DEVICE, which
-    `run_ranks(device=...)` sets); returns what `reference` returns, on the host."""
+    `run_ranks(device=...)` sets); returns what `reference` returns, on the host. `meta`:
+    the model built on the meta device, each rank materialising only what it keeps."""
     build, loss_fn, _, _ = MODELS[model]
     torch.manual_seed(0)
-    net = build()
+    net = build_on_meta(build) if meta else build()
     if dtype is not None:
         net = net.to(dtype)
     plan = dataclasses.replace(plan, max_grad_norm=max_grad_norm, **plan_kw)

@@ -59,6 +59,9 @@ class PipelineStages:
     def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
         return list(self._buffers)
 
+    def modules(self) -> list[nn.Module]:
+        return list(self.chunks)
+
     def counts(self, name: str) -> bool:
         return name not in self.shared or self.shared[name][0] == self.rank
 

@@ -60,7 +60,8 @@ class ZeRO(GradientSync):
         # fp32 master, two moments, ZeRO-3's shard: at most 16 bytes per element of a shard
         self.offload = Offloader(plan.offload, comm.mesh.device, offload_dir,
                                  16 * (elements // self.n + 1), comm.mesh.rank)
-        broadcast_tensors([p for _, p in named_params] + list(buffers), comm, axis)
+        if not any(p.is_meta for _, p in named_params):   # else made equal by construction
+            broadcast_tensors([p for _, p in named_params] + list(buffers), comm, axis)
         self.named = {n: p for n, p in named_params if p.requires_grad}
         self.params = list(self.named.values())
         names = {id(p): n for n, p in self.named.items()}
@@ -203,30 +204,52 @@ class ZeRO(GradientSync):
     # ---- state --------------------------------------------------------------------------------
     def local_parameters(self) -> dict[str, torch.Tensor]:
         """Whole parameters by name: the exact values (the fp32 masters, gathered, in bf16)."""
-        if not self.masters.mixed and self.stage < 3:
-            return {n: p.detach() for n, p in self.named.items()}
-        return self.layout.split(self.layout.gather([m.detach() for m in self.masters.masters],
-                                                    self.comm, self.axis))
+        out: dict[str, torch.Tensor] = {}
+        for i in range(len(self.buckets)):
+            out.update(self._bucket_parameters(i))
+        return out
 
     def local_optimizer_state(self) -> tuple[dict[str, dict], list[dict]]:
         """Per-parameter states, whole along dp: per-element states gathered and cut per
         parameter, a 0-dim state (Adam's step) copied to each."""
-        per_key: dict[str, list] = {}
-        for i, master in enumerate(self.masters.masters):
-            for key, value in self.optimizer.state.get(master, {}).items():
-                per_key.setdefault(key, [None] * len(self.buckets))[i] = value
-        state: dict[str, dict] = {n: {} for n in self.named}
-        for key, values in per_key.items():
-            if all(isinstance(v, torch.Tensor) and v.shape == m.shape
-                   for v, m in zip(values, self.masters.masters)):
-                for name, t in self.layout.split(self.layout.gather(values, self.comm,
-                                                                    self.axis)).items():
+        state: dict[str, dict] = {}
+        for i in range(len(self.buckets)):
+            state.update(self._bucket_optimizer_state(i))
+        return flat_state_by_name(self.optimizer, state, self._stepped, list(self.named))
+
+    def local_state_groups(self):
+        """One bucket at a time (ZeRO-3: one unit), so no rank gathers the whole model."""
+        for i in range(len(self.buckets)):
+            state = self._bucket_optimizer_state(i)
+            yield self._bucket_parameters(i), {n: s for n, s in state.items()
+                                               if s and n in self._stepped}
+
+    def optimizer_groups(self) -> list[dict]:
+        return flat_state_by_name(self.optimizer, {}, set(), list(self.named))[1]
+
+    def _bucket_parameters(self, i: int) -> dict[str, torch.Tensor]:
+        if not self.masters.mixed and self.stage < 3:   # whole on every rank already
+            return {p.name: self.named[p.name].detach() for p in self.layout.pieces
+                    if p.bucket == i}
+        return self._whole(i, self.masters.masters[i].detach())
+
+    def _bucket_optimizer_state(self, i: int) -> dict[str, dict]:
+        master = self.masters.masters[i]
+        state: dict[str, dict] = {p.name: {} for p in self.layout.pieces if p.bucket == i}
+        for key, value in self.optimizer.state.get(master, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == master.shape:
+                for name, t in self._whole(i, value).items():
                     state[name][key] = t.clone()
             else:
-                for piece in self.layout.pieces:
-                    value = values[piece.bucket]
-                    state[piece.name][key] = value.clone() if isinstance(value, torch.Tensor) else value
-        return flat_state_by_name(self.optimizer, state, self._stepped, list(self.named))
+                for name in state:
+                    state[name][key] = value.clone() if isinstance(value, torch.Tensor) else value
+        return state
+
+    def _whole(self, i: int, shard: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Bucket i's per-parameter tensors from every rank's `shard` of it (an all-gather)."""
+        flat = self.layout.gather([shard], self.comm, self.axis)[0]
+        return {p.name: flat[p.start:p.start + p.numel].view(p.shape)
+                for p in self.layout.pieces if p.bucket == i}
 
     @torch.no_grad()
     def load_local(self, params: dict[str, torch.Tensor],

@@ -141,8 +141,10 @@ class ZeRO3(ZeRO):
     def __init__(self, model: nn.Module, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, plan: Plan,
                  unit_names: list[str] | None = None, axis: str = "dp",
-                 offload_dir=None) -> None:
+                 offload_dir=None, fill=None) -> None:
         self._unit_modules = wrapping_units(model, unit_names)
+        self._fill = fill   # a model on the meta device: its values stream into the shards
+        self._frozen = {n: p for n, p in named_params if not p.requires_grad}
         self.gathered_bytes = self.gathered_peak = 0
         self.unit_events: list[tuple[str, str, float]] = []   # (what, unit, time): prefetch log
         super().__init__(named_params, buffers, comm, plan, axis=axis, offload_dir=offload_dir)
@@ -161,14 +163,26 @@ class ZeRO3(ZeRO):
         order = [i for i in reversed(range(len(in_unit))) if in_unit[i]]
         groups = [in_unit[i] for i in order] + ([root] if root else [])
         self._unit_of_bucket = order + ([None] if root else [])
-        return build_buckets([], float("inf"), pad_to=self.n, dtype=compute, lazy=True,
-                             groups=groups)
+        buckets = build_buckets([], float("inf"), pad_to=self.n, dtype=compute, lazy=True,
+                                groups=groups)
+        for b in buckets:   # the compute device, also for parameters still on the meta device
+            b.device = self.comm.mesh.device
+        return buckets
 
     def _make_storage(self, precision: str, compute: torch.dtype) -> MasterWeights:
         """Only this rank's shard of each unit; the optimizer steps it (its fp32 master)."""
         master_dtype = torch.float32 if precision != "fp32" else compute
-        fp32 = self.layout.my_shards(self.layout.join(
-            {n: p.detach() for n, p in self.named.items()}, master_dtype, self.comm.mesh.device))
+        fp32 = [torch.zeros(self.layout.shard_size(b.index), dtype=master_dtype,
+                            device=self.comm.mesh.device) for b in self.buckets]
+        if self._fill is not None:
+            self._fill(lambda name, whole: self._take(fp32, name, whole))
+            for p in self.params:   # real from now on: Unit points them at its buffer
+                if p.is_meta:
+                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(
+                        0, dtype=p.dtype, device=self.comm.mesh.device)))
+        else:
+            for name, p in self.named.items():
+                self._take(fp32, name, p.detach())
         # between uses, a unit's shard lives where offload keeps things (a file for "disk")
         self.shards = [self.offload.place(s.to(compute).clone()) for s in fp32]
         self.units = [Unit(self._unit_name(b), b, shard, self.comm, self.axis, self)
@@ -177,6 +191,20 @@ class ZeRO3(ZeRO):
                                  if i is not None}
         self.root = self.units[-1] if self._unit_of_bucket[-1] is None else None
         return self._masters(self.shards, precision, fp32)
+
+    def _take(self, shards: list[torch.Tensor], name: str, whole: torch.Tensor) -> None:
+        """Copy this rank's part of parameter `name` (whole) into its shard: no rank ever
+        joins the whole model."""
+        piece = self.layout.by_name.get(name)
+        if piece is None:   # frozen: kept whole, as without ZeRO-3
+            frozen = self._frozen[name]
+            torch.utils.swap_tensors(frozen, nn.Parameter(
+                whole.to(self.comm.mesh.device, frozen.dtype, copy=True), requires_grad=False))
+            return
+        lo, hi = self.layout.owned(piece)
+        if hi > lo:
+            start = self.layout.rank * self.layout.shard_size(piece.bucket) + lo - piece.start
+            shards[piece.bucket][lo:hi] = whole.reshape(-1)[start:start + hi - lo]
 
     def _unit_name(self, bucket: Bucket) -> str:
         i = self._unit_of_bucket[bucket.index]
