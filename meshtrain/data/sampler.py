@@ -1,9 +1,12 @@
-"""Batches of byte windows that depend only on (seed, step), sharded over data-parallel ranks.
+"""Batches of token windows (bytes, or a token dataset's ids) that depend only on (seed,
+step), sharded over data-parallel ranks.
 
 [Note: one global batch] Every rank draws the same global batch of offsets for a step from a
-generator seeded by (seed, step), then keeps its own contiguous rows. So N ranks together see
-exactly the rows one process sees, in the same order, and resuming at step s reproduces the
-batches an uninterrupted run would have drawn: no sampler state to checkpoint.
+generator seeded by (seed, step), then reads only its own contiguous rows. So N ranks
+together see exactly the rows one process sees, in the same order, under any dp, pp or tp,
+and resuming at step s reproduces the batches an uninterrupted run would have drawn: the
+data's position is the step (`position`, which every checkpoint records beside the data's
+identity), with no loader state beyond it.
 """
 from __future__ import annotations
 
