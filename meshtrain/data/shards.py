@@ -48,6 +48,31 @@ def write_shard(path, tokens: np.ndarray, dtype: np.dtype) -> None:
     os.replace(tmp, path)
 
 
+def token_layout(path) -> tuple[np.dtype, int, int]:
+    """(token dtype, token count, byte offset of the first token) of a token file: an llm.c
+    shard (read_header), or a 1-D uint16/uint32 `.npy` array (np.save's, as build-nanogpt's
+    fineweb shards are written)."""
+    if Path(path).suffix != ".npy":
+        return (*read_header(path), HEADER_BYTES)
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0)
+            shape, _, dtype = read(f)
+            offset = f.tell()
+    except ValueError as exc:
+        raise DataError(f"{path}: not a .npy array ({exc}); give token shards") from None
+    if len(shape) != 1 or dtype.str not in ("<u2", "<u4"):
+        raise DataError(f"{path}: a .npy array of shape {shape} and dtype {dtype}; token files "
+                        "hold one row of little-endian uint16 or uint32 ids")
+    size = Path(path).stat().st_size
+    if size != offset + shape[0] * dtype.itemsize:
+        raise DataError(f"{path}: truncated: its header promises {shape[0]} {dtype.name} "
+                        f"tokens but the file has {size} bytes; re-create it")
+    return dtype, shape[0], offset
+
+
 def read_header(path) -> tuple[np.dtype, int]:
     """(token dtype, token count) of the shard at `path`, refusing a file that is not one
     whole shard: another magic or version, or fewer or more bytes than its header says."""
@@ -65,7 +90,9 @@ def read_header(path) -> tuple[np.dtype, int]:
         known = ", ".join(f"magic {m} version {v} ({d.name})" for (m, v), d in FORMATS.items())
         raise DataError(f"{path}: header has magic {magic} version {version}, not an llm.c "
                         f"token shard ({known}); give shards written by `meshtrain prepare` "
-                        "or llm.c's scripts, or raw text with --tokenizer")
+                        "or llm.c's scripts (or nanoGPT's headerless uint16 file saved as .npy: "
+                        "np.save('train.npy', np.memmap(PATH, np.uint16, 'r'))), or raw text "
+                        "with --tokenizer")
     expected = HEADER_BYTES + count * dtype.itemsize
     if count < 0 or size != expected:
         what = "truncated" if size < expected else "longer than its header says"
@@ -84,25 +111,25 @@ def open_shard(path) -> np.ndarray:
                      shape=(count,))
 
 
-def read_windows(path, dtype: np.dtype, count: int, starts: np.ndarray,
+def read_windows(path, dtype: np.dtype, count: int, offset: int, starts: np.ndarray,
                  length: int) -> np.ndarray:
     """Rows of `length` tokens from each of `starts`, int64 (rows, length), through a map
     made for this read and closed after it: a map kept open would hold every page it ever
     touched (nanoGPT remaps per batch for this). The kernel is told to read only the
     windows' pages (MADV_RANDOM: no 128 KiB read-around per window) and to fetch them all at
     once (MADV_WILLNEED: the disk sees every window's request together); on a 4 GB shard out
-    of the page cache, 16 windows read 25x faster than through a plain np.memmap."""
+    of the page cache, 16 windows read 25x faster than through a plain np.memmap.
+    (dtype, count, offset) is the file's token_layout."""
     width = dtype.itemsize
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         if hasattr(mmap, "MADV_RANDOM"):   # Linux and most Unixes; elsewhere plain faults
             mm.madvise(mmap.MADV_RANDOM)
-            for first in (HEADER_BYTES + starts * width).tolist():
+            for first in (offset + starts * width).tolist():
                 page = first - first % mmap.PAGESIZE
                 mm.madvise(mmap.MADV_WILLNEED, page, first + length * width - page)
-        tokens = np.frombuffer(mm, dtype=dtype.newbyteorder("<"), count=count,
-                               offset=HEADER_BYTES)
+        tokens = np.frombuffer(mm, dtype=dtype.newbyteorder("<"), count=count, offset=offset)
         rows = tokens[starts[:, None] + np.arange(length)].astype(np.int64)   # (rows, length)
         del tokens   # the map closes only once no array views it
     finally:
@@ -113,10 +140,10 @@ def read_windows(path, dtype: np.dtype, count: int, starts: np.ndarray,
 def max_token(path, chunk_bytes: int = 2**26) -> int:
     """The largest id in one shard, read in chunks through a buffer (not mapped, so the
     reading process's memory stays at one chunk however large the file)."""
-    dtype, count = read_header(path)
+    dtype, _, offset = token_layout(path)
     best = 0
     with open(path, "rb") as f:
-        f.seek(HEADER_BYTES)
+        f.seek(offset)
         while chunk := f.read(chunk_bytes):
             best = max(best, int(np.frombuffer(chunk, dtype=dtype.newbyteorder("<")).max()))
     return best

@@ -2,7 +2,8 @@
 split into train and validation, read window by window.
 
 A dataset is a folder `meshtrain prepare` wrote (its shards and `index.json`), one or more
-`.bin` shards (a file, a folder of them, or a glob such as `data/fineweb_*.bin`). Validation:
+`.bin` shards (a file, a folder of them, or a glob such as `data/fineweb_*.bin`), or `.npy`
+arrays of uint16/uint32 ids (build-nanogpt's `edufineweb_train_000001.npy`). Validation:
 the shards whose names say `val` (llm.c's `fineweb_val_000000.bin`) where some do, else the
 last tenth of the tokens, at most VAL_TOKENS_MAX of them.
 """
@@ -17,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshtrain.data.shards import DataError, max_token, read_header, read_windows
+from meshtrain.data.shards import DataError, max_token, read_windows, token_layout
 
 INDEX = "index.json"
+SUFFIXES = (".bin", ".npy")   # llm.c shards; np.save's arrays (build-nanogpt's shards)
 VAL_FRACTION = 0.1
 VAL_TOKENS_MAX = 2**20
 """The held-out tail of a dataset without val shards: enough for evaluation's windows, and
@@ -44,7 +46,7 @@ class TokenStream:
     def __init__(self, pieces, vocab_size: int | None = None) -> None:
         self.pieces = tuple(p for p in pieces if p.hi > p.lo)
         self.vocab_size = vocab_size
-        self._headers: dict[str, tuple] = {}   # path -> (dtype, count), read once
+        self._headers: dict[str, tuple] = {}   # path -> its token_layout, read once
 
     def numel(self) -> int:
         return sum(p.hi - p.lo for p in self.pieces)
@@ -65,7 +67,7 @@ class TokenStream:
             piece = self.pieces[i]
             starts = offsets[rows] - (ends[i] - counts[i]) + piece.lo
             if piece.path not in self._headers:
-                self._headers[piece.path] = read_header(piece.path)
+                self._headers[piece.path] = token_layout(piece.path)
             out[rows] = read_windows(piece.path, *self._headers[piece.path], starts,
                                      seq_len + 1)   # (rows_i, T+1)
             self._check_ids(out[rows], piece, starts)
@@ -110,16 +112,17 @@ class TokenData:
 def is_token_data(spec: str) -> bool:
     """Whether `--data spec` names token shards (else it is text)."""
     path = Path(spec)
-    if "*" in spec or path.suffix == ".bin":
+    if "*" in spec or path.suffix in SUFFIXES:
         return True
-    return path.is_dir() and ((path / INDEX).exists() or any(path.glob("*.bin")))
+    return path.is_dir() and ((path / INDEX).exists() or any(
+        f.suffix in SUFFIXES for f in path.iterdir()))
 
 
 def open_tokens(spec: str, vocab_size: int | None = None) -> TokenData:
     """The dataset `spec` names (module docstring), split; ids at or above `vocab_size` (the
     model's) are refused when read."""
     files, index = _files_of(spec)
-    counts = [read_header(f)[1] for f in files]   # every header checked, before any rank reads
+    counts = [token_layout(f)[1] for f in files]   # every header checked, before any rank reads
     if sum(counts) == 0:
         raise DataError(f"--data {spec}: the dataset holds no tokens ({len(files)} empty "
                         "shard(s)); prepare it from text with `meshtrain prepare`")
@@ -156,9 +159,9 @@ def _files_of(spec: str) -> tuple[list[str], dict | None]:
             raise DataError(f"{index_path} lists {missing[0]}, which is missing; re-run "
                             "`meshtrain prepare` into this folder (it resumes)")
         return [str(path / n) for n in names], index
-    files = sorted(str(f) for f in path.glob("*.bin"))
+    files = sorted(str(f) for f in path.iterdir() if f.suffix in SUFFIXES)
     if not files:
-        raise DataError(f"--data {spec}: the folder holds no .bin token shards and no "
+        raise DataError(f"--data {spec}: the folder holds no .bin or .npy token shards and no "
                         f"{INDEX}; prepare text with `meshtrain prepare`")
     return files, None
 

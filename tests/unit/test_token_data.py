@@ -49,6 +49,19 @@ def test_bad_shards_are_refused_naming_the_file(tmp_path):
         assert name in str(info.value)
 
 
+def test_npy_token_arrays_are_read_too(tmp_path):
+    a = _tokens(3000, seed=5).astype(np.uint16)
+    np.save(tmp_path / "edu_train_000001.npy", a)
+    np.save(tmp_path / "edu_val_000000.npy", a[:500])
+    data = open_tokens(str(tmp_path))
+    assert data.train.numel() == 3000 and data.val.numel() == 500
+    assert np.array_equal(data.train.read(torch.tensor([0, 2000]), 8).numpy(),
+                          np.stack([a[:9], a[2000:2009]]))
+    np.save(tmp_path / "bad.npy", np.zeros((3, 4), dtype=np.uint16))
+    with pytest.raises(DataError, match=r"bad\.npy: a \.npy array of shape \(3, 4\)"):
+        open_tokens(str(tmp_path / "bad.npy"))
+
+
 def test_validation_by_shard_name_else_by_fraction(tmp_path):
     write_shard(tmp_path / "d_val_000000.bin", _tokens(300, seed=1), np.uint16)
     write_shard(tmp_path / "d_train_000001.bin", _tokens(2000, seed=2), np.uint16)
