@@ -1,7 +1,8 @@
 """Text into token shards, once: the job behind `meshtrain prepare`.
 
 Documents come from text files (a file is a document), folders of them, JSON lines (one
-document per line, its `text_field`) and Parquet files (that column, read with pyarrow). They
+document per line, its `text_field`: `.jsonl` files, and `.json` files named as inputs; a
+`.json` met in a folder is a document) and Parquet files (that column, read with pyarrow). They
 are taken in order and cut into chunks of about `shard_mb` MB of text; chunk k is tokenised
 (EOS before each document, as llm.c does) and written as shard k, `shard_{k:06d}.bin`, by one of
 `workers` processes. A shard depends only on its chunk, so a prepare interrupted and run
@@ -25,7 +26,8 @@ from meshtrain.data.shards import DataError, dtype_for_vocab, read_header, write
 from meshtrain.data.tokenizer import Tokenizer
 
 INDEX, PROGRESS = "index.json", "progress.json"
-JSON_LINES, PARQUET = (".jsonl", ".json"), (".parquet",)
+ENCODE_CHARS = 2**18   # text handed to the tokenizer at once
+JSON_LINES, PARQUET = (".jsonl",), (".parquet",)
 
 
 @dataclass(frozen=True)
@@ -84,17 +86,19 @@ def documents(inputs: list[str], text_field: str = "text") -> Iterator[str]:
         path = Path(name)
         if not path.exists():
             raise DataError(f"{name}: no such file or folder")
-        files = [path] if path.is_file() else _walk(path, wanted, lambda n: n.startswith("."))
-        for file in files:
+        if path.is_file():   # a .json named here is JSON lines; in a folder, a document
+            yield from _documents_of(path, text_field, path.suffix == ".json")
+            continue
+        for file in _walk(path, wanted, lambda n: n.startswith(".")):
             yield from _documents_of(file, text_field)
 
 
-def _documents_of(path: Path, text_field: str) -> Iterator[str]:
+def _documents_of(path: Path, text_field: str, json_lines: bool = False) -> Iterator[str]:
     if path.suffix == ".arrow":
         raise DataError(f"{path}: a Hugging Face datasets folder (save_to_disk's Arrow files) "
                         "is not read; write it as Parquet or JSON lines first "
                         "(dataset.to_parquet(PATH) or dataset.to_json(PATH)) and give those")
-    if path.suffix in JSON_LINES:
+    if path.suffix in JSON_LINES or json_lines:
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
                 if line.strip():
@@ -190,9 +194,11 @@ def _init(tokenizer_path: str, eos: str) -> None:
 
 
 def _make_shard(k: int, texts: list[str], out: str, dtype: str) -> dict:
-    ids = _TOKENIZER.encode_documents(texts)
-    tokens = np.fromiter((t for doc in ids for t in doc), dtype=np.int64,
-                         count=sum(len(d) for d in ids))
+    """Shard k from its chunk's texts, encoded ENCODE_CHARS at a time: the library's
+    encodings (offsets, strings, masks) take ~100 bytes a token, the ids kept here 2 or 4."""
+    parts = [np.asarray(ids, dtype=dtype) for group in _chunks(iter(texts), ENCODE_CHARS)
+             for ids in _TOKENIZER.encode_documents(group)]
+    tokens = np.concatenate(parts)
     write_shard(Path(out) / _name(k), tokens, np.dtype(dtype))
     return {"file": _name(k), "tokens": int(tokens.size), "documents": len(texts),
             "max_token": int(tokens.max())}
