@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
                                      "implementation, or meshtrain's own machinery")
     p.add_argument("strategy", choices=["ddp", "zero", "tp", "hybrid", "collectives", "dp",
                                         "pp", "harness", "startup", "survival", "slowlink",
-                                        "single"],
+                                        "single", "data"],
                    help="ddp: our DDP vs torch DDP; zero: our DDP, ZeRO-1/2/3 vs torch's "
                         "ZeroRedundancyOptimizer and FSDP2; tp: vs DTensor tensor parallel; "
                         "hybrid: every 8-rank dp x pp x tp plan vs FSDP2 + DTensor TP; "
@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
                         "slowlink: DDP vs DiLoCo H=8, 32 and local SGD H=8 over an EMULATED "
                         "slow dp link (--link, on max --world ranks); single: one device, "
                         "plain PyTorch eager and compiled vs meshtrain Plan() eager and "
-                        "compiled (--device)")
+                        "compiled (--device); data: windows/s the loader delivers per rank "
+                        "against what a training step consumes (--data, --world)")
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8],
                    help="pp: micro-batch counts (4 8)")
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (2 4)")
@@ -71,6 +72,8 @@ def add_parser(sub) -> None:
                    help="single: compute precision (default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager"],
                    help="single: torch.compile's backend for the compiled contenders")
+    p.add_argument("--data", help="data: the token dataset to read (default: 2**24 random "
+                                  "tokens in a temporary shard)")
     p.add_argument("--json", metavar="FILE", help="also write the full result as JSON")
     p.set_defaults(run=run)
 
@@ -91,7 +94,12 @@ def run(args) -> int:
             return 2
     progress = lambda msg: print(msg, file=sys.stderr)
     ok = True   # False: a benchmark that checks its outcome found it wrong (survival)
-    if args.strategy == "single":
+    if args.strategy == "data":
+        from meshtrain.bench import data
+        result = data.run(args.data, args.model, args.batch, max(args.world), args.steps,
+                          args.reps, args.warmup, progress)
+        print(data.format_report(result))
+    elif args.strategy == "single":
         from meshtrain.bench import single
         result = single.run(args.device, args.model, args.batch, args.precision,
                             args.compile_backend, args.steps, args.reps, args.warmup, progress)
@@ -211,6 +219,13 @@ def check_bench_args(args) -> str | None:
                 return f"--link {args.link!r}: slowlink slows the dp axis; e.g. 'dp=1Gb/s,5ms'"
         except LinkSpecError as e:
             return str(e)
+    if args.strategy == "data" and args.data is not None:
+        from meshtrain.data.shards import DataError
+        from meshtrain.data.source import load_data
+        try:
+            load_data(args.data)
+        except DataError as e:
+            return str(e)
     if args.against and shutil.which(args.against) is None:
         return (f"--against {args.against}: no such command; give the path of another "
                 f"installation's meshtrain (e.g. OTHER_VENV/bin/meshtrain)")
@@ -222,7 +237,7 @@ def check_bench_args(args) -> str | None:
         except DeviceError as e:
             return str(e)
         args.model = args.model or default_model(args.device)
-    if args.strategy == "slowlink":   # trains each method to a loss: the smallest preset
+    if args.strategy in ("slowlink", "data"):   # the smallest preset: the default GPT's
         args.model = args.model or "tiny"
     args.model = args.model or "small"
     if args.strategy not in NO_MODEL and args.model not in PRESETS:

@@ -2,7 +2,8 @@
 file of consolidated weights (the model's own state-dict keys, whatever plan trained it),
 loadable with `safetensors.torch.load_file` into the model.
 `meshtrain export RUN_DIR OUT_FOLDER` (a transformers model's run): a transformers model
-folder (config.json + model.safetensors) that `AutoModelForCausalLM.from_pretrained` loads.
+folder (config.json + model.safetensors, and the run's tokenizer where it has one) that
+`AutoModelForCausalLM.from_pretrained` (and `AutoTokenizer.from_pretrained`) loads.
 
     meshtrain export runs/2026-11-23_10-00-00 gpt.safetensors
     meshtrain export runs/2026-11-23_11-00-00 my-llama/
@@ -72,6 +73,10 @@ def export_folder(run_dir, out: Path, force: bool = False) -> tuple[Path, int, i
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp))
+    tokenizer = Path(run_dir) / "tokenizer"
+    if tokenizer.is_dir():   # the run's tokenizer: the folder loads with AutoTokenizer too
+        for file in tokenizer.iterdir():
+            shutil.copyfile(file, tmp / file.name)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

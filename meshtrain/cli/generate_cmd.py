@@ -1,5 +1,6 @@
-"""`meshtrain generate RUN_DIR`: sample text from a byte-level run's latest checkpoint, in one
-process, whatever plan trained it.
+"""`meshtrain generate RUN_DIR`: sample text from a run's latest checkpoint, in one process,
+whatever plan trained it; prompts are encoded and output decoded with the run's tokenizer
+(its folder's tokenizer/), or as bytes for a byte-level run.
 
     meshtrain generate runs/2026-11-23_10-00-00 --prompt "def " --tokens 200
 """
@@ -15,7 +16,8 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by meshtrain train")
     p.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
-    p.add_argument("--tokens", type=int, default=200, help="bytes to generate (default: 200)")
+    p.add_argument("--tokens", type=int, default=200,
+                   help="tokens (bytes for a byte-level run) to generate (default: 200)")
     p.add_argument("--temperature", type=float, default=0.8,
                    help="softmax temperature; 0 takes the most likely byte (default: 0.8)")
     p.add_argument("--top-k", type=int, default=40,
@@ -26,25 +28,33 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from meshtrain.train.errors import CheckpointError
-    from meshtrain.train.generate import check_sampling, generate, load_trained
+    from meshtrain.train.generate import check_sampling, generate, load_trained, run_tokenizer
 
     top_k = args.top_k or None
     try:
         check_sampling(args.tokens, args.temperature, top_k)
         model, seq_len, steps = load_trained(args.run_dir)
+        tokenizer = run_tokenizer(args.run_dir)   # None: a byte-level run
     except (ValueError, FileNotFoundError, CheckpointError) as exc:
         print(f"meshtrain generate: {exc}", file=sys.stderr)
         return 2
-    print(f"# {args.run_dir}, step {steps}: {args.tokens} bytes after {args.prompt!r}",
+    unit = "bytes" if tokenizer is None else "tokens"
+    print(f"# {args.run_dir}, step {steps}: {args.tokens} {unit} after {args.prompt!r}",
           file=sys.stderr)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")   # bytes may split a char
     sys.stdout.write(args.prompt)
+    ids: list[int] = []
 
-    def show(byte: int) -> None:
-        sys.stdout.write(decoder.decode(bytes([byte])))
+    def show(token: int) -> None:
+        if tokenizer is None:
+            sys.stdout.write(decoder.decode(bytes([token])))
+        else:   # decode all so far: a token may complete a character the last one began
+            before = tokenizer.decode(ids)
+            ids.append(token)
+            sys.stdout.write(tokenizer.decode(ids)[len(before):])
         sys.stdout.flush()
 
     generate(model, args.prompt, args.tokens, seq_len, args.temperature, top_k, args.seed,
-             on_token=show)
+             on_token=show, tokenizer=tokenizer)
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
     return 0

@@ -17,6 +17,7 @@ COMMANDS = {
     "generate": "generate_cmd",
     "export": "export_cmd",
     "schedule": "schedule_cmd",
+    "prepare": "prepare_cmd",
 }
 
 

@@ -1,5 +1,6 @@
-"""The summary `meshtrain train` prints when a run ends: losses, speed and MFU, bytes sent,
-memory per rank (and per GPU where there is one), and the emulated link if any."""
+"""The summary `meshtrain train` prints when a run ends: the data (and its validation split),
+losses, speed and MFU, bytes sent, memory per rank (and per GPU where there is one), and the
+emulated link if any."""
 from __future__ import annotations
 
 
@@ -22,6 +23,7 @@ def print_summary(s: dict) -> None:
         f"plan          {s['plan']}, {s['steps']} steps"
         + (f" (resumed at step {s['resumed_from']})" if s["resumed_from"] else "")
         + (f"; restarted {s['restarts']}x after a rank failed" if s.get("restarts") else ""),
+        *([f"data          {s['data']}"] if s.get("data") else []),
         f"train loss    {s['train_loss_start']:.4f} -> {s['train_loss_end']:.4f}",
         f"val loss      {s['val_loss_start']:.4f} -> {s['val_loss_end']:.4f} ({ratio:.2f}x)",
         f"throughput    {s['tokens_per_s']:,.0f} tokens/s (median step {s['median_step_s'] * 1e3:.1f} ms; "

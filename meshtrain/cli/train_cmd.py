@@ -17,6 +17,7 @@ from pathlib import Path
 
 from meshtrain.cli.summary import print_summary
 from meshtrain.cli.train_checks import check_batch_split, check_model_plan
+from meshtrain.cli.train_data import check_resumed_data, settle_data
 from meshtrain.core.plan import COMPILE_BACKENDS, Plan, PlanError
 from meshtrain.train.config import DEFAULT_LR, OPTIMIZERS, latest_checkpoint
 
@@ -67,8 +68,13 @@ def _add_run_options(p) -> None:
     p.add_argument("--seq", type=int, help="sequence length (a GPT preset's override; for "
                                            "another model, its context, default 128 or its "
                                            "config's)")
-    p.add_argument("--data", help="a text file or folder (default: this Python's standard "
-                                   "library source)")
+    p.add_argument("--data", help="token shards (a folder `meshtrain prepare` made, .bin "
+                                   "files, a glob; several blended as PATH@WEIGHT,...), or a "
+                                   "text file or folder, read as bytes or with --tokenizer "
+                                   "(default: this Python's standard library source, as bytes)")
+    p.add_argument("--tokenizer", help="the model's tokenizer (tokenizer.json or a tokenizer "
+                                        "folder): --data text is tokenised with it once, "
+                                        "checked against a dataset's, kept in the run folder")
     p.add_argument("--steps", type=int, help="optimizer steps (default 250; with --resume, "
                                            "the run's own or a new total)")
     p.add_argument("--batch", type=int, default=32, help="global batch in sequences")
@@ -237,7 +243,8 @@ def build_config(args):
     run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return RunConfig(run_dir=run_dir, plan=plan.to_dict(), model=args.model, device=device,
                      model_overrides=overrides, seq_len=None if is_gpt else args.seq,
-                     loss=args.loss, data=args.data, init_from=args.init_from,
+                     loss=args.loss, data=args.data, tokenizer=args.tokenizer,
+                     init_from=args.init_from,
                      steps=250 if args.steps is None else args.steps,
                      batch_size=args.batch, optimizer=args.optimizer,
                      lr=DEFAULT_LR[args.optimizer] if args.lr is None else args.lr,
@@ -320,6 +327,7 @@ def run(args) -> int:
             check_init_from(config)
         check_model_plan(config, plan)
         check_batch_split(config, plan)
+        tokenizer = settle_data(config)   # bad data refused, a GPT's vocabulary set
         if config.tensorboard:
             from meshtrain.train.tensorboard import require_tensorboard
             require_tensorboard()
@@ -327,8 +335,10 @@ def run(args) -> int:
             ckpt = latest_checkpoint(config.run_dir)
             if ckpt is not None:
                 from meshtrain.train import checkpoint
-                checkpoint.inspect(ckpt)
+                check_resumed_data(config, checkpoint.inspect(ckpt))
         make_run_dir(config.run_dir)
+        if tokenizer is not None:   # the run's tokenizer, for generate and export
+            tokenizer.save(Path(config.run_dir) / "tokenizer")
     except errors.CheckpointError as exc:
         return _refused(exc, config.run_dir)
     except (PlanError, ValueError, FileNotFoundError) as exc:

@@ -77,15 +77,6 @@ def load_corpus(path: str | os.PathLike | None = None, max_bytes: int | None = 1
                   num_files=num_files)
 
 
-def check_fits(corpus: Corpus, seq_len: int) -> None:
-    """Raise a clear ValueError unless both splits hold at least one window of seq_len+1 bytes."""
-    for split in ("train", "val"):
-        n = getattr(corpus, split).numel()
-        if n < seq_len + 1:
-            raise ValueError(f"{split} split of {corpus.source} has {n} bytes, fewer than "
-                             f"seq_len+1={seq_len + 1}; use a larger corpus or a shorter seq_len")
-
-
 def _walk(root: Path, keep, skip_dir) -> Iterator[Path]:
     """Files under root that `keep` accepts, depth first, names sorted in each folder: the same
     order as sorting relative paths by their components. Lazy, so reading can stop early."""

@@ -30,6 +30,7 @@ class RunConfig:
     loss: str = "auto"             # "auto" (the model's .loss, else cross-entropy) | "cross-entropy"
     data: str | None = None
     init_from: str | None = None   # a transformers model folder the weights start from
+    tokenizer: str | None = None   # the model's tokenizer (a copy is kept in run_dir/tokenizer)
     steps: int = 250
     batch_size: int = 32          # global batch, sequences
     optimizer: str = "adamw"       # "adamw" | "sgd" (with momentum, no weight decay)
@@ -98,7 +99,7 @@ def check_run_config(config: RunConfig) -> None:
     run_dir = Path(config.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--run-dir {run_dir}: a file of that name exists; give a folder")
-    if config.data is not None:
+    if config.data is not None and not any(c in config.data for c in ",@*"):   # one path
         data = Path(config.data)
         if not data.exists():
             raise FileNotFoundError(f"--data {data}: no such file or folder; give a text file "

@@ -32,35 +32,48 @@ def load_trained(run_dir) -> tuple[nn.Module, int, int]:
     return built.module.eval(), built.seq_len, int(extra.get("steps_done", 0))
 
 
+def run_tokenizer(run_dir):
+    """The tokenizer the run trained with (its folder's tokenizer/), None for bytes."""
+    from pathlib import Path
+
+    from meshtrain.data.tokenizer import Tokenizer
+
+    folder = Path(run_dir) / "tokenizer"
+    return Tokenizer(folder) if (folder / "tokenizer.json").exists() else None
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt: str, tokens: int, seq_len: int,
              temperature: float = 0.8, top_k: int | None = 40, seed: int = 0,
-             on_token=None) -> bytes:
-    """`tokens` bytes sampled after `prompt` (UTF-8), each from the model's next-byte
-    distribution over the last `seq_len` bytes: logits / temperature, then only the top_k
-    most likely (temperature 0 takes the most likely byte). `on_token(byte)` sees each byte
-    as it is drawn."""
+             on_token=None, tokenizer=None) -> bytes:
+    """`tokens` tokens sampled after `prompt`, each from the model's next-token distribution
+    over the last `seq_len` tokens: logits / temperature, then only the top_k most likely
+    (temperature 0 takes the most likely). Tokens are bytes (UTF-8), or the ids of
+    `tokenizer` (the run's), decoded at the end. `on_token(id)` sees each as it is drawn."""
     check_sampling(tokens, temperature, top_k)
-    context = list(prompt.encode("utf-8")) or [ord("\n")]   # an empty prompt starts a line
+    if tokenizer is None:
+        context, vocab = list(prompt.encode("utf-8")) or [ord("\n")], BYTE_VOCAB
+    else:   # an empty prompt starts a document
+        context, vocab = tokenizer.encode(prompt) or [tokenizer.eos_id], tokenizer.vocab_size
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     out = []
     for _ in range(tokens):
         window = torch.tensor([context[-seq_len:]], dtype=torch.long, device=device)
-        logits = logits_of(model(window))[0, -1, :BYTE_VOCAB].float().cpu()  # host generator
+        logits = logits_of(model(window))[0, -1, :vocab].float().cpu()  # host generator
         if temperature == 0:
-            byte = int(logits.argmax())
+            token = int(logits.argmax())
         else:
             logits = logits / temperature
             if top_k is not None and top_k < logits.numel():
                 cutoff = logits.topk(top_k).values[-1]
                 logits = logits.masked_fill(logits < cutoff, float("-inf"))
-            byte = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
-        context.append(byte)
-        out.append(byte)
+            token = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+        context.append(token)
+        out.append(token)
         if on_token is not None:
-            on_token(byte)
-    return bytes(out)
+            on_token(token)
+    return bytes(out) if tokenizer is None else tokenizer.decode(out).encode("utf-8")
 
 
 def check_sampling(tokens: int, temperature: float, top_k: int | None) -> None:

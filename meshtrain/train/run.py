@@ -37,8 +37,8 @@ from meshtrain.core.link import LinkModel
 from meshtrain.core.plan import Plan
 from meshtrain.core.processes import process_start_time
 from meshtrain.train.config import RunConfig, latest_checkpoint, learning_rate, write_latest
-from meshtrain.data.corpus import check_fits, load_corpus
 from meshtrain.data.sampler import BatchSampler, eval_batches
+from meshtrain.data.source import check_fits, load_data
 from meshtrain.models.pretrained import SafetensorsFolder, attach
 from meshtrain.models.registry import build_model, token_cross_entropy
 from meshtrain.strategies.compile import limit_compile_workers
@@ -56,18 +56,20 @@ def train_rank(config: RunConfig) -> dict:
     plan = Plan.from_dict(config.plan)
     if plan.compile_backend == "inductor":
         limit_compile_workers()   # after init_distributed set this rank's threads
-    corpus = load_corpus(config.data)
     torch.manual_seed(config.seed)
     built = build_model(config.model, config.model_overrides, config.seq_len, on_meta=True)
     if config.init_from and not config.resume:   # each rank reads only what it keeps
         attach(built.module, SafetensorsFolder(config.init_from))
     seq_len = built.seq_len
     flops_tok = model_flops_per_token(built.module, seq_len)   # before any sharding
+    corpus = load_data(config.data, getattr(getattr(built.module, "config", None),
+                                            "vocab_size", None))   # ids it cannot embed: refused
     check_fits(corpus, seq_len)
     trainer, emulated = _build_trainer(config, plan, built)
     pin = pin_host_batches(trainer.mesh.device)   # batches a GPU copies without blocking
     sampler = BatchSampler(corpus.train, config.batch_size, seq_len, config.seed,
-                           trainer.dp_rank, trainer.dp_size, pin_memory=pin)
+                           trainer.dp_rank, trainer.dp_size, pin_memory=pin,
+                           weights=corpus.weights)
     val = eval_batches(corpus.val, max(1, config.batch_size // 2), seq_len, config.eval_batches,
                        pin_memory=pin)
     is_main = trainer.mesh.rank == 0
@@ -84,7 +86,7 @@ def train_rank(config: RunConfig) -> dict:
 
     t_start = time.perf_counter()
     loss, step_times, step_bytes, first_step_s = _train_steps(
-        trainer, config, sampler, val, metrics, start, first, util, emulated)
+        trainer, config, sampler, val, metrics, start, first, util, emulated, corpus.fingerprint)
     if config.trace and plan.pp > 1:
         _save_trace(trainer, plan, config)
 
@@ -98,6 +100,7 @@ def train_rank(config: RunConfig) -> dict:
     summary = {
         "run_dir": str(Path(config.run_dir).resolve()), "plan": plan.describe(),
         "steps": config.steps, "resumed_from": start, "restarts": faults.attempt(),
+        "data": corpus.source,
         "train_loss_start": first.get("train_loss"), "train_loss_end": loss,
         "val_loss_start": first["val_loss"], "val_loss_end": final_val,
         "median_step_s": median, "tokens_per_s": tokens_per_step / median,
@@ -115,7 +118,8 @@ def train_rank(config: RunConfig) -> dict:
 
 
 def _train_steps(trainer: Trainer, config: RunConfig, sampler: BatchSampler, val, metrics,
-                 start: int, first: dict, util: Callable[[float], float], emulated: str | None):
+                 start: int, first: dict, util: Callable[[float], float], emulated: str | None,
+                 data_id: str):
     """Steps `start`..config.steps, each recorded in metrics.jsonl, with the run's evaluations
     and checkpoints; returns the last loss, each step's seconds and bytes sent, and how long
     after the command started the first step was done."""
@@ -146,6 +150,7 @@ def _train_steps(trainer: Trainer, config: RunConfig, sampler: BatchSampler, val
         record = {"step": step + 1, "loss": loss, "lr": lr, "step_s": dt,
                   "tokens_per_s": tokens_per_step / dt, "mfu": util(tokens_per_step / dt),
                   "bytes_sent": sent, "bytes_by_axis": by_axis,
+                  **({"windows": sampler.window_hash(step)} if metrics.enabled else {}),
                   **(device_memory(trainer.mesh.device) or {}),
                   **({"link_emulation": emulated,
                       "link_s": _link_seconds(trainer) - slept} if emulated else {})}
@@ -159,7 +164,8 @@ def _train_steps(trainer: Trainer, config: RunConfig, sampler: BatchSampler, val
         if done % config.eval_every == 0 and done < config.steps:
             metrics.write({"step": done, "val_loss": trainer.evaluate(val)})
         if done % config.ckpt_every == 0 or done == config.steps:
-            _checkpoint(trainer, config, done, first)
+            _checkpoint(trainer, config, done, {"first": first, "data": dict(
+                sampler.position(done), fingerprint=data_id)})
     bar.close()
     return loss, step_times, step_bytes, first_step_s
 
@@ -253,9 +259,9 @@ def _link_seconds(trainer: Trainer) -> float:
     return sum(link.charged.values()) if link is not None else 0.0
 
 
-def _checkpoint(trainer: Trainer, config: RunConfig, step: int, first: dict) -> None:
+def _checkpoint(trainer: Trainer, config: RunConfig, step: int, extra: dict) -> None:
     name = f"step_{step:08d}"
-    trainer.save(Path(config.run_dir) / "checkpoints" / name, extra={"first": first})
+    trainer.save(Path(config.run_dir) / "checkpoints" / name, extra=extra)
     if trainer.mesh.rank == 0:
         write_latest(config.run_dir, name)
         folders = sorted((Path(config.run_dir) / "checkpoints").glob("step_*"))

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from meshtrain.data.corpus import MIN_SPLIT_BYTES, check_fits, load_corpus
+from meshtrain.data.corpus import MIN_SPLIT_BYTES, load_corpus
+from meshtrain.data.source import TrainingData, check_fits
 from meshtrain.data.sampler import BatchSampler, eval_batches
 
 
@@ -59,7 +60,7 @@ def test_corpus_errors_are_clear(tmp_path):
         load_corpus(small)
     with pytest.raises(ValueError, match=r"val_fraction=1.5"):
         load_corpus(small, val_fraction=1.5)
-    c = load_corpus(small, val_fraction=0.5)
+    c = TrainingData.of_corpus(load_corpus(small, val_fraction=0.5))
     check_fits(c, seq_len=1000)
     with pytest.raises(ValueError, match=r"train split of .*small.txt .* has 5120 bytes, fewer than seq_len\+1=8193"):
         check_fits(c, seq_len=8192)

@@ -1,0 +1,121 @@
+"""`meshtrain train --data`, opened in the command's process before any rank starts: what no
+rank could train on is refused here, naming the file, and a GPT preset's vocabulary follows
+the token dataset's."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from meshtrain.core.plan import PlanError
+
+VOCAB_MULTIPLE = 64
+"""A GPT preset's vocabulary is rounded up to this (nanoGPT's 50,257 -> 50,304: whole tiles)."""
+
+
+def settle_data(config):
+    """Check `config.data` (and `config.tokenizer`) against the model and each other; text
+    with a tokenizer is tokenised once into a cache folder, which `config.data` then names;
+    a GPT preset's vocabulary is set to the data's. Returns the run's tokenizer (the one
+    given, else the one a prepared dataset carries), or None for bytes."""
+    from meshtrain.data.source import load_data
+    from meshtrain.data.tokenizer import Tokenizer, check_matches
+    from meshtrain.data.tokens import is_token_data
+
+    tok = Tokenizer(config.tokenizer) if config.tokenizer else None
+    if config.data is None:
+        if tok is not None:
+            raise PlanError("--tokenizer needs --data: text to tokenise, or token shards")
+        return None
+    if tok is not None and "," not in config.data and not is_token_data(config.data):
+        config.data = str(tokenize_once(config.data, tok))
+    data = load_data(config.data)   # every shard's header checked; DataError names the file
+    if not data.tokens:
+        return None
+    for t in data.tokens:
+        if tok is not None:
+            check_matches(tok, t.index, str(Path(t.files[0]).parent))
+        elif t.index and (Path(t.files[0]).parent / "tokenizer" / "tokenizer.json").exists():
+            tok = Tokenizer(Path(t.files[0]).parent / "tokenizer")   # the dataset's own
+    declared = max(filter(None, [data.vocab_size, tok and tok.vocab_size]), default=None)
+    vocab = model_vocab(config)
+    if vocab is None and config.model_overrides.get("vocab_size") is None and _is_gpt(config):
+        need = declared or data.max_token + 1
+        config.model_overrides["vocab_size"] = -(-need // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    elif vocab is not None:
+        _check_vocab(config, data, declared, vocab)
+    return tok
+
+
+def tokenize_once(spec: str, tok) -> Path:
+    """Text `spec` as token shards in the cache (`cache_dir()/<key>`), prepared
+    on first use; the key is the files' paths, sizes and times and the tokenizer's hash."""
+    import hashlib
+    import os
+
+    from meshtrain.data.prepare import INDEX, prepare
+    from meshtrain.data.tokens import cache_dir
+
+    files = [spec] if Path(spec).is_file() else sorted(
+        str(p) for p in Path(spec).rglob("*") if p.is_file())
+    stamp = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    key = hashlib.sha256(json.dumps([stamp, tok.sha256]).encode()).hexdigest()[:16]
+    out = cache_dir() / key
+    if not (out / INDEX).exists():
+        print(f"meshtrain train: tokenising {spec} once, into {out}", file=sys.stderr)
+        prepare([spec], tok.file, out, eos=tok.eos)
+    return out
+
+
+def _check_vocab(config, data, declared: int | None, vocab: int) -> None:
+    if declared is not None and declared > vocab:
+        raise PlanError(f"--data {config.data}: its tokenizer has {declared:,} words, more than "
+                        f"the model's vocabulary of {vocab:,}; use a model whose embedding holds "
+                        "the tokenizer's vocabulary")
+    for t in data.tokens:
+        if t.max_token >= vocab:
+            raise PlanError(f"--data {config.data}: {_file_with_max(t)} holds token id "
+                            f"{t.max_token}, at or above the model's vocabulary of {vocab:,}; "
+                            "use a model with a larger vocabulary, or data made by its tokenizer")
+
+
+def check_resumed_data(config, meta: dict) -> None:
+    """The checkpoint's data position was taken on the same datasets (names, token counts)."""
+    saved = (meta.get("extra") or {}).get("data")
+    if not saved or saved.get("fingerprint") == "bytes":   # text: checked by its path only
+        return
+    from meshtrain.data.source import load_data
+
+    now = load_data(config.data).fingerprint
+    if saved.get("fingerprint") != now:
+        raise PlanError(f"--data {config.data}: the data differs from what the checkpoint "
+                        f"was trained on (identity {saved.get('fingerprint')}, now {now}): "
+                        "files were added, removed or rewritten; resume with the run's own "
+                        "data, or start a new run")
+
+
+def model_vocab(config) -> int | None:
+    """The model's vocabulary where the command can know it without building the model: a
+    GPT preset with a vocab_size override, or a transformers config; else None."""
+    from meshtrain.models.registry import kind_of, transformers_config
+
+    kind = kind_of(config.model)
+    if kind == "gpt":
+        return config.model_overrides.get("vocab_size")
+    if kind in ("transformers", "hf-preset"):
+        return int(transformers_config(config.model).vocab_size)
+    return None
+
+
+def _is_gpt(config) -> bool:
+    from meshtrain.models.registry import kind_of
+
+    return kind_of(config.model) == "gpt"
+
+
+def _file_with_max(t) -> str:
+    from meshtrain.data.shards import max_token
+
+    if t.index is not None and len(t.files) > 1:
+        return f"{t.files[0].rsplit('/', 1)[0]} (its index's max_token)"
+    return max(t.files, key=max_token) if len(t.files) > 1 else t.files[0]

@@ -1,0 +1,135 @@
+"""`meshtrain prepare`: shards equal to the tokenizer's own encode of every document (EOS
+first), from text, JSON lines and Parquet; several workers and a resumed prepare give the
+same shards; the index and the saved tokenizer describe them. Tokenizers are trained here,
+offline, with the `tokenizers` library."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from meshtrain.cli.main import main
+from meshtrain.data.prepare import prepare
+from meshtrain.data.shards import DataError, open_shard
+
+EOS = "<|endoftext|>"
+
+
+def train_tokenizer(path, vocab_size=300):
+    """A byte-level BPE trained on a few sentences, saved as tokenizer.json at `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(DOCS * 3, trainer)
+    tok.save(str(path))
+    return path
+
+
+DOCS = [f"document {i}: the quick brown fox number {i * 7} jumps over {i % 5} lazy dogs; "
+        f"ünïcödé {'ab' * (i % 9)}\n" * (1 + i % 4) for i in range(60)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """The DOCS as 20 text files, 20 JSON lines and 20 Parquet rows, in that order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("inputs")
+    (root / "texts").mkdir()
+    for i, doc in enumerate(DOCS[:20]):
+        (root / "texts" / f"{i:02d}.txt").write_text(doc)
+    (root / "b.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n"
+                                          for i, d in enumerate(DOCS[20:40])))
+    pq.write_table(pa.table({"text": DOCS[40:]}), root / "c.parquet")
+    return [str(root / "texts"), str(root / "b.jsonl"), str(root / "c.parquet")]
+
+
+def _all_tokens(out):
+    index = json.loads((out / "index.json").read_text())
+    return np.concatenate([open_shard(out / s["file"]) for s in index["shards"]]), index
+
+
+def test_shards_equal_the_tokenizers_own_encode_of_every_document(tokenizer, inputs, tmp_path):
+    from tokenizers import Tokenizer
+
+    index = prepare(inputs, tokenizer, tmp_path / "d", shard_mb=0.002)
+    tokens, _ = _all_tokens(tmp_path / "d")
+    own = Tokenizer.from_file(str(tokenizer))
+    eos = own.token_to_id(EOS)
+    expect = [t for doc in DOCS for t in [eos, *own.encode(doc, add_special_tokens=False).ids]]
+    assert tokens.tolist() == expect
+    assert len(index["shards"]) > 3 and index["documents"] == len(DOCS)
+    assert index["tokens"] == len(expect) and index["max_token"] == max(expect)
+    assert index["dtype"] == "uint16" and index["eos_id"] == eos
+    assert index["vocab_size"] == own.get_vocab_size()
+    assert index["tokenizer"]["sha256"] and index["tokenizer"]["eos"] == EOS
+    # the dataset carries its tokenizer, loadable by transformers
+    from transformers import AutoTokenizer
+    auto = AutoTokenizer.from_pretrained(str(tmp_path / "d" / "tokenizer"))
+    assert auto.encode(DOCS[3], add_special_tokens=False) == own.encode(DOCS[3]).ids
+    assert auto.eos_token == EOS
+
+
+def test_workers_and_a_resumed_prepare_make_the_same_shards(tokenizer, inputs, tmp_path):
+    whole = tmp_path / "whole"
+    prepare(inputs, tokenizer, whole, shard_mb=0.002)
+    parallel = tmp_path / "parallel"
+    prepare(inputs, tokenizer, parallel, shard_mb=0.002, workers=2)
+    assert _all_tokens(parallel)[0].tolist() == _all_tokens(whole)[0].tolist()
+    # interrupted: one shard gone, one cut short, a half-written file left behind
+    names = sorted(p.name for p in parallel.glob("shard_*.bin"))
+    (parallel / names[1]).unlink()
+    data = (parallel / names[2]).read_bytes()
+    (parallel / names[2]).write_bytes(data[:-6])
+    (parallel / (names[3] + ".tmp")).write_bytes(b"partial")
+    (parallel / "index.json").unlink()
+    untouched = (parallel / names[0]).stat().st_mtime_ns
+    prepare(inputs, tokenizer, parallel, shard_mb=0.002)
+    for name in names:
+        assert (parallel / name).read_bytes() == (whole / name).read_bytes()
+    assert (parallel / names[0]).stat().st_mtime_ns == untouched   # skipped, not redone
+    assert json.loads((parallel / "index.json").read_text())["shards"] == \
+        json.loads((whole / "index.json").read_text())["shards"]
+
+
+def test_a_large_vocabulary_writes_uint32(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"w{i}": i for i in range(70_000)} | {EOS: 70_000, "[UNK]": 70_001}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    from tokenizers.pre_tokenizers import Whitespace
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("w1 w69999 w5")
+    index = prepare([str(tmp_path / "a.txt")], tmp_path / "tokenizer.json", tmp_path / "d")
+    assert index["dtype"] == "uint32"
+    assert _all_tokens(tmp_path / "d")[0].tolist() == [70_000, 1, 69_999, 5]
+
+
+def test_bad_prepare_input_is_named(tokenizer, tmp_path, capsys):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: not a JSON object with a string 'text'"):
+        prepare([str(tmp_path / "bad.jsonl")], tokenizer, tmp_path / "d")
+    out = tmp_path / "other"
+    (tmp_path / "ok.txt").write_text("hello")
+    prepare([str(tmp_path / "ok.txt")], tokenizer, out)
+    with pytest.raises(DataError, match="holds a prepare of other inputs or settings"):
+        prepare([str(tmp_path / "ok.txt")], tokenizer, out, shard_mb=1)
+    code = main(["prepare", str(tmp_path / "ok.txt"), "--tokenizer", str(tmp_path / "none"),
+                 "--out", str(tmp_path / "x"), "--no-progress"])
+    assert code == 2 and "no such file; give a tokenizer.json" in capsys.readouterr().err
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "data-00000-of-00001.arrow").write_bytes(b"ARROW1\0\0")
+    with pytest.raises(DataError, match=r"arrow: a Hugging Face datasets folder .*to_parquet"):
+        prepare([str(tmp_path / "hf")], tokenizer, tmp_path / "d2")
+    shutil.rmtree(out)
