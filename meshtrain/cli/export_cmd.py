@@ -11,6 +11,7 @@ folder (config.json + model.safetensors, and the run's tokenizer where it has on
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -56,23 +57,46 @@ def export(run_dir, out, force: bool = False) -> tuple[Path, int, int]:
 
 def export_folder(run_dir, out: Path, force: bool = False) -> tuple[Path, int, int]:
     """A transformers model's latest checkpoint as a transformers model folder, written
-    beside `out` and moved into place once whole."""
+    tensor by tensor beside `out` and moved into place once whole: the model is built on the
+    meta device, and the weights go into safetensors shards no larger than the largest
+    tensor (at least SHARD_BYTES), each read from the checkpoint alone, so the process never
+    holds the whole model."""
     import shutil
 
     from meshtrain.models import hf
-    from meshtrain.train.generate import load_trained
+    from meshtrain.models.registry import build_model
+    from meshtrain.train import checkpoint
+    from meshtrain.train.config import RunConfig, latest_checkpoint
+    from meshtrain.train.errors import CheckpointError
+    from meshtrain.core.state import StateLayout
 
     if out.exists() and not force:
         raise ValueError(f"{out} exists; pass --force to replace it, or choose another name")
     if not out.parent.is_dir():
         raise ValueError(f"{out.parent} is not a folder; create it first")
-    model, _, steps = load_trained(run_dir)
+    config = RunConfig.load(run_dir)
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise CheckpointError(f"{run_dir} has no checkpoint yet (checkpoints/latest is "
+                              "missing): let the run reach a checkpoint, or train it to the end")
+    model = build_model(config.model, config.model_overrides, config.seq_len,
+                        on_meta=True).module
     if not hf.is_causal_lm(model):
         raise ValueError(f"{run_dir} trained a {type(model).__name__}, not a transformers "
                          f"model: export it as a file, e.g. {out.name}.safetensors")
+    meta = checkpoint.inspect(path)
+    layout = StateLayout.of(model)
+    checkpoint.check_shapes(meta, layout, path)
+    saved = checkpoint.tensor_entries(path)
+    # a tied tensor once, under its first name (as save_pretrained writes it)
+    entries = {k: saved[k] for k in layout.keys if layout.canonical[k] == k}
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp))
+    tmp.mkdir()
+    model.config.save_pretrained(str(tmp))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(str(tmp))
+    write_shards(tmp, entries, lambda group: checkpoint.read_tensors(path, group))
     tokenizer = Path(run_dir) / "tokenizer"
     if tokenizer.is_dir():   # the run's tokenizer: the folder loads with AutoTokenizer too
         for file in tokenizer.iterdir():
@@ -80,7 +104,35 @@ def export_folder(run_dir, out: Path, force: bool = False) -> tuple[Path, int, i
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
-    return out, len(model.state_dict()), steps
+    return out, len(entries), int(meta.get("extra", {}).get("steps_done", 0))
+
+
+SHARD_BYTES = 16 << 20
+
+
+def write_shards(folder: Path, entries: dict, read) -> None:
+    """`entries` (key -> (shape, dtype)) as safetensors files in `folder`: model.safetensors,
+    or model-0000i-of-0000n.safetensors and their index; `read(group)` gives a group's
+    tensors. A file holds at most the largest tensor's bytes (SHARD_BYTES at least)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    size = {k: math.prod(shape) * dtype.itemsize for k, (shape, dtype) in entries.items()}
+    cap = max([SHARD_BYTES, *size.values()])
+    groups: list[dict] = [{}]
+    for key, entry in entries.items():
+        if groups[-1] and sum(size[k] for k in groups[-1]) + size[key] > cap:
+            groups.append({})
+        groups[-1][key] = entry
+    names = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    for name, group in zip(names, groups):
+        save_file(read(group), str(folder / name), metadata={"format": "pt"})
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(size.values())},
+                 "weight_map": {k: name for name, g in zip(names, groups) for k in g}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def run(args) -> int:

@@ -206,6 +206,27 @@ def load(path, layout: StateLayout) -> tuple[dict, dict | None, dict]:
     return state["model"], state.get("optim"), meta.get("extra", {})
 
 
+def tensor_entries(path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every model tensor saved at `path`: state-dict key -> (shape, dtype), from DCP's
+    metadata alone (call `inspect` first)."""
+    metadata = SafeFileSystemReader(str(path)).read_metadata()
+    out = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if fqn.startswith("model.") and hasattr(entry, "properties"):
+            out[fqn[len("model."):]] = (tuple(entry.size), entry.properties.dtype)
+    return out
+
+
+def read_tensors(path, entries: dict[str, tuple[tuple[int, ...], torch.dtype]]
+                 ) -> dict[str, torch.Tensor]:
+    """Only the model tensors named in `entries` (key -> (shape, dtype)), read from the
+    checkpoint at `path` in this process: DCP reads those and nothing else."""
+    state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in entries.items()}
+    with _single_process_quiet():
+        dcp.load({"model": state}, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
+    return state
+
+
 @contextmanager
 def _single_process_quiet():
     """DCP warns that it assumes one process even when told so (no_dist=True)."""
