@@ -91,7 +91,7 @@ def test_largest_layer_does_not_fit():
 def test_single_device_needs_offload():
     # guide: one device that cannot hold the model -> ZeRO with offload
     a = _plan("llama-7b", nodes=1, gpn=1, global_batch=8)
-    v = _verdict(a, "offload", agrees=True)
+    _verdict(a, "offload", agrees=True)
     assert a.ranked[0].cand.plan.offload == "cpu"
     assert a.ranked[0].mem.host > 100e9
 
@@ -120,7 +120,7 @@ def test_multi_node_slow_links():
 
 def test_multi_node_model_that_fits_keeps_ddp():
     a = _plan("gpt2-1.3b", nodes=2, global_batch=64)
-    v = _verdict(a, "ddp", agrees=True)
+    _verdict(a, "ddp", agrees=True)
     assert a.ranked[0].cand.plan.dp == 16
 
 
