@@ -20,6 +20,11 @@ a master and the local SGD / DiLoCo pairs run with aot_eager, which traces and p
 same graphs (the part that meets hooks, storage resizing and autograd functions) without
 generating code. Inductor compiles in the process (compile_threads=1): a pool of compile
 workers per rank costs more than it saves on graphs this small.
+
+Each case proves on its own that it ran compiled: the backend is wrapped so that every run
+of a compiled block graph is counted, and a case counts its own runs (graphs compiled are
+no proof: a later case reads the earlier ones' from dynamo's cache, and an uncompiled case
+would equal the reference all the same).
 """
 import pytest
 
@@ -30,21 +35,56 @@ from tests.multirank import equivalence as eq
 MODEL, STEPS = "gpt", 4    # 2 blocks, d_model 32, 2 heads, seq 16; global batch 48
 
 
+_RUNS = [0]          # compiled block graphs run in this process
+_COUNTING: dict = {}  # backend name -> its counting wrapper, one object per name
+
+
+def _counting(backend):
+    """`backend`, each graph it compiles counting its runs in _RUNS. One wrapper per name:
+    dynamo keys its cache on the backend, so graphs stay shared between cases as before."""
+    if backend not in _COUNTING:
+        from torch._dynamo import lookup_backend
+        real = lookup_backend(backend)
+
+        def compile_counted(gm, example_inputs):
+            compiled = real(gm, example_inputs)
+
+            def run(*args):
+                _RUNS[0] += 1
+                return compiled(*args)
+            return run
+        _COUNTING[backend] = compile_counted
+    return _COUNTING[backend]
+
+
 def train_counted(cases: list[dict]) -> list[dict]:
     """eq.train for each plan's fields (and "model") on this rank, with what dynamo did:
-    graphs compiled and graph breaks, counted from the first case to this one."""
+    "runs", the compiled block graphs this case ran (its own proof that it ran compiled),
+    and graphs compiled and graph breaks counted from the first case to this one."""
+    from unittest import mock
+
     from torch._dynamo.utils import counters
     from torch._inductor import config
+
+    from meshtrain.strategies import compile as compiling
+
+    real_compile_block = compiling._compile_block
+
+    def compile_block(block, backend, mode=None):
+        real_compile_block(block, _counting(backend), mode)
 
     out = []
     graphs = lambda: counters["stats"]["unique_graphs"]
     breaks = lambda: sum(counters["graph_break"].values())
     first = graphs(), breaks()
-    with config.patch(compile_threads=1):
+    with config.patch(compile_threads=1), mock.patch.object(compiling, "_compile_block",
+                                                            compile_block):
         for fields in cases:
             fields = dict(fields)
             model = fields.pop("model", MODEL)
+            runs = _RUNS[0]
             result = eq.train(mt.Plan(**fields), model, steps=STEPS)
+            result["runs"] = _RUNS[0] - runs
             result["graphs"], result["breaks"] = graphs() - first[0], breaks() - first[1]
             out.append(result)
     return out
@@ -59,8 +99,16 @@ def _check(cases, per_rank, reference, tp_breaks: bool) -> None:
     for rank, results in enumerate(per_rank):
         for fields, result in zip(cases, results):
             eq.assert_equivalent(result, reference, what=f"rank {rank} {fields}")
+            _ran_compiled(fields, result, rank)
         assert results[-1]["graphs"] >= 1, f"rank {rank}: nothing was compiled"
         assert (results[-1]["breaks"] > 0) == tp_breaks, (rank, results[-1]["breaks"])
+
+
+def _ran_compiled(fields, result, rank) -> None:
+    """Every rank runs at least one block's compiled forward per micro-batch of every step
+    (a pipeline stage holds one of the two blocks), on a case's own count."""
+    least = STEPS * fields.get("microbatches", 1)
+    assert result["runs"] >= least, f"rank {rank} {fields}: {result['runs']} compiled runs"
 
 
 def test_one_process_compiled_matches_eager(reference):

@@ -51,7 +51,26 @@ def reference():
 
 
 def test_the_matrix_covers_every_cell():
-    assert [len(cells(w)) for w in (1, 2, 4, 8)] == [1, 10, 28, 24]
+    """Every choice of each axis's options that the Plan itself accepts is a cell, once:
+    a schedule where pp > 1, a ZeRO stage where dp > 1, sequence parallel where tp > 1."""
+    schedules = [dict(schedule="gpipe"), dict(schedule="1f1b"),
+                 dict(schedule="interleaved", virtual_stages=2), dict(schedule="zb-h1")]
+    accepted = []
+    for dp, pp, tp in itertools.product((1, 2), repeat=3):
+        for pipe, zero, sp in itertools.product(schedules if pp > 1 else [{}],
+                                                range(4) if dp > 1 else [0],
+                                                (False, True) if tp > 1 else (False,)):
+            plan = dict(dp=dp, pp=pp, tp=tp, zero=zero, sequence_parallel=sp,
+                        microbatches=4 if pp > 1 else 1, **pipe)
+            try:
+                mt.Plan(**plan)
+            except PlanError:   # ZeRO-3 with stages
+                continue
+            accepted.append(plan)
+    key = lambda plan: sorted(plan.items())
+    every = [plan for world in (1, 2, 4, 8) for plan in cells(world)]
+    assert sorted(map(key, every)) == sorted(map(key, accepted))
+    assert len(every) == 63   # the docstring's count
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
@@ -73,9 +92,14 @@ def test_bench_hybrid_runs_every_8_rank_plan_of_the_small_gpt():
     from meshtrain.models.gpt import gpt_config
 
     cfg = gpt_config("small")   # 4 blocks (6 layers), 4 heads: pp <= 4, tp <= 4
-    assert [name(p) for p in plans(cfg.n_layer + 2, cfg.n_head)] == [
-        "dp8 pp1 tp1", "dp4 pp1 tp2", "dp2 pp1 tp4", "dp4 pp2 tp1", "dp2 pp2 tp2",
-        "dp1 pp2 tp4", "dp2 pp4 tp1", "dp1 pp4 tp2", "dp2 pp2 tp2 z1"]
+    layers = cfg.n_layer + 2
+    # every split of 8 ranks into dp x pp x tp with no more stages than layers and tp
+    # dividing the heads, then the classic 3D + ZeRO-1
+    expected = {f"dp{8 // (pp * tp)} pp{pp} tp{tp}" for pp in (1, 2, 4, 8) for tp in (1, 2, 4, 8)
+                if pp * tp <= 8 and pp <= layers and cfg.n_head % tp == 0} | {"dp2 pp2 tp2 z1"}
+    got = [name(p) for p in plans(layers, cfg.n_head)]
+    assert len(got) == len(set(got)) and set(got) == expected
+    assert len(expected) == 9   # (1, 8, 1) has more stages than layers, (1, 1, 8) than heads
 
 
 def test_zero3_with_pipeline_stages_is_refused_before_any_process_group():

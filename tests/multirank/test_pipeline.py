@@ -9,7 +9,6 @@ compositions over 10). The tied model clips at 1.0 (as test_zero does): its
 lr of 0.5 makes it chaotic enough that one thread against two already moves it 1.4e-5; the
 clip also checks that a weight tied across stages is counted once in the global norm.
 """
-import time
 
 import pytest
 import torch
@@ -162,11 +161,10 @@ def fail_on_stage_zero() -> str:
         def broken(module, args):
             raise RuntimeError("stage 0 broke")
         trainer.stages.chunks[0].register_forward_pre_hook(broken)
-    start = time.monotonic()
     try:
         trainer.step(*batches[1])
     except (PipelineError, CollectiveFailure) as exc:   # the watchdog's diagnosis wraps ours
-        return f"{type(exc).__name__}: {exc}\n{exc.__cause__} after {time.monotonic() - start:.1f} s"
+        return f"{type(exc).__name__}: {exc}\n{exc.__cause__}"
     except RuntimeError as exc:
         return f"own failure: {exc}"
     return "no failure"
@@ -177,7 +175,8 @@ def test_a_failed_stage_does_not_block_its_neighbour_forever():
         own, neighbour = run_ranks(2, fail_on_stage_zero, timeout=30)
     assert own == "own failure: stage 0 broke"
     assert "pp rank 1: recv_act of micro-batch 0 (chunk 0) from pp rank 0 failed" in neighbour
-    assert float(neighbour.split(" after ")[-1].split()[0]) < 10
+    # ended by the stage's own receive timeout (2 s), not the process group's (30 s)
+    assert "Timed out waiting 2000ms for recv operation" in neighbour, neighbour
 
 
 # ---- composed with the other axes: the schedule calls the gradient-sync protocol --------------
@@ -206,24 +205,6 @@ def test_pipeline_under_ddp_zero_and_tensor_parallel_matches_one_process(world):
         for (model, plan, clip), result in zip(HYBRID[world], results):
             eq.assert_equivalent(result, refs[(model, clip)],
                                  what=f"rank {rank} {model} {plan}")
-
-
-# ---- meshtrain plan --verify runs pipeline plans ----------------------------------------------
-def test_plan_verify_runs_a_pipeline_plan():
-    import io
-
-    from meshtrain.measure import verify
-    from tests.multirank.test_plan_verify import PROFILE, TINY
-
-    assert any(plan.get("pp", 1) > 1 for plan, _ in verify.PLANS)
-    row, = verify.verify(PROFILE, plans=(({"pp": 2, "microbatches": 2}, 4),), steps=2, warmup=1,
-                         model=TINY, out=io.StringIO(), rounds=1)
-    predicted, measured = row["predicted"], row["measured"]
-    # the busiest stage's parameters, gradients and AdamW states, as the planner counts them
-    # (less AdamW's 4-byte step counter per tensor)
-    assert 0 <= measured["model_states"] - predicted["model_states"] <= 4 * 64
-    assert measured["activations"] > 0
-    assert predicted["peak_alloc"] == pytest.approx(measured["peak_alloc"], rel=0.15)
 
 
 # ---- checkpoints do not depend on the plan ---------------------------------------------------

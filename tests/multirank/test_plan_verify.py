@@ -3,9 +3,12 @@ tensor-parallel one (tp 2), two pipeline stages and a parameter server (whose ra
 so each is reported per role), tensor parallel with sequence parallel, DiLoCo syncing every
 2 steps (measured over whole rounds), GPipe's two stages, real ranks.
 
-Model-state bytes and the exact allocated peak are deterministic and asserted against the
-Trainer's accounting; step time and resident memory depend on the machine and its load, so
-they are only checked to be measured (speed lives in benchmarks)."""
+Model-state bytes, the allocated peak (the allocator's own events) and the bytes sent are
+asserted against the planner: the bytes sent exactly but for the step's statistics, the
+peak within 3% (below the +13% / +14% misses the planner once had; tensor parallel's buffers
+in flight let its measured peak rise up to 15% above); step time and resident memory depend
+on the machine and its load, so they are only checked to be measured (speed lives in
+benchmarks)."""
 import io
 import time
 
@@ -46,12 +49,25 @@ def test_model_states_predicted_equal_the_trainers_accounting(rows_and_text):
         assert abs(r["error"]["model_states"]) <= verify.LIMITS["model_states"]
 
 
+# The allocated peak: states + saved activations + backward's transients, against the
+# allocator's events. Without tensor parallel it is deterministic, and measured within 2.0%
+# on every such plan (the few small tensors the model does not name: index tensors, the
+# loss, the statistics): held to 3% both ways, below the +13% / +14% misses the planner
+# had (test_recompute_peak_measured.py, test_zero3.py). Under tensor parallel the peak also
+# holds the collectives' buffers still in flight when it falls, which depends on when each
+# rank's sends complete (-11% to +2% over four runs, tp 2 with and without sequence
+# parallel): held to 3% above, and below only to the old 15%.
+PEAK_REL, IN_FLIGHT_REL = 0.03, 0.15
+
+
 def test_allocated_peak_is_the_derived_tensors(rows_and_text):
     rows, _ = rows_and_text
-    for r in rows:
-        # states + saved activations + backward's transients, against the allocator's events
-        assert r["measured"]["peak_alloc"] >= r["measured"]["model_states"]
-        assert r["predicted"]["peak_alloc"] == pytest.approx(r["measured"]["peak_alloc"], rel=0.15)
+    assert any(plan.get("pp", 1) > 1 for plan, _ in verify.PLANS)   # the tool's own, too
+    for r in [r for row in rows for r in (row, *row.get("roles", ()))]:
+        predicted, measured = r["predicted"]["peak_alloc"], r["measured"]["peak_alloc"]
+        assert measured >= r["measured"]["model_states"]
+        below = IN_FLIGHT_REL if r["plan"].startswith("tp=") else PEAK_REL
+        assert measured * (1 - below) <= predicted <= measured * (1 + PEAK_REL), r["plan"]
 
 
 def test_time_and_resident_memory_are_measured(rows_and_text):
@@ -81,13 +97,18 @@ def test_report_has_predicted_and_measured_columns(rows_and_text):
 
 
 def test_bytes_sent_per_axis_equal_the_comm_counters(rows_and_text):
+    """Exact counters against ring theory. The planner leaves out only the step's
+    statistics: DDP's payload of 1 + one element per parameter tensor in the last bucket
+    (fp32, a ring sends each element at most twice), the loss a last stage broadcasts."""
+    from meshtrain.models.gpt import GPT, GPTConfig
+
+    statistics = 2 * 4 * (1 + len(list(GPT(GPTConfig(**TINY)).parameters())))
     rows, _ = rows_and_text
     axes = {}
     for r in [r for row in rows for r in (row, *row.get("roles", ()))]:
         predicted, measured = r["sent_by_axis"]["predicted"], r["sent_by_axis"]["measured"]
         for axis in ("dp", "tp", "pp"):
-            # exact counters against ring theory; only the step's statistics are left out
-            assert predicted[axis] == pytest.approx(measured[axis], rel=0.02, abs=64), (r["plan"], axis)
+            assert 0 <= measured[axis] - predicted[axis] <= statistics, (r["plan"], axis)
             axes[axis] = axes.get(axis, 0) + measured[axis]
     assert all(axes[a] > 0 for a in ("dp", "tp", "pp"))   # every axis was exercised
 

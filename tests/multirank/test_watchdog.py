@@ -30,6 +30,7 @@ def _batch():
 def misbehave(how: str):
     trainer = _trainer()
     trainer.step(*_batch())   # a good step: every rank logs the same calls
+    store = trainer.watchdog.store
     if dist.get_rank() == 2:
         if how == "skip":   # rank 2 skips its next all-reduce and goes on
             real = trainer.comm.all_reduce
@@ -42,17 +43,27 @@ def misbehave(how: str):
                 return real(tensor, axis, *args, **kwargs)
             trainer.comm.all_reduce = all_reduce
         else:               # rank 2 stops: no heartbeat, no more collectives
-            time.sleep(1.5)   # one more heartbeat publishes its calls so far
+            _published(trainer)   # its calls so far are on the store: then it stops beating
             trainer.watchdog.close()
-            time.sleep(TIMEOUT + 8)
+            store.wait(["failed/0", "failed/1"])   # until both others have diagnosed it
             return "stopped"
-    started = time.monotonic()
     try:
         trainer.step(*_batch())
         trainer.step(*_batch())
     except CollectiveFailure as exc:
-        return str(exc), time.monotonic() - started
-    return "no failure", time.monotonic() - started
+        store.set(f"failed/{dist.get_rank()}", "1")
+        return str(exc)
+    return "no failure"
+
+
+def _published(trainer) -> None:
+    """Wait until the watchdog's thread has put this rank's latest call count on the store."""
+    import json
+
+    watchdog, want = trainer.watchdog, trainer.comm.log.count["dp"]
+    while json.loads(watchdog.store.get(watchdog.KEY + str(dist.get_rank())))["axes"]["dp"][
+            "count"] != want:
+        time.sleep(0.01)
 
 
 def _done(kwargs):
@@ -60,30 +71,39 @@ def _done(kwargs):
     return _Done() if kwargs.get("async_op") else None
 
 
+def _first_step():
+    """What the first good step leaves on dp, derived from the model: one broadcast per
+    parameter tensor as the Trainer starts (rank 0's copy to all), then the step's one
+    all-reduce of the gradient bucket, which carries DDP's payload of 1 + one element per
+    tensor (the loss rides in it, no padding under DDP)."""
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=2))
+    params = list(model.parameters())
+    bucket = sum(p.numel() for p in params) + 1 + len(params)
+    return len(params) + 1, f"`all_reduce dp[grad] float32[{bucket}]`"
+
+
 def test_a_skipped_collective_names_the_rank_and_the_call():
     """(A rank calling a different collective is named "diverged": see the compare test.)"""
+    calls, bucket = _first_step()
     results = run_ranks(3, misbehave, "skip", timeout=60, collective_timeout=TIMEOUT)
-    for rank in (0, 1):
-        message, waited = results[rank]
-        # one all-reduce per step here (the loss rides in the gradient bucket): rank 2's
-        # next step's call completed the others' call #37, and it ran out of steps one call
-        # short, so the others wait at #38 for a rank that has finished
-        # (gone if it has exited by the time the others look, behind if not yet)
-        assert re.search(r"rank 2 is (gone|behind): its last call on dp was #37 \(`all_reduce "
-                         r"dp\[grad\] float32\[30052\]`\), the others reached #38", message), message
-        assert waited < TIMEOUT + 30
-    assert results[2][0] == "no failure"
+    for message in results[:2]:
+        # rank 2's next step's call completed the others' next call (#calls + 1), and it ran
+        # out of steps one call short, so the others wait at #calls + 2 for a rank that has
+        # finished (gone if it has exited by the time the others look, behind if not yet)
+        assert re.search(rf"rank 2 is (gone|behind): its last call on dp was #{calls + 1} "
+                         rf"\({re.escape(bucket)}\), the others reached #{calls + 2}",
+                         message), message
+    assert results[2] == "no failure"
 
 
 def test_a_stopped_peer_is_named_gone_by_every_other_rank():
+    calls, bucket = _first_step()
     results = run_ranks(3, misbehave, "stop", timeout=60, collective_timeout=TIMEOUT)
     assert results[2] == "stopped"
-    for rank in (0, 1):
-        message, waited = results[rank]
+    for message in results[:2]:
         assert "rank 2 is gone" in message, message
-        assert ("its last call on dp was #36 (`all_reduce dp[grad] float32[30052]`), the "
-                "others reached #37") in message
-        assert waited < TIMEOUT + 30
+        assert (f"its last call on dp was #{calls} ({bucket}), the others reached "
+                f"#{calls + 1}") in message
 
 
 def test_compare_finds_divergence_behind_and_agreement():

@@ -1,7 +1,5 @@
 """Calibration's arithmetic: ranks combine to the slowest, rounds to their mean; timing with
 and without waiting for every rank."""
-import time
-
 import pytest
 
 from meshtrain.bench.timing import time_each_step
@@ -39,23 +37,36 @@ def test_rounds_are_averaged_so_a_slow_phase_is_not_picked_whole():
     assert entry["per_round"]["model_flops"] == [156.0, 156.0, 127.0, 127.0]
 
 
-def test_timing_counts_the_trailing_barrier_only_when_waiting_for_all():
-    calls = []
+class _Clock:
+    """A clock that moves only when the test says: the barrier takes 1 s, the step 0.25 s."""
 
-    def sync():
-        calls.append("sync")
-        time.sleep(0.05)
+    def __init__(self) -> None:
+        self.now, self.calls = 0.0, []
 
-    def step():
-        calls.append("step")
+    def perf_counter(self) -> float:
+        return self.now
 
-    waited = time_each_step(step, 2, sync, wait_for_all=True)
-    assert calls == ["sync", "step", "sync"] * 2
-    assert min(waited) >= 0.05          # the slowest rank's finish is part of the step
-    calls.clear()
-    alone = time_each_step(step, 2, sync, wait_for_all=False)
-    assert calls == ["sync", "step"] * 2
-    assert max(alone) < 0.05
+    def sync(self) -> None:
+        self.calls.append("sync")
+        self.now += 1.0
+
+    def step(self) -> None:
+        self.calls.append("step")
+        self.now += 0.25
+
+
+def test_timing_counts_the_trailing_barrier_only_when_waiting_for_all(monkeypatch):
+    from meshtrain.bench import timing
+
+    clock = _Clock()
+    monkeypatch.setattr(timing, "time", clock)
+    waited = time_each_step(clock.step, 2, clock.sync, wait_for_all=True)
+    assert clock.calls == ["sync", "step", "sync"] * 2
+    assert waited == [1.25, 1.25]       # the slowest rank's finish is part of the step
+    clock.calls.clear()
+    alone = time_each_step(clock.step, 2, clock.sync, wait_for_all=False)
+    assert clock.calls == ["sync", "step"] * 2
+    assert alone == [0.25, 0.25]        # the leading barrier never is
 
 
 def test_runtime_memory_is_a_line_through_the_median_points():

@@ -3,8 +3,6 @@ implementation subclasses it, inherits `settle`, `idle`, `close` and `step_drive
 needs its own, and no caller looks them up by getattr."""
 import ast
 import pathlib
-import time
-
 import pytest
 
 import meshtrain
@@ -13,6 +11,7 @@ from meshtrain.strategies.data_parallel.diloco import DiLoCo
 from meshtrain.strategies.data_parallel.master_dp import MasterDP
 from meshtrain.strategies.data_parallel.parameter_server import ParameterServer
 from meshtrain.strategies.data_parallel.ps_async import AsyncParameterServer
+from meshtrain.strategies import slots
 from meshtrain.strategies.slots import GradientSync
 from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.strategies.zero.zero3 import ZeRO3
@@ -39,9 +38,11 @@ def test_optional_steps_have_defaults_and_required_ones_are_named():
     sync = _with()()
     assert sync.settle() is None and sync.close() is None
     assert sync.step_driver(lambda o, t: o, 1, None) is None
-    start = time.monotonic()
-    sync.idle(0.01)   # the default delay is a sleep
-    assert time.monotonic() - start >= 0.01
+    slept = []
+    with pytest.MonkeyPatch.context() as patch:   # the default delay is a sleep
+        patch.setattr(slots.time, "sleep", slept.append)
+        sync.idle(0.01)
+    assert slept == [0.01]
     with pytest.raises(TypeError, match="abstract method.*step"):
         _with(skip="step")()
 

@@ -54,12 +54,17 @@ def test_a_stall_inside_a_step_is_diagnosed_and_handed_on(monkeypatch):
         "count": 3, "recent": [[3, "all_reduce dp[grad]"]]}}}))
     dog = wd.Watchdog(log, Mesh(), interval=0.02, stall_after=0.1)
     try:
-        time.sleep(0.3)
-        assert said == []   # not inside a step: idle is no stall
+        # not inside a step, idle is no stall: 16 heartbeats, 0.02 s apart on the thread's
+        # own clock, span 0.3 s, three times stall_after
+        while dog.beats < 16 and dog._thread.is_alive():
+            time.sleep(0.01)
+        assert said == []
         dog.busy = True
-        deadline = time.monotonic() + 5
-        while not said and time.monotonic() < deadline:
-            time.sleep(0.02)
+        # named within stall_after / interval = 5 beats of the thread's own clock (x10),
+        # however slowly the machine runs it
+        beats = dog.beats
+        while not said and dog.beats < beats + 50 and dog._thread.is_alive():
+            time.sleep(0.01)
     finally:
         dog.close()
     assert len(said) == 1
