@@ -28,6 +28,8 @@ class Memory:
     host: float
     transient: float = 0.0      # backward's working tensors at the peak (derived)
     runtime: float = 0.0        # the process's working memory outside tensors (calibrated)
+    build: float = 0.0          # bytes while the model is built or loaded: what the rank
+                                # keeps of it plus one whole tensor being made (derived)
 
     @property
     def model_states(self) -> float:
@@ -40,8 +42,9 @@ class Memory:
 
     @property
     def total(self) -> float:
-        """Peak bytes the rank's process needs: tensors plus the runtime's own working memory."""
-        return self.allocated + self.runtime
+        """Peak bytes the rank's process needs: tensors (while training, or while building,
+        whichever holds more) plus the runtime's own working memory."""
+        return max(self.allocated, self.build) + self.runtime
 
     def to_dict(self) -> dict:
         return {**asdict(self), "model_states": self.model_states, "allocated": self.allocated,
@@ -234,5 +237,9 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
         # by a CPU backend: grows with the forward traffic (calibrated; 0 on presets)
         extra += sp_heap * (first + rest)
     runtime_bytes = fixed + heap + extra
+    # built on the meta device, each tensor made whole (fp32, before tp's slice) and cut
+    # to the rank's part (strategies/materialise.py): the rank's parameters and gradient
+    # buffers, plus the one whole tensor being made
+    build = states.params + states.grads + 4 * spec.largest_tensor_params
     return Memory(states.params, states.grads, states.optim, acts, buffers, states.host,
-                  transient, runtime_bytes)
+                  transient, runtime_bytes, build)

@@ -412,3 +412,20 @@ def test_sequence_parallels_backward_holds_three_whole_activations_more():
     sp = mm.memory(SPEC, Candidate(plan, 8, "none", True), FP32)
     tp = mm.memory(SPEC, Candidate(plan, 8, "none", False), FP32)
     assert sp.transient - tp.transient == pytest.approx(3 * act)
+
+
+def test_building_holds_the_ranks_part_and_one_whole_tensor():
+    """Built on the meta device, a rank holds what it keeps (its parameters and gradient
+    buffers) and the one whole tensor being made: under tp over 8 ranks with a wide
+    vocabulary, training holds an eighth of the embedding, building all of it for a
+    moment, and the rank's total is the building peak's."""
+    wide = from_gpt_config(GPTConfig(vocab_size=65536, seq_len=16, n_layer=2, n_head=8,
+                                     d_model=256))
+    cand = Candidate(Plan(tp=8), micro_batch=1, recompute="none")
+    mem = mm.stage_memories(wide, cand, FP32)[0]
+    states = sm.model_states(sm.stage_params(wide, 1, 8, 0), FP32, 0, 1)
+    largest = 65536 * 256
+    assert wide.largest_tensor_params == largest
+    assert mem.build == states.params + states.grads + 4 * largest
+    assert mem.build > mem.allocated
+    assert mem.total == mem.build + mem.runtime
