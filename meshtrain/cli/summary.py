@@ -36,7 +36,9 @@ def print_summary(s: dict) -> None:
         act = _mib(m["activations"]) if m["activations"] is not None else "n/a"
         extra = "".join([f", on disk {_mib(m['offloaded'])}" if m.get("offloaded") else "",
                          f", gathered at most {_mib(m['gathered_peak'])}"
-                         if m.get("gathered_peak") else ""])
+                         if m.get("gathered_peak") else "",
+                         f", gradient buckets at most {_mib(m['gradients_in_flight'])}"
+                         if m.get("gradients_in_flight") else ""])
         host = (f" ({_mib(m['optimizer_on_host'])} of it in host memory)"
                 if m.get("optimizer_on_host") else "")
         lines.append(f"memory rank {rank}  params {_mib(m['parameters'])}, grads "
@@ -45,6 +47,9 @@ def print_summary(s: dict) -> None:
         if m.get("build_peak") is not None:
             lines.append(f"  rank {rank} peaks  building {_mib(m['build_peak'])}; training "
                          f"{_mib(m['peak_process'])}" + _beyond(m))
+        if m.get("checkpoint_peak"):
+            lines.append(f"  rank {rank} peak   checkpointing {_mib(m['checkpoint_peak'])} (its "
+                         f"share of the state {_mib(m['checkpoint_share'])})")
         if m.get("device_peak") is not None:
             lines.append(f"  GPU rank {rank}   allocated {_mib(m['device_allocated'])}, peak "
                          f"allocated {_mib(m['device_peak'])}; host pinned "

@@ -236,6 +236,7 @@ def build_config(args):
     if args.trace and plan.pp == 1:
         raise PlanError("--trace records a pipeline's timeline: it needs --pp 2 or more")
     from meshtrain.models.registry import kind_of
+    _default_model(args)
     is_gpt = kind_of(args.model) == "gpt"
     shape = {"n_layer": args.layers, "d_model": args.d_model, "n_head": args.heads,
              "seq_len": args.seq if is_gpt else None}
@@ -301,9 +302,14 @@ def check_init_from(config) -> None:
     attach(built.module, SafetensorsFolder(config.init_from))
 
 
-def run(args) -> int:
-    if args.model is None:   # a folder to start from brings its own model
+def _default_model(args) -> None:
+    """--model left out: the folder's own config with --init-from, else the tiny GPT."""
+    if args.model is None:
         args.model = str(Path(args.init_from) / "config.json") if args.init_from else "tiny"
+
+
+def run(args) -> int:
+    _default_model(args)
     if not _under_torchrun():   # the ranks' process imports torch while this one does
         from meshtrain.core.processes import start_forkserver
         from meshtrain.models.hf_presets import names_transformers

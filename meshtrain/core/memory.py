@@ -79,6 +79,8 @@ class MemoryReport:
     peak_process: int
     offloaded: int = 0               # optimizer tensors held on disk, not in memory
     gathered_peak: int | None = None  # ZeRO-3: most bytes of gathered units at once
+    gradients_in_flight: int | None = None  # ZeRO-2/3: most bytes of whole gradient buckets
+                                            # alive at once in backward, beside the shards
     device_allocated: int | None = None  # CUDA: the allocator's bytes now (None on CPU)
     device_peak: int | None = None       # CUDA: its peak allocated bytes (None on CPU)
     host_pinned: int = 0             # CUDA: pinned host bytes offload holds (pinned_buffers)
@@ -86,6 +88,8 @@ class MemoryReport:
     build_peak: int | None = None    # the process's peak while the Trainer built (and loaded)
     runtime: int | None = None       # resident before the model had memory: the runtime's
                                      # fixed cost (interpreter, torch, libraries, groups)
+    checkpoint_peak: int | None = None   # the process's peak while saving a checkpoint
+    checkpoint_share: int = 0        # its share of the consolidated state a save holds
 
     @property
     def model_states(self) -> int:
@@ -93,8 +97,10 @@ class MemoryReport:
 
     @property
     def accounted(self) -> int:
-        """Every byte counted from tensors: model states, gathered units, activations."""
-        return self.model_states + (self.gathered_peak or 0) + (self.activations or 0)
+        """Every byte counted from tensors: model states, gathered units, gradient buckets
+        in flight, activations."""
+        return (self.model_states + (self.gathered_peak or 0) + (self.activations or 0)
+                + (self.gradients_in_flight or 0))
 
     @property
     def unaccounted(self) -> int | None:

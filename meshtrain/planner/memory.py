@@ -237,9 +237,7 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
         # by a CPU backend: grows with the forward traffic (calibrated; 0 on presets)
         extra += sp_heap * (first + rest)
     runtime_bytes = fixed + heap + extra
-    # built on the meta device, each tensor made whole (fp32, before tp's slice) and cut
-    # to the rank's part (strategies/materialise.py): the rank's parameters and gradient
-    # buffers, plus the one whole tensor being made
+    # building (strategies/materialise.py): what the rank keeps, and one whole fp32 tensor
     build = states.params + states.grads + 4 * spec.largest_tensor_params
     return Memory(states.params, states.grads, states.optim, acts, buffers, states.host,
                   transient, runtime_bytes, build)

@@ -105,6 +105,7 @@ class Trainer:
                                   self.activations, self.data_parallel)
         self._held = {name for name, _ in self.stages.named_parameters()}   # this rank's
         self.build_peak = peak_process_bytes()   # the training peak is told apart from it
+        self.train_peak = self.checkpoint_peak = self.checkpoint_share = 0
         reset_process_peak()
         self.steps_done = 0
         self._grad_norm: torch.Tensor | None = None   # read by `last_grad_norm`
@@ -268,31 +269,39 @@ class Trainer:
         mid-round under a plan keeping one replica (refused by name). No rank holds the
         whole state: it is consolidated a group at a time (ZeRO: a bucket, ZeRO-3 a unit)
         and each rank of a stage keeps and writes its share."""
+        self.train_peak = max(self.train_peak, peak_process_bytes())   # the steps' so far
+        reset_process_peak()
         params, states, groups = self._share_of_state()
+        self.checkpoint_share = max(self.checkpoint_share, storage_bytes(
+            [*params.values(), *(v for s in states.values() for v in s.values())]))
         stepped = torch.tensor([float(len(states))], device=self.mesh.device)
         for axis in ("tp", "pp", "dp"):
             self.comm.all_reduce(stepped, axis, tag="save")
         optimizer_state = {"state": states, "param_groups": groups} if stepped.item() else None
         checkpoint.save(path, params, optimizer_state, self.plan,
                         dict(extra or {}, steps_done=self.steps_done), shapes=self.layout.shapes)
+        self.checkpoint_peak = max(self.checkpoint_peak, peak_process_bytes())
+        reset_process_peak()   # what follows is training again
 
     def _share_of_state(self) -> tuple[dict, dict, list]:
         """This rank's share of the consolidated state: (model state by state-dict key,
-        optimizer states by name, param groups). The ranks of a stage take its tensors in
-        turn; tied tensors and buffers appear on every stage that holds them."""
+        optimizer states by name, param groups). Each tensor goes to the rank of its stage
+        holding the fewest bytes so far (every rank makes the same choice: the sizes are
+        the same everywhere); tied tensors and buffers appear on every stage that holds them."""
         mine = self.mesh.axis_rank("dp") * self.mesh.size("tp") + self.mesh.axis_rank("tp")
-        share = self.mesh.size("dp") * self.mesh.size("tp")
-        params, states, turn = {}, {}, 0
+        held = [0] * (self.mesh.size("dp") * self.mesh.size("tp"))
+        params, states = {}, {}
         for local, local_states in self.data_parallel.local_state_groups():
             for name, value in local.items():
                 full = self.sharding.full(name, value)   # collective over tp
                 full_states = {k: self.sharding.full(name, v) if _param_shaped(v) else v
                                for k, v in local_states.get(name, {}).items()}
-                if turn % share == mine:
+                keeper = held.index(min(held))
+                held[keeper] += storage_bytes([full, *full_states.values()])
+                if keeper == mine:
                     params[name] = full.clone()
                     if full_states:
                         states[name] = full_states
-                turn += 1
         if mine == 0:
             params.update({n: b.detach() for n, b in self.stages.named_buffers()})
         by_key = {key: params[c] for key, c in self.layout.canonical.items() if c in params}
@@ -316,10 +325,11 @@ class Trainer:
         return MemoryReport(
             **self.data_parallel.memory(),
             activations=self.activations.last_bytes if self.activations else None,
-            peak_process=peak_process_bytes(),
+            peak_process=max(self.train_peak, peak_process_bytes()),
             host_pinned=storage_bytes(self.data_parallel.pinned_buffers()),   # offload's
             optimizer_on_host=self._optimizer_on_host(),
             build_peak=self.build_peak, runtime=self.runtime_bytes,
+            checkpoint_peak=self.checkpoint_peak or None, checkpoint_share=self.checkpoint_share,
             **(device_memory(self.mesh.device) or {}))
 
     def _optimizer_on_host(self) -> int:

@@ -79,6 +79,8 @@ class GradientBuckets:
         self._in_round.clear()
         self._next_launch = 0
 
+    buffers_peak = 0   # bytes: the most lazily made bucket buffers alive at once
+
     def slot(self, param: nn.Parameter) -> tuple[Bucket, int]:
         return self._slot[id(param)]
 
@@ -88,7 +90,7 @@ class GradientBuckets:
         self.used_in_step.add(id(param))
         bucket, i = self._slot[id(param)]
         if bucket.buffer is None:
-            bucket.allocate()
+            self._allocate(bucket)
         bucket.absorb(i, param.grad, self.scale, first)
         param.grad = None  # the bucket holds it now; the next one is autograd's to allocate
         if not (self.syncing or self.launch_in_no_sync):
@@ -98,6 +100,13 @@ class GradientBuckets:
         self.events.append(("ready", bucket.index, time.perf_counter()))
         if bucket.mark_ready(param):
             self._launch_ready(until=len(self.buckets) - (1 if self.hold_last else 0))
+
+    def _allocate(self, bucket: Bucket) -> None:
+        """A lazy bucket's buffer, made as its first gradient arrives; the most bytes of
+        buffers alive at once is kept (what ZeRO-2/3's memory accounts for them)."""
+        bucket.allocate()
+        alive = sum(b.nbytes for b in self.buckets if b.buffer is not None)
+        self.buffers_peak = max(self.buffers_peak, alive)
 
     def _launch_ready(self, until: int) -> None:
         """Launch, in index order, the buckets before `until` that are ready."""
@@ -118,7 +127,7 @@ class GradientBuckets:
         self.events.append(("backward_end", -1, time.perf_counter()))
         for bucket in self.buckets[self._next_launch:]:
             if bucket.buffer is None:
-                bucket.allocate()
+                self._allocate(bucket)
             for i, p in enumerate(bucket.params):
                 if id(p) not in self._in_round:
                     bucket.absorb(i, None, self.scale, first=True)

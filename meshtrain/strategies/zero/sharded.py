@@ -298,8 +298,11 @@ class ZeRO(GradientSync):
         if self.masters.separate:
             optimizer += self.masters.masters
         on_disk = self.offload.offloaded_bytes(optimizer)
-        return {"parameters": self.parameter_bytes(), "gradients": gradients,
-                "optimizer_states": storage_bytes(optimizer) - on_disk, "offloaded": on_disk}
+        out = {"parameters": self.parameter_bytes(), "gradients": gradients,
+               "optimizer_states": storage_bytes(optimizer) - on_disk, "offloaded": on_disk}
+        if self.stage >= 2:   # buckets made as backward fills them, freed once scattered
+            out["gradients_in_flight"] = self.grads.buffers_peak
+        return out
 
     def parameter_bytes(self) -> int:
         return storage_bytes(self.data)
