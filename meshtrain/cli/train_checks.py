@@ -59,3 +59,13 @@ def check_transformers_plan(spec: str, plan: Plan) -> None:
         model = AutoModelForCausalLM.from_config(transformers_config(spec))
     check_layer_sharding(model, plan, hf.tp_plan_of(model, plan.tp) if plan.tp > 1 else None)
     pipeline.check(model, plan)
+
+
+def check_init_from(config) -> None:
+    """Refuse a folder whose weights do not fit --model (names, shapes, kinds, missing or
+    truncated files), reading only its headers, before any rank starts."""
+    from meshtrain.models.pretrained import SafetensorsFolder, attach
+    from meshtrain.models.registry import build_model
+
+    built = build_model(config.model, config.model_overrides, config.seq_len, on_meta=True)
+    attach(built.module, SafetensorsFolder(config.init_from))

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from meshtrain.cli.summary import print_summary
-from meshtrain.cli.train_checks import check_batch_split, check_model_plan
+from meshtrain.cli.train_checks import check_batch_split, check_init_from, check_model_plan
 from meshtrain.cli.train_data import check_resumed_data, settle_data
 from meshtrain.core.plan import COMPILE_BACKENDS, Plan, PlanError
 from meshtrain.train.config import DEFAULT_LR, OPTIMIZERS, latest_checkpoint
@@ -290,16 +290,6 @@ def parse_straggler(text: str, world: int) -> list:
     if seconds < 0:
         raise PlanError(f"--straggler {text}: the delay must be >= 0 seconds")
     return [rank, seconds]
-
-
-def check_init_from(config) -> None:
-    """Refuse a folder whose weights do not fit --model (names, shapes, kinds, missing or
-    truncated files), reading only its headers, before any rank starts."""
-    from meshtrain.models.pretrained import SafetensorsFolder, attach
-    from meshtrain.models.registry import build_model
-
-    built = build_model(config.model, config.model_overrides, config.seq_len, on_meta=True)
-    attach(built.module, SafetensorsFolder(config.init_from))
 
 
 def _default_model(args) -> None:
