@@ -47,16 +47,37 @@ def resident_bytes() -> int | None:
     return _status_bytes("VmRSS")
 
 
+# The kernel keeps one peak per process (VmHWM), and a reset loses it. So every reset goes
+# through `reset_process_peak`, which first records the peak it ends: a window that spans
+# resets (`peak_mark` / `peak_since`: plan --verify's, from before the build to the last
+# step) still sees the highest. Process-wide by nature, as the counter it extends.
+_ENDED_PEAKS: list[int] = []
+
+
 def reset_process_peak() -> bool:
     """Start a new peak window: the peak resident size becomes the current one (Linux's
     clear_refs 5), so a phase's peak (building, training) is told apart from the one
-    before it. False where the system cannot (the peak then stays the lifetime's)."""
+    before it; the ended peak is kept for windows spanning this reset. False where the
+    system cannot (the peak then stays the lifetime's)."""
+    ended = _status_bytes("VmHWM")
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        return True
     except OSError:
         return False
+    if ended is not None:
+        _ENDED_PEAKS.append(ended)
+    return True
+
+
+def peak_mark() -> int:
+    """Where a window starts, for `peak_since` (after its own reset)."""
+    return len(_ENDED_PEAKS)
+
+
+def peak_since(mark: int) -> int:
+    """The peak resident size since `peak_mark()` gave `mark`, across any resets since."""
+    return max([peak_process_bytes(), *_ENDED_PEAKS[mark:]])
 
 
 def _status_bytes(field: str) -> int | None:

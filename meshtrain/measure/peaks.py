@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from meshtrain.core.device import device_memory, reset_peak, synchronize
+from meshtrain.core.memory import peak_mark, peak_since, reset_process_peak
 
 
 def allocated_peak(fn, device: torch.device) -> int:
@@ -79,20 +80,18 @@ class ResidentPeak:
     Linux: writing 5 to /proc/self/clear_refs resets VmHWM (the peak resident set) to the
     current resident set. At the end, the peak resident set less the file-backed and shared
     pages resident then (library code the first steps touched, which stays) is the peak of
-    the anonymous part."""
+    the anonymous part. The Trainer resets the peak too (its building and training peaks,
+    core/memory.py); the window keeps the highest across those resets."""
     def start(self) -> None:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError as exc:
-            raise OSError(f"cannot reset this process's peak resident memory through "
-                          f"/proc/self/clear_refs ({exc}): --verify measures peak memory on "
-                          f"Linux only") from None
+        if not reset_process_peak():
+            raise OSError("cannot reset this process's peak resident memory through "
+                          "/proc/self/clear_refs: --verify measures peak memory on Linux only")
+        self.mark = peak_mark()   # the Trainer's own resets (build, training) stay inside
         self.base = self._status()["RssAnon"]
 
     def stop(self) -> int:
         s = self._status()
-        return max(0, s["VmHWM"] - s["RssFile"] - s.get("RssShmem", 0) - self.base)
+        return max(0, peak_since(self.mark) - s["RssFile"] - s.get("RssShmem", 0) - self.base)
 
     @staticmethod
     def _status() -> dict[str, int]:
