@@ -138,3 +138,32 @@ def test_bad_folders_are_refused_naming_file_and_tensor(folders, tmp_path):
         SafetensorsFolder(broken)
     with pytest.raises(PretrainedError, match="needs the network"):
         SafetensorsFolder("meta-llama/Llama-3.2-1B")
+
+
+def test_the_command_refuses_a_folder_that_does_not_fit_before_any_rank_starts(
+        folders, tmp_path, monkeypatch, capsys):
+    import importlib
+    import shutil
+
+    from meshtrain.cli.main import main
+
+    other = tmp_path / "other"
+    shutil.copytree(folders / "single", other)
+    config = json.loads((other / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (other / "config.json").write_text(json.dumps(config))
+    started = []
+    launcher = importlib.import_module("meshtrain.launch")
+    monkeypatch.setattr(launcher, "launch", lambda *a, **k: started.append(a))
+    for args, message in [
+            (["--init-from", str(other)], "model.layers.0.mlp.gate_proj.weight has shape"),
+            # --model given: its config is another model's than the folder's weights
+            (["--init-from", str(folders / "single"), "--model", "qwen2-tiny"],
+             "holds no value for 7 tensor(s) of the model: lm_head.weight"),
+            (["--init-from", str(tmp_path / "nowhere")], "no such folder")]:
+        run = tmp_path / "run"
+        assert main(["train", *args, "--run-dir", str(run), "--steps", "1"]) == 2
+        err = capsys.readouterr().err
+        assert message in err, err
+        assert "Traceback" not in err
+        assert not started and not run.exists()
