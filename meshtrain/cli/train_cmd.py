@@ -294,8 +294,9 @@ def parse_straggler(text: str, world: int) -> list:
 
 def _default_model(args) -> None:
     """--model left out: the folder's own config with --init-from, else the tiny GPT."""
-    if args.model is None:
-        args.model = str(Path(args.init_from) / "config.json") if args.init_from else "tiny"
+    folder_config = Path(args.init_from or "", "config.json")
+    if args.model is None:   # a folder without one is refused by its own check
+        args.model = str(folder_config) if args.init_from and folder_config.is_file() else "tiny"
 
 
 def run(args) -> int:
