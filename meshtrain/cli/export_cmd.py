@@ -24,15 +24,20 @@ def add_parser(sub) -> None:
     p.add_argument("out", metavar="OUT", help="the .safetensors file to write, or (a "
                    "transformers model's run) the model folder to write")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--shard-mb", type=int, default=SHARD_BYTES >> 20, metavar="MB",
+                   help="a model folder's safetensors files hold at most this many MB (or "
+                        "the largest tensor, if larger): what the export holds in memory at "
+                        f"once (default {SHARD_BYTES >> 20})")
     p.set_defaults(run=run)
 
 
-def export(run_dir, out, force: bool = False) -> tuple[Path, int, int]:
+def export(run_dir, out, force: bool = False, shard_bytes: int | None = None
+           ) -> tuple[Path, int, int]:
     """Write the latest checkpoint's model state to `out` (atomically); returns (path,
     tensors, steps trained)."""
     out = Path(out)
     if out.suffix == "":
-        return export_folder(run_dir, out, force)
+        return export_folder(run_dir, out, force, shard_bytes or SHARD_BYTES)
     if out.suffix != ".safetensors":
         raise ValueError(f"{out}: give a file name ending in .safetensors (or, for a "
                          "transformers model's run, a folder name without a suffix)")
@@ -55,12 +60,13 @@ def export(run_dir, out, force: bool = False) -> tuple[Path, int, int]:
     return out, len(state), steps
 
 
-def export_folder(run_dir, out: Path, force: bool = False) -> tuple[Path, int, int]:
+def export_folder(run_dir, out: Path, force: bool = False, shard_bytes: int = 0
+                  ) -> tuple[Path, int, int]:
     """A transformers model's latest checkpoint as a transformers model folder, written
     tensor by tensor beside `out` and moved into place once whole: the model is built on the
     meta device, and the weights go into safetensors shards no larger than the largest
-    tensor (at least SHARD_BYTES), each read from the checkpoint alone, so the process never
-    holds the whole model."""
+    tensor (at least `shard_bytes`), each read from the checkpoint alone, so the process
+    never holds the whole model."""
     import shutil
 
     from meshtrain.models import hf
@@ -96,7 +102,7 @@ def export_folder(run_dir, out: Path, force: bool = False) -> tuple[Path, int, i
     model.config.save_pretrained(str(tmp))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(str(tmp))
-    write_shards(tmp, entries, lambda group: checkpoint.read_tensors(path, group))
+    write_shards(tmp, entries, lambda group: checkpoint.read_tensors(path, group), shard_bytes)
     tokenizer = Path(run_dir) / "tokenizer"
     if tokenizer.is_dir():   # the run's tokenizer: the folder loads with AutoTokenizer too
         for file in tokenizer.iterdir():
@@ -107,19 +113,19 @@ def export_folder(run_dir, out: Path, force: bool = False) -> tuple[Path, int, i
     return out, len(entries), int(meta.get("extra", {}).get("steps_done", 0))
 
 
-SHARD_BYTES = 16 << 20
+SHARD_BYTES = 256 << 20   # 25 files for a 6 GB model; about this much held at once
 
 
-def write_shards(folder: Path, entries: dict, read) -> None:
+def write_shards(folder: Path, entries: dict, read, shard_bytes: int) -> None:
     """`entries` (key -> (shape, dtype)) as safetensors files in `folder`: model.safetensors,
     or model-0000i-of-0000n.safetensors and their index; `read(group)` gives a group's
-    tensors. A file holds at most the largest tensor's bytes (SHARD_BYTES at least)."""
+    tensors. A file holds at most `shard_bytes`, or the largest tensor where larger."""
     import json
 
     from safetensors.torch import save_file
 
     size = {k: math.prod(shape) * dtype.itemsize for k, (shape, dtype) in entries.items()}
-    cap = max([SHARD_BYTES, *size.values()])
+    cap = max([shard_bytes, *size.values()])
     groups: list[dict] = [{}]
     for key, entry in entries.items():
         if groups[-1] and sum(size[k] for k in groups[-1]) + size[key] > cap:
@@ -139,7 +145,7 @@ def run(args) -> int:
     from meshtrain.train.errors import CheckpointError
 
     try:
-        out, count, steps = export(args.run_dir, args.out, args.force)
+        out, count, steps = export(args.run_dir, args.out, args.force, args.shard_mb << 20)
     except (ValueError, FileNotFoundError, CheckpointError, OSError) as exc:
         print(f"meshtrain export: {exc}", file=sys.stderr)
         return 2

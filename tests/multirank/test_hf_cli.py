@@ -54,7 +54,7 @@ def test_llama_config_trains_under_tp_and_pp_and_exports_to_transformers(tmp_pat
     assert abs(start - end) <= 1e-5, (start, end)
 
 
-def test_export_in_shards_loads_to_the_same_logits(tmp_path, monkeypatch):
+def test_export_in_shards_loads_to_the_same_logits(tmp_path):
     """Shards no larger than the largest tensor, with their index, written one group at a
     time from the checkpoint: transformers loads the folder to the trainer's logits."""
     import json
@@ -72,8 +72,7 @@ def test_export_in_shards_loads_to_the_same_logits(tmp_path, monkeypatch):
     out = meshtrain("train", "--model", str(tmp_path / "llama" / "config.json"), "--run-dir",
                     str(run), *RUN, "--steps", "2", "--ckpt-every", "2", cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    monkeypatch.setattr(export_cmd, "SHARD_BYTES", 1)
-    folder, count, _ = export_cmd.export(run, tmp_path / "exported")
+    folder, count, _ = export_cmd.export(run, tmp_path / "exported", shard_bytes=1)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     largest = 256 * 64 * 4   # the (tied) embedding
