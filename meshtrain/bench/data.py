@@ -61,7 +61,8 @@ def _gpt_step(config, local: int):
     model = GPT(config)
     opt = default_adamw(model.parameters(), lr=1e-4, weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
-    w = torch.randint(0, config.vocab_size, (local, config.seq_len + 1), generator=g)
+    w = torch.randint(0, config.vocab_size, (local, config.seq_len + 1), generator=g,
+                      device="cpu")   # the model is on the CPU: this bench times the host
     x, y = w[:, :-1], w[:, 1:]
 
     def step() -> float:

@@ -221,7 +221,8 @@ def read_tensors(path, entries: dict[str, tuple[tuple[int, ...], torch.dtype]]
                  ) -> dict[str, torch.Tensor]:
     """Only the model tensors named in `entries` (key -> (shape, dtype)), read from the
     checkpoint at `path` in this process: DCP reads those and nothing else."""
-    state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in entries.items()}
+    state = {key: torch.empty(shape, dtype=dtype, device="cpu")   # read into host memory
+             for key, (shape, dtype) in entries.items()}
     with _single_process_quiet():
         dcp.load({"model": state}, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
     return state

@@ -101,7 +101,7 @@ class Sharder:
                                      rank=self.rank, size=self.size, exit=exit,
                                      padding_idx=old.padding_idx,
                                      embed_scale=None if scale is None else
-                                     torch.as_tensor(scale).detach().clone())
+                                     torch.as_tensor(scale, device=weight.device).detach().clone())
         return self._swap(name, old, new)
 
     def finish(self, partial: set[str] = frozenset()) -> TensorParallel:
