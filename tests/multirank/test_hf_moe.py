@@ -1,0 +1,87 @@
+"""transformers mixtures of experts (meshtrain/models/hf_presets.py MOE: Mixtral, Qwen3-MoE,
+OLMoE, 4 experts, top-2) with their router's load-balancing loss on, under the plans they run
+today, equal to one process computing what transformers computes on the global batch: the
+cross-entropy + router_aux_loss_coef x its own load-balancing loss (tests/multirank/hf_cases.py).
+Mixtral takes every plan the dense families take (dp, ZeRO-1/2/3, recompute, bf16); the
+other two dp and ZeRO-3. The step's loss is reported in its parts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import meshtrain as mt
+from meshtrain.models.hf_presets import build
+from meshtrain.testing import run_ranks
+from tests.multirank import equivalence as eq
+from tests.multirank import hf_cases as hf
+from tests.multirank.test_hf_models import check_bf16
+
+pytest.importorskip("transformers")
+
+STEPS = 3
+PLANS = {
+    1: [(dict(), "mixtral-tiny"), (dict(recompute="full"), "qwen3-moe-tiny"),
+        (dict(precision="bf16"), "mixtral-tiny")],
+    2: [(dict(dp=2), "mixtral-tiny"), (dict(dp=2, zero=1), "mixtral-tiny"),
+        (dict(dp=2, zero=2), "mixtral-tiny"), (dict(dp=2, zero=3), "mixtral-tiny"),
+        (dict(dp=2, recompute="full"), "mixtral-tiny"),
+        (dict(dp=2, zero=1, precision="bf16"), "mixtral-tiny"),
+        (dict(dp=2), "qwen3-moe-tiny"), (dict(dp=2, zero=3), "qwen3-moe-tiny"),
+        (dict(dp=2, zero=1), "olmoe-tiny"), (dict(dp=2, zero=3), "olmoe-tiny")],
+}
+
+
+def train_with_parts(cases: list[tuple[dict, str]]) -> list[dict]:
+    """Each case trained STEPS steps on this rank; with each step's loss parts."""
+    results = []
+    for plan, model in cases:
+        torch.manual_seed(0)
+        trainer = mt.Trainer(build(model), mt.Plan(**plan), optimizer=eq.sgd)
+        losses, parts = [], []
+        for x, y in eq.batches(model, STEPS, trainer.dp_rank, trainer.dp_size):
+            losses.append(trainer.step(x, y))
+            parts.append(trainer.last_loss_parts)
+        results.append(eq.on_host({"losses": losses, "parts": parts,
+                                   "state": trainer.full_state_dict(),
+                                   "optimizer": trainer.full_optimizer_state()["state"],
+                                   "norms": []}))
+    return results
+
+
+def first_step_parts(model: str) -> dict:
+    """What transformers computes on the first global batch, before any step."""
+    torch.manual_seed(0)
+    net = build(model)
+    x, y = next(iter(eq.batches(model, 1)))
+    with torch.no_grad():
+        output = net(x, use_cache=False)
+    return {"cross_entropy": hf.token_loss(output, y).item(), "router_aux": output.aux_loss.item()}
+
+
+@pytest.fixture(scope="module")
+def references():
+    models = {m for world in PLANS for _, m in PLANS[world]}
+    return {m: (hf.reference(m, steps=STEPS), hf.reference_bf16(m, steps=STEPS),
+                first_step_parts(m)) for m in models}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_router_loss_kept_under_every_plan(references, world):
+    cases = PLANS[world]
+    per_rank = ((train_with_parts(cases),) if world == 1
+                else run_ranks(world, train_with_parts, cases, timeout=170))
+    for rank, results in enumerate(per_rank):
+        for (plan, model), result in zip(cases, results):
+            what = f"{model} rank {rank} {mt.Plan(**plan).describe()}"
+            fp32, bf16, first = references[model]
+            if plan.get("precision") == "bf16":
+                check_bf16(result, bf16, exact=world == 1, what=what)
+                continue
+            eq.assert_equivalent(result, fp32, what=what)
+            # the parts: the first step's as transformers computes them on the global batch,
+            # and every step's loss their sum (coefficient 0.02), within fp32 round-off
+            torch.testing.assert_close(result["parts"][0], first, rtol=1e-6, atol=0,
+                                       msg=lambda m: f"{what} parts: {m}")
+            for loss, parts in zip(result["losses"], result["parts"]):
+                assert loss == pytest.approx(
+                    parts["cross_entropy"] + 0.02 * parts["router_aux"], rel=1e-6), what
