@@ -107,9 +107,19 @@ class RouterLoss:
 
     def balancing(self, layers, global_counts: bool) -> torch.Tensor:
         """transformers' load_balancing_loss_func, f from the counts summed over dp."""
+        counts, prob_sum = self.routed(layers)
+        rows = counts[-1].clone()                     # this rank's own, for P
+        if global_counts:
+            self.reduce_counts(counts)
+        f = counts[:-1] / counts[-1]
+        return self.router.experts * (f * (prob_sum / rows)).sum()
+
+    def routed(self, layers) -> tuple[torch.Tensor, torch.Tensor]:
+        """([top-k choices of each expert..., tokens], each expert's summed probability)
+        over every MoE layer's tokens; the first is what dp sums, the second has gradients."""
         experts, top_k = self.router.experts, self.router.top_k
         device = layers[0].device
-        counts = torch.zeros(experts + 1, dtype=torch.float32, device=device)  # [f..., rows]
+        counts = torch.zeros(experts + 1, dtype=torch.float32, device=device)
         prob_sum = torch.zeros(experts, dtype=torch.float32, device=device)
         for logits in layers:                         # (tokens, experts) per MoE layer
             probs = torch.softmax(logits, dim=-1)     # in the logits' dtype, as transformers
@@ -117,11 +127,7 @@ class RouterLoss:
             counts[:experts] += torch.bincount(chosen, minlength=experts).float()
             counts[experts] += probs.shape[0]
             prob_sum = prob_sum + probs.float().sum(dim=0)
-        rows = counts[experts].clone()                # this rank's own, for P
-        if global_counts:
-            self.reduce_counts(counts)
-        f = counts[:experts] / counts[experts]
-        return experts * (f * (prob_sum / rows)).sum()
+        return counts, prob_sum
 
     def take_parts(self) -> torch.Tensor:
         """[loss_fn's, aux] of the step's micro-batches, averaged (equal micro-batches); the
