@@ -97,8 +97,10 @@ class RouterLoss:
         loss = self.loss_fn(output, targets)
         layers = getattr(output, "router_logits", None)
         if not layers:
-            raise RuntimeError(f"the model's output carries no router_logits although its "
-                               "config sets output_router_logits=True")
+            raise RuntimeError("the model's output carries no router_logits although its "
+                               "config sets output_router_logits=True (its router loss is "
+                               "added from them); call the model without "
+                               "output_router_logits=False, or set it False in the config")
         training = torch.is_grad_enabled()   # evaluation: whole batches, counts its own
         aux = self.balancing(layers, training)
         if training:
