@@ -16,6 +16,14 @@ def _mib(n) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _loss_parts(parts: dict | None) -> list[str]:
+    """The last step's loss in its parts, where it has several (a mixture of experts)."""
+    if not parts:
+        return []
+    return [f"  its parts   cross-entropy {parts['cross_entropy']:.4f}, router load-balancing "
+            f"{parts['router_aux']:.4f} (x router_aux_loss_coef)"]
+
+
 def print_summary(s: dict) -> None:
     ratio = s["val_loss_end"] / s["val_loss_start"]
     lines = [
@@ -25,6 +33,7 @@ def print_summary(s: dict) -> None:
         + (f"; restarted {s['restarts']}x after a rank failed" if s.get("restarts") else ""),
         *([f"data          {s['data']}"] if s.get("data") else []),
         f"train loss    {s['train_loss_start']:.4f} -> {s['train_loss_end']:.4f}",
+        *_loss_parts(s.get("train_loss_parts_end")),
         f"val loss      {s['val_loss_start']:.4f} -> {s['val_loss_end']:.4f} ({ratio:.2f}x)",
         f"throughput    {s['tokens_per_s']:,.0f} tokens/s (median step {s['median_step_s'] * 1e3:.1f} ms; "
         f"first step done {s['first_step_after_s']:.1f} s after the command started)",

@@ -50,13 +50,14 @@ def check_transformers_plan(spec: str, plan: Plan) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from meshtrain.models import hf
+    from meshtrain.models import hf, moe
     from meshtrain.models.registry import transformers_config
     from meshtrain.strategies import pipeline
     from meshtrain.train.slots import check_layer_sharding
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(transformers_config(spec))
+    moe.check(model, plan)   # before tp's styles: the experts are why it is refused
     check_layer_sharding(model, plan, hf.tp_plan_of(model, plan.tp) if plan.tp > 1 else None)
     pipeline.check(model, plan)
 

@@ -31,6 +31,8 @@ def _config(name: str):
                              bos_token_id=0, eos_token_id=0)
     if name in FAMILIES:
         return _family_config(tf, name)
+    if name in MOE:
+        return _moe_config(tf, name)
     raise KeyError(name)
 
 
@@ -64,10 +66,27 @@ def _family_config(tf, name: str):
                              attention_dropout=0.0)
 
 
+def _moe_config(tf, name: str):
+    """Mixtures of 4 experts, each token to 2, with the router's load-balancing loss on
+    (output_router_logits, coefficient 0.02: models/moe.py): Mixtral's (softmax over the
+    top-2), Qwen3-MoE's (the top-k renormalised, per-head q/k norms), OLMoE's (top-k not
+    renormalised, whole-width q/k norms)."""
+    common = dict(SIZES, pad_token_id=None, bos_token_id=0, eos_token_id=0,
+                  num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
+                  tie_word_embeddings=False)
+    if name == "mixtral-tiny":
+        return tf.MixtralConfig(**common, num_local_experts=4, sliding_window=None)
+    if name == "qwen3-moe-tiny":
+        return tf.Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=32,
+                                 head_dim=16, norm_topk_prob=True)
+    return tf.OlmoeConfig(**common, num_experts=4)
+
+
+MOE = ("mixtral-tiny", "qwen3-moe-tiny", "olmoe-tiny")
 FAMILIES = ("qwen3-tiny", "olmo2-tiny", "phi3-tiny", "gemma2-tiny", "gpt-neox-tiny",
             "stablelm-tiny")
 PRESETS = ("llama-tiny", "llama-tiny-tied", "qwen2-tiny", "mistral-tiny", "hf-gpt2-tiny",
-           *FAMILIES)
+           *FAMILIES, *MOE)
 
 
 def names_transformers(spec: str) -> bool:

@@ -102,6 +102,7 @@ def train_rank(config: RunConfig) -> dict:
         "steps": config.steps, "resumed_from": start, "restarts": faults.attempt(),
         "data": corpus.source,
         "train_loss_start": first.get("train_loss"), "train_loss_end": loss,
+        "train_loss_parts_end": trainer.last_loss_parts,   # a mixture of experts' router loss
         "val_loss_start": first["val_loss"], "val_loss_end": final_val,
         "median_step_s": median, "tokens_per_s": tokens_per_step / median,
         "mfu": util(tokens_per_step / median), "flops_per_token": flops_tok,
@@ -147,7 +148,8 @@ def _train_steps(trainer: Trainer, config: RunConfig, sampler: BatchSampler, val
         sent = sum(by_axis.values())
         step_bytes.append(sent)
         first.setdefault("train_loss", loss)
-        record = {"step": step + 1, "loss": loss, "lr": lr, "step_s": dt,
+        record = {"step": step + 1, "loss": loss, **(trainer.last_loss_parts or {}),
+                  "lr": lr, "step_s": dt,
                   "tokens_per_s": tokens_per_step / dt, "mfu": util(tokens_per_step / dt),
                   "bytes_sent": sent, "bytes_by_axis": by_axis,
                   **({"windows": sampler.window_hash(step)} if metrics.enabled else {}),

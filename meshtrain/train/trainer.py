@@ -27,7 +27,7 @@ from meshtrain.core.memory import (ActivationMeter, MemoryReport, optimizer_stat
                                    storage_bytes)
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
-from meshtrain.models import hf
+from meshtrain.models import hf, moe
 from meshtrain.models.lean_cross_entropy import lean_cross_entropy
 from meshtrain.models.registry import logits_of
 from meshtrain.strategies import pipeline
@@ -50,6 +50,7 @@ class Trainer:
         """Everything that shapes the run is in `plan` (saved and compared whole); the
         optimizer and the loss are code. `loss_fn` None: the model's own .loss."""
         check_plan(plan, model)   # the world size: Mesh.build, after the model's refusals
+        moe.check(model, plan)
         self.runtime_bytes = resident_bytes()   # before this rank holds any of the model
         reset_process_peak()
         # a transformers causal LM brings its own loss and tp plan (models/hf.py): model
@@ -77,6 +78,11 @@ class Trainer:
             self.loss_fn = compiled_token_loss(plan.compile_backend, plan.compile_mode)
         elif plan.precision != "fp32":   # the loss in fp32 whatever the compute precision
             self.loss_fn = _loss_in_fp32(self.loss_fn)
+        # a mixture of experts' router loss over the global batch's routing (models/moe.py)
+        self.router_loss = moe.router_loss(
+            model, self.loss_fn, lambda t: self.comm.all_reduce(t, "dp", tag="router-counts"))
+        self.loss_fn = self.router_loss or self.loss_fn
+        self.last_loss_parts: dict[str, float] | None = None   # the last step's, by name
         self.layout = StateLayout.of(self.model)   # names and shapes, before any slot
         # 1. tensor parallel first: stages and gradient sync then see the shards
         self.sharding = shard_layers(self.model, plan, self.comm, tp_plan)
@@ -136,12 +142,22 @@ class Trainer:
         sync.zero_grad()
         local_loss = self.driver.run(inputs, targets, sync)
         loss = self.driver.global_loss(sync.finish_gradient_sync(local_loss))
+        if self.router_loss is not None:
+            self.last_loss_parts = self._loss_parts()
         self._sum_gradients_across_axes()
         if self.max_grad_norm is not None:
             self._grad_norm = self._clip(self.max_grad_norm)
         sync.step()
         self.steps_done += 1
         return loss
+
+    def _loss_parts(self) -> dict[str, float]:
+        """The step's loss in its parts, global means: the loss function's (cross-entropy)
+        and the router's load-balancing loss unscaled (loss = cross_entropy + coef x it)."""
+        parts = self.router_loss.take_parts()
+        self.comm.all_reduce(parts, "dp", tag="loss-parts")
+        parts /= self.dp_size
+        return {"cross_entropy": parts[0].item(), "router_aux": parts[1].item()}
 
     def _settle(self) -> None:
         """Let a gradient sync with messages in flight (ps-async) finish them before a

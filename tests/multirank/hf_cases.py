@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import meshtrain as mt
-from meshtrain.models.hf_presets import FAMILIES, build
+from meshtrain.models.hf_presets import FAMILIES, MOE, build
 from tests.multirank import equivalence as eq
 
 SEQ, STEPS = 16, 4
 NAMES = ("llama-tiny", "llama-tiny-tied", "hf-gpt2-tiny", "qwen2-tiny")
-for _name in (*NAMES, *FAMILIES):
+for _name in (*NAMES, *FAMILIES, *MOE):
     eq.MODELS[_name] = (partial(build, _name), None, 255, SEQ)   # data() is uint8
 
 
@@ -29,15 +29,25 @@ def token_loss(output, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
+def transformers_loss(net: nn.Module):
+    """The loss transformers computes for `net` given labels: the cross-entropy, plus
+    router_aux_loss_coef x its own load-balancing loss where a mixture of experts' config
+    asks for it (output_router_logits)."""
+    coef = getattr(net.config, "router_aux_loss_coef", 0.0)
+    if not getattr(net.config, "output_router_logits", False):
+        return token_loss
+    return lambda output, targets: token_loss(output, targets) + coef * output.aux_loss.float()
+
+
 def reference(model: str, steps: int = STEPS) -> dict:
     torch.manual_seed(0)
     net = eq.MODELS[model][0]()
     opt = eq.sgd(net.parameters())
     names = {id(p): n for n, p in net.named_parameters()}
-    losses = []
+    losses, loss_fn = [], transformers_loss(net)
     for x, y in eq.batches(model, steps):
         opt.zero_grad(set_to_none=True)
-        loss = token_loss(net(x, use_cache=False), y)
+        loss = loss_fn(net(x, use_cache=False), y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -54,9 +64,9 @@ def reference_bf16(model: str, steps: int = STEPS) -> dict:
     for p in params:
         p.data = p.data.to(torch.bfloat16)
     opt = eq.sgd(masters)
-    losses = []
+    losses, loss_fn = [], transformers_loss(net)
     for x, y in eq.batches(model, steps):
-        loss = token_loss(net(x, use_cache=False), y)
+        loss = loss_fn(net(x, use_cache=False), y)
         loss.backward()
         for m, p in zip(masters, params):
             m.grad, p.grad = p.grad.float(), None

@@ -1,0 +1,138 @@
+"""Mixture-of-experts causal LMs as transformers builds them (Mixtral, Qwen3-MoE, OLMoE,
+Qwen2-MoE...): their router's auxiliary loss kept, as transformers adds it.
+
+With `output_router_logits=True` in its config, transformers' causal LM adds
+`router_aux_loss_coef x` the load-balancing loss (Switch Transformer, eqs. 4-6) to the loss it
+computes from labels:
+
+    aux = E * sum_e f_e * P_e     f_e: the fraction of the top-k choices that went to expert e
+                                  P_e: the mean router probability of expert e
+                                  both over every token of every MoE layer in the batch
+
+[Note: the load-balancing loss over data-parallel shards] f and P are means over the batch,
+and their product is not: the mean over dp ranks of each shard's own aux is not the aux of
+the global batch. f carries no gradient (top-k choices, counted), so the global aux is linear
+in the probabilities once f is known: each rank sums its routing counts over dp (one
+all-reduce of E + 1 numbers per micro-batch) and computes E * sum_e f_e(global) * P_e(its
+shard). The mean of that over equal shards is the global aux exactly, and so are its
+gradients: one process on the global batch gets the same loss and the same step. With
+micro-batches, f is taken over micro-batch m of every rank (the global micro-batch m), as
+one process accumulating gradients over the same global micro-batches computes it.
+Evaluation gives each rank whole batches: there the counts stay the rank's own.
+No causal MoE family in transformers has a router z-loss (only the encoder-decoder Switch
+Transformers and NLLB-MoE), so none is added.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from meshtrain.core.plan import Plan, PlanError
+
+
+@dataclass(frozen=True)
+class Router:
+    """What the model's config says of its routing: `experts` per MoE layer, each token to
+    `top_k` of them; `aux_coef` the weight of the load-balancing loss, None where the config
+    does not ask for it (output_router_logits False: transformers adds nothing)."""
+    experts: int
+    top_k: int
+    aux_coef: float | None
+
+
+def router_of(model) -> Router | None:
+    """The routing of a transformers mixture-of-experts causal LM, None for any other model."""
+    config = getattr(model, "config", None)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not isinstance(experts, int) or not isinstance(top_k, int) or experts < 1:
+        return None
+    asks = bool(getattr(config, "output_router_logits", False))
+    coef = getattr(config, "router_aux_loss_coef", getattr(config, "aux_loss_coef", 0.0))
+    return Router(experts, top_k, float(coef) if asks else None)
+
+
+def check(model, plan: Plan) -> None:
+    """Refuse, before any process group exists, what a mixture of experts cannot run yet."""
+    router = router_of(model)
+    if router is None:
+        return
+    name = f"{type(model).__name__} ({router.experts} experts, top-{router.top_k})"
+    if router.top_k > router.experts:
+        raise PlanError(f"{name}: num_experts_per_tok={router.top_k} is more than its "
+                        f"{router.experts} experts; set num_experts_per_tok <= {router.experts}")
+    if plan.tp > 1 or plan.pp > 1:
+        raise PlanError(f"{name} with tp={plan.tp}, pp={plan.pp}: tensor and pipeline parallel "
+                        "of mixture-of-experts layers are not built yet (no expert styles, "
+                        "and the router's loss is not carried between stages); train it "
+                        "data-parallel: Plan(dp=N) or with ZeRO, Plan(dp=N, zero=1|2|3)")
+    if router.aux_coef is not None and plan.dp_mode != "ddp":
+        raise PlanError(f"{name} with dp_mode={plan.dp_mode!r}: its router's load-balancing "
+                        "loss (output_router_logits=True) needs the routing counts of the "
+                        "whole batch every step, which only dp_mode='ddp' (DDP, ZeRO) "
+                        "gathers; use dp_mode='ddp', or output_router_logits=False")
+
+
+def router_loss(model, loss_fn: Callable, reduce_counts: Callable) -> RouterLoss | None:
+    """`loss_fn` plus the router's auxiliary loss where the model's config asks for it
+    (see the module docstring); None where it does not. `reduce_counts(t)` sums a tensor
+    in place over the data-parallel ranks."""
+    router = router_of(model)
+    if router is None or router.aux_coef is None:
+        return None
+    return RouterLoss(loss_fn, router, reduce_counts)
+
+
+class RouterLoss:
+    """loss = loss_fn(output, targets) + aux_coef * aux, aux over the global batch; each
+    training call's parts (the loss_fn's, aux unscaled) kept until `take_parts`."""
+
+    def __init__(self, loss_fn: Callable, router: Router, reduce_counts: Callable) -> None:
+        self.loss_fn, self.router, self.reduce_counts = loss_fn, router, reduce_counts
+        self._parts: list[torch.Tensor] = []
+
+    def __call__(self, output, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(output, targets)
+        layers = getattr(output, "router_logits", None)
+        if not layers:
+            raise RuntimeError("the model's output carries no router_logits although its "
+                               "config sets output_router_logits=True (its router loss is "
+                               "added from them); call the model without "
+                               "output_router_logits=False, or set it False in the config")
+        training = torch.is_grad_enabled()   # evaluation: whole batches, counts its own
+        aux = self.balancing(layers, training)
+        if training:
+            self._parts.append(torch.stack([loss.detach().float(), aux.detach()]))
+        return loss + self.router.aux_coef * aux.to(loss.dtype)
+
+    def balancing(self, layers, global_counts: bool) -> torch.Tensor:
+        """transformers' load_balancing_loss_func, f from the counts summed over dp."""
+        counts, prob_sum = self.routed(layers)
+        rows = counts[-1].clone()                     # this rank's own, for P
+        if global_counts:
+            self.reduce_counts(counts)
+        f = counts[:-1] / counts[-1]
+        return self.router.experts * (f * (prob_sum / rows)).sum()
+
+    def routed(self, layers) -> tuple[torch.Tensor, torch.Tensor]:
+        """([top-k choices of each expert..., tokens], each expert's summed probability)
+        over every MoE layer's tokens; the first is what dp sums, the second has gradients."""
+        experts, top_k = self.router.experts, self.router.top_k
+        device = layers[0].device
+        counts = torch.zeros(experts + 1, dtype=torch.float32, device=device)
+        prob_sum = torch.zeros(experts, dtype=torch.float32, device=device)
+        for logits in layers:                         # (tokens, experts) per MoE layer
+            probs = torch.softmax(logits, dim=-1)     # in the logits' dtype, as transformers
+            chosen = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+            counts[:experts] += torch.bincount(chosen, minlength=experts).float()
+            counts[experts] += probs.shape[0]
+            prob_sum = prob_sum + probs.float().sum(dim=0)
+        return counts, prob_sum
+
+    def take_parts(self) -> torch.Tensor:
+        """[loss_fn's, aux] of the step's micro-batches, averaged (equal micro-batches); the
+        kept parts are cleared."""
+        parts, self._parts = self._parts, []
+        return torch.stack(parts).mean(dim=0)
