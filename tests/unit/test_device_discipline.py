@@ -121,6 +121,10 @@ HOST_ON_PURPOSE = {
                                            "through the host",
     ("bench/device.py", "gpt_batch"): "the same tokens on every device: a host generator "
                                       "draws them, then they move to the rank's device",
+    ("bench/data.py", "_gpt_step"): "the data bench's reference step runs on the host: it "
+                                    "prices what a CPU rank's step consumes",
+    ("train/checkpoint.py", "read_tensors"): "a checkpoint read tensor by tensor into host "
+                                             "memory (export, one process, no device)",
 }
 
 
