@@ -18,7 +18,7 @@ from pathlib import Path
 from meshtrain.cli.summary import print_summary
 from meshtrain.cli.train_checks import check_batch_split, check_model_plan
 from meshtrain.cli.train_data import check_resumed_data, settle_data
-from meshtrain.core.plan import COMPILE_BACKENDS, Plan, PlanError
+from meshtrain.core.plan import COMPILE_BACKENDS, RECOMPUTES, Plan, PlanError
 from meshtrain.train.config import DEFAULT_LR, OPTIMIZERS, latest_checkpoint
 
 
@@ -130,8 +130,10 @@ def _add_plan_options(plan) -> None:
                       help="with --zero: keep optimizer states in host memory or on disk")
     plan.add_argument("--offload-dir", help="where --offload disk writes (default: the run "
                                             "folder's offload/)")
-    plan.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
-                      help="recompute activations in backward: every layer, or attention only")
+    plan.add_argument("--recompute", default="none", choices=RECOMPUTES,
+                      help="recompute in backward: every layer, per op (matmul and attention "
+                           "outputs kept), the attention core; --recompute-every K: every K-th")
+    plan.add_argument("--recompute-every", type=int, default=1, metavar="K")
     plan.add_argument("--compile", nargs="?", const=True, default=False,
                       choices=list(COMPILE_BACKENDS), metavar="BACKEND",
                       help="torch.compile each transformer block (default backend inductor; "
@@ -217,8 +219,8 @@ def build_config(args):
                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                 zero=args.zero, dp_mode=args.dp_mode, microbatches=args.microbatches,
                 schedule=args.schedule, virtual_stages=args.virtual_stages,
-                bucket_mb=args.bucket_mb, precision=args.precision,
-                offload=args.offload, recompute=args.recompute,
+                bucket_mb=args.bucket_mb, precision=args.precision, offload=args.offload,
+                recompute=args.recompute, recompute_every=args.recompute_every,
                 sequence_parallel=args.sequence_parallel, max_grad_norm=args.max_grad_norm,
                 offload_dir=args.offload_dir, measure_activations=True,
                 compression=args.compression, compression_rank=args.compression_rank,

@@ -27,7 +27,8 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
     the device computes (`async_dispatch`), the slower of the two bounds the micro-batch."""
     p = cand.plan
     layer_f, scores_f, logits_f = forward_flops_per_token(spec, spec.seq)
-    extra = layer_f if cand.recompute == "full" else scores_f if cand.recompute == "selective" else 0
+    extra = (layer_f / p.recompute_every if cand.recompute == "full"
+             else scores_f if cand.recompute == "attention" else 0)
     layers_here = math.ceil(spec.layers / p.pp)
     mb_flops = b * spec.seq * (layers_here * (3 * layer_f + extra) + 3 * logits_f) / p.tp
     dispatch = dispatch_time(spec, cand, cluster)

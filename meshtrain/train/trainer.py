@@ -89,7 +89,8 @@ class Trainer:
         # recomputation after tensor parallel, before stages and data parallel (torchtitan's
         # order): it wraps the layers as they will run
         self.recomputed = apply_recompute(self.model, plan.recompute,
-                                          self.activations.keep if self.activations else None)
+                                          self.activations.keep if self.activations else None,
+                                          plan.recompute_every)
         # 2. pipeline stages: the data-parallel sync covers only what this stage keeps
         self.stages = keep_stages(self.model, plan, self.comm, self.layout)
         if self.activations is not None:
