@@ -13,7 +13,8 @@ DP_MODES = ("ddp", "dp", "ps-sync", "ps-async", "diloco", "local-sgd")
 LOCAL_STEP_MODES = ("diloco", "local-sgd")   # workers step alone, sync every `sync_every`
 OFFLOADS = ("none", "cpu", "disk")
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")
 RECOMPUTES = ("none", "full", "selective", "attention")
 COMPRESSIONS = ("none", "powersgd")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "cudagraphs")   # compile=True is "inductor"
@@ -55,7 +56,12 @@ class Plan:
     cap: on CPU, gloo's reductions compete with backward for the same cores, so a few large
     buckets beat many small ones (measured: 1 MiB buckets cost 13% per step at world 2)."""
     precision: str = "fp32"
-    """Compute precision: "fp32" | "bf16"."""
+    """Compute precision: "fp32" | "bf16" | "fp8" (the linear layers' matmuls in float8
+    through torchao, bf16 elsewhere; strategies/float8.py)."""
+    fp8_recipe: str = "tensorwise"
+    """precision="fp8": one scale per tensor ("tensorwise") or per row ("rowwise")."""
+    fp8_emulate: bool = False
+    """precision="fp8": emulate the float8 matmuls (a CPU, a GPU without them; tests only)."""
     recompute: str = "none"
     """Activation recomputation: "none" | "full" (keep each layer's input, recompute the
     layer in backward) | "selective" (per op: keep each layer's matmul and attention outputs,
@@ -124,6 +130,7 @@ class Plan:
         _choose("precision", self.precision, PRECISIONS)
         _choose("recompute", self.recompute, RECOMPUTES)
         _check_recompute_every(self)
+        _check_fp8(self)
         if not isinstance(self.zero, int) or self.zero not in (0, 1, 2, 3):
             raise PlanError(f"Plan.zero={self.zero!r}: must be 0, 1, 2 or 3")
         if not isinstance(self.staleness, int) or self.staleness < 0:
@@ -251,6 +258,16 @@ def _check_local_steps(plan: Plan) -> None:
         raise PlanError(f"Plan(dp_mode={plan.dp_mode!r}, zero={plan.zero}): every worker "
                         "keeps whole parameters and its own optimizer between syncs, which "
                         "ZeRO shards over dp; use zero=0")
+
+
+def _check_fp8(plan: Plan) -> None:
+    _choose("fp8_recipe", plan.fp8_recipe, FP8_RECIPES)
+    if not isinstance(plan.fp8_emulate, bool):
+        raise PlanError(f"Plan.fp8_emulate={plan.fp8_emulate!r}: must be True or False")
+    if plan.precision != "fp8" and (plan.fp8_emulate or plan.fp8_recipe != "tensorwise"):
+        raise PlanError(f"Plan.fp8_recipe / fp8_emulate shape float8 training and need "
+                        f"precision='fp8' (got {plan.precision!r}); set precision='fp8' or "
+                        "drop them")
 
 
 def _check_recompute_every(plan: Plan) -> None:
