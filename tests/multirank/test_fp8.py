@@ -85,3 +85,15 @@ def test_fp8_is_refused_where_it_cannot_run(monkeypatch):
     with pytest.raises(mt.PlanError, match=r"torchao's float8, which is not installed; pip "
                                            r"install 'meshtrain\[fp8\]'"):
         check_fp8("fp8", True, "cpu")
+
+
+@pytest.mark.parametrize("recipe, scaling", [("tensorwise", "dyn_ten"), ("rowwise", "dyn_axs")])
+def test_the_blocks_linears_run_in_float8_the_output_layer_in_bf16(recipe, scaling):
+    torch.manual_seed(0)
+    trainer = mt.Trainer(eq.MODELS["gpt"][0](), mt.Plan(**FP8, fp8_recipe=recipe),
+                         optimizer=eq.sgd)
+    blocks = [n for n, m in trainer.model.named_modules()
+              if isinstance(m, nn.Linear) and n.startswith("blocks.")]
+    assert trainer.float8 == blocks and blocks   # every block's linear, nothing after them
+    q = trainer.model.blocks[0].attn.q
+    assert f"i:{scaling}_e4m3" in repr(q) and q.weight.dtype == torch.bfloat16
