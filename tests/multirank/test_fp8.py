@@ -24,27 +24,10 @@ def reference_fp8() -> dict:
     converted to torchao's Float8Linear (emulated), fp32 masters, the loss in fp32."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    build, _, _, _ = eq.MODELS["gpt"]
-    torch.manual_seed(0)
-    net = build()
-    names = [n for n, _ in net.named_parameters()]
-    masters = [nn.Parameter(p.detach().clone()) for p in net.parameters()]
-    net.to(torch.bfloat16)
-    convert_to_float8_training(net, config=Float8LinearConfig(emulate=True),
-                               module_filter_fn=lambda m, name: name.startswith("blocks."))
-    opt = eq.OPTIMIZERS["sgd"](masters)
-    losses = []
-    for x, y in eq.batches("gpt", STEPS):
-        loss = net.loss(net(x).float(), y)
-        loss.backward()
-        for m, p in zip(masters, net.parameters()):
-            m.grad, p.grad = p.grad.float(), None
-        opt.step()
-        with torch.no_grad():
-            for m, p in zip(masters, net.parameters()):
-                p.copy_(m)
-        losses.append(loss.item())
-    return {"losses": losses, "state": {n: m.detach().clone() for n, m in zip(names, masters)}}
+    def convert(net):
+        convert_to_float8_training(net, config=Float8LinearConfig(emulate=True),
+                                   module_filter_fn=lambda m, name: name.startswith("blocks."))
+    return eq.reference_bf16("gpt", "sgd", steps=STEPS, convert=convert)
 
 
 def data_parallel_fp8() -> list[dict]:
