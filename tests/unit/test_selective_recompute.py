@@ -127,3 +127,18 @@ def test_an_op_writing_into_a_kept_output_is_not_run_again():
                context_fn=lambda: _selective_contexts(None)).sum().backward()
     for got, want in zip((x.grad, w.grad, b.grad), plain):
         torch.testing.assert_close(got, want)
+
+
+def test_the_time_model_reruns_what_each_mode_recomputes():
+    """Blocks a micro-batch runs (for elementwise work and dispatch): selective re-runs a
+    block's forward but its matmuls (as full does, less the FLOPs), full with
+    recompute_every=k one block in k."""
+    from meshtrain.planner.compute_time import RECOMPUTED_BLOCK, blocks_run
+    from meshtrain.planner.setup import Candidate
+
+    spec = from_gpt_config(CONFIG, "gpt")   # 3 blocks
+    run = {(mode, k): blocks_run(spec, Candidate(mt.Plan(recompute=mode, recompute_every=k),
+                                                 1, mode))
+           for mode, k in (("none", 1), ("selective", 1), ("full", 1), ("full", 3))}
+    assert run["none", 1] == 3 and run["selective", 1] == run["full", 1] == 3 * RECOMPUTED_BLOCK
+    assert run["full", 3] == pytest.approx(3 + (RECOMPUTED_BLOCK - 1))
