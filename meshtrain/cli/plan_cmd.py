@@ -47,7 +47,7 @@ def add_parser(subparsers) -> None:
                    "(default: the planner chooses)")
     t.add_argument("--precision", default="bf16", help="bf16 (mixed) or fp32")
     t.add_argument("--optimizer", default="adam", help="adam or sgd")
-    t.add_argument("--recompute", default="auto", help="auto, none, selective or full")
+    t.add_argument("--recompute", default="auto", help="auto, none, selective, attention or full")
     t.add_argument("--no-sequence-parallel", action="store_true")
     o = p.add_argument_group("output and actions")
     o.add_argument("--top", type=int, default=10, help="plans to show")

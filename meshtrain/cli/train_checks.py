@@ -19,10 +19,13 @@ def check_batch_split(config, plan: Plan) -> None:
 
 
 def check_model_plan(config, plan: Plan) -> None:
-    """Refuse, before any rank starts, what this model cannot do under this plan."""
+    """Refuse, before any rank starts, what this model cannot do under this plan (and fp8
+    without torchao, or on a CPU unemulated; each rank checks its GPU's float8 matmuls)."""
     from meshtrain.models.gpt import gpt_config
     from meshtrain.models.registry import kind_of
+    from meshtrain.strategies.float8 import check_fp8
 
+    check_fp8(plan.precision, plan.fp8_emulate, config.device)
     if kind_of(config.model) == "gpt":
         from meshtrain.strategies.tensor_parallel.gpt import check_tensor_parallel
         gpt = gpt_config(config.model, **config.model_overrides)

@@ -18,7 +18,7 @@ from pathlib import Path
 from meshtrain.cli.summary import print_summary
 from meshtrain.cli.train_checks import check_batch_split, check_init_from, check_model_plan
 from meshtrain.cli.train_data import check_resumed_data, settle_data
-from meshtrain.core.plan import COMPILE_BACKENDS, Plan, PlanError
+from meshtrain.core.plan import COMPILE_BACKENDS, PRECISIONS, RECOMPUTES, Plan, PlanError
 from meshtrain.train.config import DEFAULT_LR, OPTIMIZERS, latest_checkpoint
 
 
@@ -130,15 +130,16 @@ def _add_plan_options(plan) -> None:
                       help="with --zero: keep optimizer states in host memory or on disk")
     plan.add_argument("--offload-dir", help="where --offload disk writes (default: the run "
                                             "folder's offload/)")
-    plan.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
-                      help="recompute activations in backward: every layer, or attention only")
+    plan.add_argument("--recompute", default="none", choices=RECOMPUTES,
+                      help="every layer, per op (matmul/attention outputs kept), attention core")
+    plan.add_argument("--recompute-every", type=int, default=1, metavar="K")
     plan.add_argument("--compile", nargs="?", const=True, default=False,
                       choices=list(COMPILE_BACKENDS), metavar="BACKEND",
                       help="torch.compile each transformer block (default backend inductor; "
                            "cudagraphs: inductor replayed as CUDA graphs on a GPU; "
                            "aot_eager traces without generating code)")
-    plan.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                      help="bf16: bf16 compute and gradients, fp32 master weights")
+    plan.add_argument("--precision", default="fp32", choices=[*PRECISIONS, "fp8-emulated"],
+                      help="bf16 compute, fp32 masters; fp8: float8 linears (torchao)")
     plan.add_argument("--dp-mode", default="ddp",
                       choices=["ddp", "dp", "ps-sync", "ps-async", "diloco", "local-sgd"],
                       help="how data-parallel replicas agree: ddp (ring all-reduce), dp (one "
@@ -217,8 +218,9 @@ def build_config(args):
                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                 zero=args.zero, dp_mode=args.dp_mode, microbatches=args.microbatches,
                 schedule=args.schedule, virtual_stages=args.virtual_stages,
-                bucket_mb=args.bucket_mb, precision=args.precision,
-                offload=args.offload, recompute=args.recompute,
+                bucket_mb=args.bucket_mb, precision=args.precision.removesuffix("-emulated"),
+                fp8_emulate=args.precision == "fp8-emulated", offload=args.offload,
+                recompute=args.recompute, recompute_every=args.recompute_every,
                 sequence_parallel=args.sequence_parallel, max_grad_norm=args.max_grad_norm,
                 offload_dir=args.offload_dir, measure_activations=True,
                 compression=args.compression, compression_rank=args.compression_rank,

@@ -49,6 +49,11 @@ def _refuse_unbuilt(plan: Plan) -> None:
         (plan.dp_mode != "ddp" and plan.precision != "fp32",
          f"dp_mode={plan.dp_mode!r} with precision={plan.precision!r}: DP and the parameter "
          "server run in fp32 for now"),
+        (plan.precision == "fp8" and (plan.tp > 1 or plan.pp > 1 or plan.zero == 3
+                                      or plan.compile is not False),
+         f"precision='fp8' with tp={plan.tp}, pp={plan.pp}, zero={plan.zero}, "
+         f"compile={plan.compile!r}: float8 training runs under DDP and ZeRO-1/2, eager, "
+         "for now"),
     ]
     for applies, message in unbuilt:
         if applies:

@@ -128,6 +128,13 @@ def device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
+def device_capability(device: torch.device) -> tuple[tuple[int, int] | None, str]:
+    """A CUDA device's compute capability and name ((None, "") for a CPU)."""
+    if device.type != "cuda":
+        return None, ""
+    return torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+
+
 def total_memory(device: torch.device) -> int | None:
     """The GPU's memory in bytes, all of it (the CUDA context's share included); None on CPU,
     whose ranks share the host's."""

@@ -97,9 +97,11 @@ def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float, n_devices:
     return tokens_per_s * flops_per_tok / (peak_flops * n_devices)
 
 
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# fp8 runs' MFU is against the bf16 peak (torchtitan's convention: float8 speeds the same
+# FLOPs up; the data sheets' float8 peaks are not in core/gpus.py yet)
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
 def run_peak(device: torch.device, precision: str) -> Peak:
-    """One device's peak for a run's plan precision ('fp32' | 'bf16')."""
+    """One device's peak for a run's plan precision ('fp32' | 'bf16' | 'fp8')."""
     return device_peak(device, PRECISION_DTYPES.get(precision, torch.float32))

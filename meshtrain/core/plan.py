@@ -13,8 +13,9 @@ DP_MODES = ("ddp", "dp", "ps-sync", "ps-async", "diloco", "local-sgd")
 LOCAL_STEP_MODES = ("diloco", "local-sgd")   # workers step alone, sync every `sync_every`
 OFFLOADS = ("none", "cpu", "disk")
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
-PRECISIONS = ("fp32", "bf16")
-RECOMPUTES = ("none", "full", "selective")
+PRECISIONS = ("fp32", "bf16", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")
+RECOMPUTES = ("none", "full", "selective", "attention")
 COMPRESSIONS = ("none", "powersgd")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "cudagraphs")   # compile=True is "inductor"
 
@@ -55,10 +56,19 @@ class Plan:
     cap: on CPU, gloo's reductions compete with backward for the same cores, so a few large
     buckets beat many small ones (measured: 1 MiB buckets cost 13% per step at world 2)."""
     precision: str = "fp32"
-    """Compute precision: "fp32" | "bf16"."""
+    """Compute precision: "fp32" | "bf16" | "fp8" (the linear layers' matmuls in float8
+    through torchao, bf16 elsewhere; strategies/float8.py)."""
+    fp8_recipe: str = "tensorwise"
+    """precision="fp8": one scale per tensor ("tensorwise") or per row ("rowwise")."""
+    fp8_emulate: bool = False
+    """precision="fp8": emulate the float8 matmuls (a CPU, a GPU without them; tests only)."""
     recompute: str = "none"
     """Activation recomputation: "none" | "full" (keep each layer's input, recompute the
-    layer in backward) | "selective" (recompute only the attention core)."""
+    layer in backward) | "selective" (per op: keep each layer's matmul and attention outputs,
+    recompute its elementwise ops) | "attention" (recompute only the attention core)."""
+    recompute_every: int = 1
+    """recompute="full" only: recompute every k-th decoder layer (layers k-1, 2k-1, ...;
+    torchtitan's frequency), the others keep everything: memory between none and full."""
     sync_every: int = 1
     """diloco / local-sgd only: inner steps each worker takes alone between two syncs (H):
     the dp axis carries one parameter-sized all-reduce per H steps."""
@@ -119,6 +129,8 @@ class Plan:
         _choose("schedule", self.schedule, SCHEDULES)
         _choose("precision", self.precision, PRECISIONS)
         _choose("recompute", self.recompute, RECOMPUTES)
+        _check_recompute_every(self)
+        _check_fp8(self)
         if not isinstance(self.zero, int) or self.zero not in (0, 1, 2, 3):
             raise PlanError(f"Plan.zero={self.zero!r}: must be 0, 1, 2 or 3")
         if not isinstance(self.staleness, int) or self.staleness < 0:
@@ -246,6 +258,27 @@ def _check_local_steps(plan: Plan) -> None:
         raise PlanError(f"Plan(dp_mode={plan.dp_mode!r}, zero={plan.zero}): every worker "
                         "keeps whole parameters and its own optimizer between syncs, which "
                         "ZeRO shards over dp; use zero=0")
+
+
+def _check_fp8(plan: Plan) -> None:
+    _choose("fp8_recipe", plan.fp8_recipe, FP8_RECIPES)
+    if not isinstance(plan.fp8_emulate, bool):
+        raise PlanError(f"Plan.fp8_emulate={plan.fp8_emulate!r}: must be True or False")
+    if plan.precision != "fp8" and (plan.fp8_emulate or plan.fp8_recipe != "tensorwise"):
+        raise PlanError(f"Plan.fp8_recipe / fp8_emulate shape float8 training and need "
+                        f"precision='fp8' (got {plan.precision!r}); set precision='fp8' or "
+                        "drop them")
+
+
+def _check_recompute_every(plan: Plan) -> None:
+    k = plan.recompute_every
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise PlanError(f"Plan.recompute_every={k!r}: must be a whole number >= 1 (e.g. 2: "
+                        "every second decoder layer recomputed)")
+    if k > 1 and plan.recompute != "full":
+        raise PlanError(f"Plan.recompute_every={k} picks the layers full recomputation "
+                        f"recomputes and needs recompute='full' (got {plan.recompute!r}); set "
+                        "recompute='full' or drop recompute_every")
 
 
 def _freeze_knobs(plan: Plan) -> None:

@@ -55,6 +55,8 @@ from meshtrain.train.trainer import Trainer
 PLANS = (({"dp": 1}, 8), ({"dp": 1, "microbatches": 2}, 16),
          # one rank's other plans (on one GPU, what verify can run): batch, recomputation
          ({"dp": 1}, 4), ({"dp": 1}, 16), ({"dp": 1, "recompute": "full"}, 8),
+         ({"dp": 1, "recompute": "selective"}, 8),
+         ({"dp": 1, "recompute": "full", "recompute_every": 2}, 8),
          ({"dp": 1, "microbatches": 4}, 16), ({"dp": 2}, 8),
          ({"dp": 2, "microbatches": 2}, 16), ({"dp": 4}, 4), ({"dp": 4}, 8),
          ({"dp": 2, "zero": 1}, 8), ({"dp": 2, "zero": 2, "microbatches": 2}, 16),

@@ -7,6 +7,7 @@ Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 from __future__ import annotations
 
 import math
+from functools import partial
 
 from meshtrain.core.loss_chunks import chunk_rows, uses_lean_loss
 from meshtrain.planner.model_spec import ModelSpec
@@ -22,8 +23,10 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
       none:                       s b h (34 + 5 a s / h)
       tensor parallel t:          s b h (10 + 24/t + 5 a s / (h t))
       tensor + sequence parallel: s b h (34/t + 5 a s / (h t))
-      selective recomputation:    s b h (10 + 24/t)      (with sequence parallel: 34 s b h / t)
+      attention recomputation:    s b h (10 + 24/t)      (with sequence parallel: 34 s b h / t)
       full recomputation:         2 s b h                (only the layer's input)
+    (Korthikanti's "selective" is meshtrain's "attention"; meshtrain's "selective" is per op:
+    `selective_layer_bytes`.)
     Built from its §4.1 parts so they also hold for other shapes: the 10 that TP leaves
     replicated are the two LayerNorm inputs (4sbh), the attention and MLP inputs (4sbh) and
     two 1-byte dropout masks (2sbh); the 24 TP divides are Q, K, V and the projection input
@@ -42,6 +45,8 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
     split = tp if sp else 1
     if recompute == "full":
         return e * sbh / split
+    if recompute == "selective":
+        return selective_layer_bytes(spec, seq, micro_batch, tp, sp, elem_bytes)
     masks = 2 if spec.dropout else 0
     kept = 4 * e + masks
     attn = e * (2 + 2 * spec.kv_dim / h)
@@ -51,9 +56,44 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
     traced = spec.traced_bytes_per_token(e)
     if traced is not None:   # the counts above at tp = 1 fall short of the trace by this
         kept += traced / h - (kept + divided + scores)
-    if recompute == "selective":
+    if recompute == "attention":
         scores = 0.0
     return sbh * (kept / split + (divided + scores) / tp)
+
+
+def selective_layer_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int = 1,
+                          sp: bool = False, elem_bytes: int = 2) -> float:
+    """What one layer keeps under per-op selective recomputation (strategies/recompute.py's
+    SAVED_OPS): its input and the outputs of its matmuls and attention kernel, nothing else.
+    Per token, in elements of e bytes:
+        input h (a slice under sequence parallel)
+      + Q, K, V projections (h + 2 kv) / t  + attention output h / t (+ its fp32 log-sum-exp,
+        a / t floats; without a fused kernel the scores' matmul, a s / t)
+      + output projection h  + MLP in (2 ffn for SwiGLU's gate and up, else ffn) / t
+      + MLP out h
+    The two row-parallel outputs are whole on every tensor-parallel rank (the partial sums
+    before their all-reduce or reduce-scatter). A GPT's: 11 h (t = 1); a Llama's:
+    5 h + 2 kv + 2 ffn. Dropout masks are not counted (recomputed from the saved RNG)."""
+    s, b, h, a, e = seq, micro_batch, spec.hidden, spec.heads, elem_bytes
+    split = tp if sp else 1
+    mlp_in = (2 if spec.mlp == "swiglu" else 1) * spec.ffn_hidden
+    sliced = e * (h + 2 * spec.kv_dim + h + mlp_in) + 4 * a
+    if not spec.flash_attention:
+        sliced += e * a * s
+    return s * b * (e * h / split + sliced / tp + 2 * e * h)
+
+
+def stage_layers_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, layers: int) -> float:
+    """What `layers` transformer layers of one stage keep for one micro-batch: under full
+    recomputation every `recompute_every`-th of them keeps only its input (a stage's share
+    counted as floor(layers / k), the layers' count from its start), the others everything."""
+    p = cand.plan
+    per_layer = partial(layer_activation_bytes, spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
+                        elem_bytes=setup.act_bytes)
+    k = p.recompute_every if cand.recompute == "full" else 1
+    recomputed = layers // k
+    return (recomputed * per_layer(recompute=cand.recompute)
+            + (layers - recomputed) * per_layer(recompute="none"))
 
 
 def inflight_microbatches(schedule: str, pp: int, m: int, v: int = 1, stage: int = 0) -> float:

@@ -178,7 +178,7 @@ def require_fit(advice: Advice) -> None:
     elif host_need > cluster.host_mem:
         hints.append(f"more host memory for offload (needs {host_need / 1e9:,.0f} GB per node, "
                      f"has {cluster.host_mem / 1e9:,.0f} GB)")
-    if setup.recompute in ("none", "selective"):
+    if setup.recompute in ("none", "selective", "attention"):
         hints.append("activation recomputation (--recompute full)")
     if setup.micro_batch > 1:
         hints.append("a smaller --micro-batch")

@@ -27,7 +27,8 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
     the device computes (`async_dispatch`), the slower of the two bounds the micro-batch."""
     p = cand.plan
     layer_f, scores_f, logits_f = forward_flops_per_token(spec, spec.seq)
-    extra = layer_f if cand.recompute == "full" else scores_f if cand.recompute == "selective" else 0
+    extra = (layer_f / p.recompute_every if cand.recompute == "full"
+             else scores_f if cand.recompute == "attention" else 0)
     layers_here = math.ceil(spec.layers / p.pp)
     mb_flops = b * spec.seq * (layers_here * (3 * layer_f + extra) + 3 * logits_f) / p.tp
     dispatch = dispatch_time(spec, cand, cluster)
@@ -59,5 +60,12 @@ def dispatch_time(spec: ModelSpec, cand: Candidate, cluster: Cluster) -> float:
 def blocks_run(spec: ModelSpec, cand: Candidate, recomputed: float = RECOMPUTED_BLOCK) -> float:
     """The blocks one micro-batch runs forward and backward on the busiest stage, a fully
     recomputed one `recomputed` blocks (its second forward: a third more of a block's work;
-    of its dispatch, as calibrated)."""
-    return math.ceil(spec.layers / cand.plan.pp) * (recomputed if cand.recompute == "full" else 1)
+    of its dispatch, as calibrated); under recompute_every k one block in k. Per-op selective
+    recomputation re-runs all of a block's forward but its matmuls and attention: its
+    elementwise work and its dispatch count as full recomputation's."""
+    blocks = math.ceil(spec.layers / cand.plan.pp)
+    if cand.recompute == "selective":
+        return blocks * recomputed
+    if cand.recompute == "full":
+        return blocks * (1 + (recomputed - 1) / cand.plan.recompute_every)
+    return blocks

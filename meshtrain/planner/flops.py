@@ -26,8 +26,9 @@ def step_flops(spec: ModelSpec, global_batch: int, recompute: str = "none") -> f
 
     Backward costs twice forward (Megatron 2021 §5.1), so a step is 3x forward; full
     recomputation re-runs every layer's forward (4x for the layers, the logit layer not
-    recomputed); selective recomputation re-runs only the attention scores (Korthikanti 2022
-    §5). For a GPT with full recomputation this is Megatron 2021's
+    recomputed); "attention" re-runs only the attention scores (Korthikanti 2022 §5); per-op
+    "selective" re-runs no matmul (its elementwise work again is not counted as FLOPs).
+    For a GPT with full recomputation this is Megatron 2021's
         F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
     Its "72 ..." form without recomputation keeps V/(16lh), which undercounts the logit layer
     (3 x 2BshV = 6BshV, i.e. V/(12lh) in that form); this function counts it as 6BshV.
@@ -36,7 +37,7 @@ def step_flops(spec: ModelSpec, global_batch: int, recompute: str = "none") -> f
     per_token = 3 * (spec.layers * layer + logits)
     if recompute == "full":
         per_token += spec.layers * layer
-    elif recompute == "selective":
+    elif recompute == "attention":
         per_token += spec.layers * scores
     return global_batch * spec.seq * per_token
 

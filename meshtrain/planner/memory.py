@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass, replace
 
 from meshtrain.core.plan import LOCAL_STEP_MODES
 from meshtrain.planner.activations import (forward_traffic, full_layer_bytes, inflight_microbatches,
-                                           layer_activation_bytes, output_bytes, transient_bytes)
+                                           output_bytes, selective_layer_bytes,
+                                           stage_layers_bytes, transient_bytes)
 from meshtrain.planner.compression import powersgd_traffic
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
@@ -134,8 +135,12 @@ def _rerun_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, block: float,
     forward re-run (its full set) and its backward's ffn-wide gradients (`block`); under
     ZeRO-3, mid-backward, the units after it still reduce-scattering (at most two in
     flight), each its whole gradient beside it and, on CPU ranks, a receive buffer as large
-    (gloo's all-to-all): measured 3.7-5.7 units of gradient on CPU ranks."""
+    (gloo's all-to-all): measured 3.7-5.7 units of gradient on CPU ranks. Per-op selective
+    recomputation re-runs only what the layer did not keep."""
     rerun = block + full_layer_bytes(spec, cand, setup)
+    if cand.recompute == "selective":
+        rerun -= selective_layer_bytes(spec, spec.seq, cand.micro_batch, cand.plan.tp, cand.sp,
+                                       setup.act_bytes)
     if cand.plan.zero == 3:
         unit_grad = setup.grad_bytes * spec.largest_layer_params / cand.plan.tp
         rerun += 2 * unit_grad * (2 if host_is_device else 1)
@@ -180,11 +185,9 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
         # with the gradients as powersgd.py's memory() does
         kept = powersgd_traffic(spec, p.compression_rank, p.compression_min_rate).kept
         states = replace(states, grads=states.grads + kept * setup.grad_bytes)
-    per_layer = layer_activation_bytes(spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
-                                       cand.recompute, setup.act_bytes)
     layers_here = math.ceil(spec.layers / p.pp)
     inflight = inflight_microbatches(p.schedule, p.pp, p.microbatches, p.virtual_stages, stage)
-    acts = per_layer * layers_here * inflight
+    acts = stage_layers_bytes(spec, cand, setup, layers_here) * inflight
     first, rest = forward_traffic(spec, cand, setup, stage)
     if last:   # the output layer lives on the last stage: the final norm's and the
         # projection's inputs (2 s b h elements) and the fp32 logits, for one micro-batch,
@@ -204,8 +207,8 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
         # contiguous copy, each a whole activation (measured: 3-12 of them above the saved
         # tensors, varying with when gloo's threads free theirs)
         transient += 3 * setup.act_bytes * spec.seq * cand.micro_batch * spec.hidden
-    if cand.recompute == "full":   # on the last stage, once the loss's backward is over and
-        # the output layer's tensors are freed: the larger of the two moments is the peak
+    if cand.recompute in ("full", "selective"):   # on the last stage, once the loss's
+        # backward is over and the output layer's tensors are freed: the larger is the peak
         recomputed = _rerun_bytes(spec, cand, setup, block, host_is_device)
         if last:
             transient = max(transient, recomputed - output_bytes(spec, cand, setup))

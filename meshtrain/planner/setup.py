@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from meshtrain.core.plan import Plan
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "attention", "full")
 OPTIMIZERS = ("adam", "sgd")
 
 
@@ -35,7 +35,8 @@ class Setup:
     optimizer: str = "adam"
     """"adam" (two fp32 moments) or "sgd" (momentum: one)."""
     recompute: str = ""
-    """"none" | "selective" | "full"; "" lets the planner choose the cheapest that fits."""
+    """"none" | "selective" | "attention" | "full"; "" lets the planner choose the cheapest
+    that fits."""
     sequence_parallel: bool = True
     """Shard LayerNorm/dropout activations along the sequence beside tensor parallelism."""
 

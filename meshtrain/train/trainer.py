@@ -20,7 +20,7 @@ from torch import nn
 from meshtrain.core.admit import check_plan
 from meshtrain.core.comm import Comm
 from meshtrain.core.watchdog import CollectiveFailure, is_communication_error, watch
-from meshtrain.core.device import device_memory
+from meshtrain.core.device import device_capability, device_memory
 from meshtrain.core.loss_chunks import uses_lean_loss
 from meshtrain.core.memory import (ActivationMeter, MemoryReport, optimizer_state_tensors,
                                    peak_process_bytes, reset_process_peak, resident_bytes,
@@ -34,6 +34,7 @@ from meshtrain.strategies import pipeline
 from meshtrain.strategies.data_parallel.diloco import one_replica_state
 from meshtrain.strategies.compile import apply_compile, compiled_token_loss
 from meshtrain.strategies.materialise import init_source, materialise
+from meshtrain.strategies.float8 import check_fp8, convert_to_fp8
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.tensor_parallel.sharding import is_token_cross_entropy
 from meshtrain.train import checkpoint
@@ -89,13 +90,19 @@ class Trainer:
         self.loss_fn = self.sharding.wrap_loss(self.loss_fn)   # vocab-parallel where split
         self.activations = (ActivationMeter(self.model.parameters())
                             if plan.measure_activations else None)
+        # float8 linears after tensor parallel, before compile and recomputation wrap them
+        check_fp8(plan.precision, plan.fp8_emulate, self.mesh.device.type,
+                  *device_capability(self.mesh.device))
+        self.float8 = (convert_to_fp8(self.model, plan.fp8_recipe, plan.fp8_emulate)
+                       if plan.precision == "fp8" else [])
         # compiled blocks after tensor parallel (they trace the sharded layers) and before
         # recomputation, whose checkpoint then wraps the compiled forward (strategies/compile.py)
         self.compiled = apply_compile(self.model, plan.compile_backend, plan.compile_mode)
         # recomputation after tensor parallel, before stages and data parallel (torchtitan's
         # order): it wraps the layers as they will run
         self.recomputed = apply_recompute(self.model, plan.recompute,
-                                          self.activations.keep if self.activations else None)
+                                          self.activations.keep if self.activations else None,
+                                          plan.recompute_every)
         # 2. pipeline stages: the data-parallel sync covers only what this stage keeps
         self.stages = keep_stages(self.model, plan, self.comm, self.layout)
         if self.activations is not None:

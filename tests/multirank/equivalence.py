@@ -194,9 +194,10 @@ def reference(model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
 
 
 def reference_bf16(model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
-                   device: str = "cpu") -> dict:
+                   device: str = "cpu", convert=None) -> dict:
     """Mixed precision in one process, plain PyTorch: bf16 parameters and gradients, fp32
-    master weights the optimizer steps, the loss taken in fp32."""
+    master weights the optimizer steps, the loss taken in fp32. `convert(net)`: changes the
+    bf16 model in place before training (torchao's float8 linears)."""
     build, loss_fn, _, _ = MODELS[model]
     torch.manual_seed(0)
     net = build().to(device)
@@ -204,6 +205,8 @@ def reference_bf16(model: str = "gpt", optimizer: str = "sgd", steps: int = 10,
     names = [n for n, _ in net.named_parameters()]
     masters = [nn.Parameter(p.detach().clone()) for p in net.parameters()]
     net.to(torch.bfloat16)
+    if convert is not None:
+        convert(net)
     opt = OPTIMIZERS[optimizer](masters)
     losses = []
     for x, y in batches(model, steps):

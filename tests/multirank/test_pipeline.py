@@ -188,7 +188,8 @@ HYBRID = {4: [("tied_pipe", dict(dp=2, pp=2, microbatches=4), 1.0),
                                  virtual_stages=2), 1.0),
               ("gpt_pipe", dict(pp=2, tp=2, microbatches=2), 0.2),
               ("gpt_pipe", dict(pp=2, tp=2, microbatches=2, sequence_parallel=True), None),
-              ("gpt_pipe", dict(pp=4, microbatches=4, recompute="full"), None)],
+              ("gpt_pipe", dict(pp=4, microbatches=4, recompute="full"), None),
+              ("gpt_pipe", dict(pp=2, tp=2, microbatches=2, recompute="selective"), 0.2)],
           8: [("gpt_pipe", dict(dp=2, pp=2, tp=2, zero=1, microbatches=2), 0.2)]}
 
 

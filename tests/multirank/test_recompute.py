@@ -13,11 +13,14 @@ from meshtrain.testing import run_ranks
 from tests.multirank import equivalence as eq
 
 CASES = [(zero, mode, model) for zero in (0, 3) for mode, model in
-         (("full", "gpt"), ("selective", "gpt"), ("full", "tied"))]
+         (("full", "gpt"), ("selective", "gpt"), ("full", "tied"))] + [
+    (0, "attention", "gpt"), (3, "full/2", "gpt")]   # "full/2": every second layer
 
 
 def recompute_cases(microbatches: int) -> dict:
-    return {(zero, mode, model): eq.train(mt.Plan(dp=eq.world_size(), zero=zero, recompute=mode,
+    return {(zero, mode, model): eq.train(mt.Plan(dp=eq.world_size(), zero=zero,
+                                                  recompute=mode.split("/")[0],
+                                                  recompute_every=int((mode + "/1").split("/")[1]),
                                                   microbatches=microbatches), model, "sgd",
                                           max_grad_norm=1.0)
             for zero, mode, model in CASES}
@@ -35,17 +38,18 @@ def test_recomputation_matches_one_process(world, microbatches):
 CONFIG = GPTConfig(vocab_size=256, seq_len=128, n_layer=3, n_head=4, d_model=256)
 
 
-@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+@pytest.mark.parametrize("mode", ["none", "full", "attention", "selective"])
 def test_a_layer_keeps_what_the_planner_predicts(mode):
     """Measured: the bytes autograd (and recomputation) keep for one transformer layer's
     backward; predicted: Korthikanti et al. 2022's per-layer formula in the planner (fp32,
-    fused attention: none 16 sbh, selective 16 sbh, full 1 sbh elements)."""
+    fused attention: none 16 sbh, attention 16 sbh, full 1 sbh elements), per op for
+    selective (11 sbh)."""
     torch.manual_seed(0)
     model = GPT(CONFIG)
     meter = ActivationMeter(model.parameters())
     wrapped = apply_recompute(model, mode, meter.keep)
-    assert ("blocks.0" in wrapped) == (mode == "full")
-    assert ("blocks.0.attn.core" in wrapped) == (mode == "selective")
+    assert ("blocks.0" in wrapped) == (mode in ("full", "selective"))
+    assert ("blocks.0.attn.core" in wrapped) == (mode == "attention")
     b, s = 4, CONFIG.seq_len
     x = model.embed(torch.randint(0, CONFIG.vocab_size, (b, s))).detach().requires_grad_()
     with meter.measure():
@@ -57,10 +61,10 @@ def test_a_layer_keeps_what_the_planner_predicts(mode):
         assert meter.last_bytes == x.numel() * 4
 
 
-def test_selective_recomputation_needs_attention_cores():
-    with pytest.raises(mt.PlanError, match="recompute='selective' recomputes attention cores, "
+def test_attention_recomputation_needs_attention_cores():
+    with pytest.raises(mt.PlanError, match="recompute='attention' recomputes attention cores, "
                                            "and Sequential exposes none"):
-        mt.Trainer(eq.tied_sequential(), mt.Plan(recompute="selective"), optimizer=eq.sgd,
+        mt.Trainer(eq.tied_sequential(), mt.Plan(recompute="attention"), optimizer=eq.sgd,
                    loss_fn=eq.token_loss)
 
 

@@ -62,14 +62,18 @@ def test_kept_activations_are_korthikantis_34_over_t():
         assert kept["none"]["layer"] < 0.95 * (16 / tp + 2 * (1 - 1 / tp)) * sbh_bytes
 
 
+# per-op selective without sequence parallel too: its all-reduce of a kept matmul output
+RECOMPUTED = (("full", True), ("selective", True), ("selective", False), ("attention", True))
+
+
 def train_recomputed() -> list[dict]:
-    return [eq.train(mt.Plan(tp=dist.get_world_size(), sequence_parallel=True, microbatches=2,
+    return [eq.train(mt.Plan(tp=dist.get_world_size(), sequence_parallel=sp, microbatches=2,
                              recompute=mode), "gpt_tp", "sgd", max_grad_norm=0.2)
-            for mode in ("full", "selective")]
+            for mode, sp in RECOMPUTED]
 
 
 def test_recomputation_under_sequence_parallel_matches_one_process():
     ref = eq.reference("gpt_tp", "sgd", max_grad_norm=0.2)
     for rank, results in enumerate(run_ranks(2, train_recomputed, timeout=120)):
-        for result, mode in zip(results, ("full", "selective")):
-            eq.assert_equivalent(result, ref, what=f"tp=2 sp recompute={mode} rank {rank}")
+        for result, (mode, sp) in zip(results, RECOMPUTED):
+            eq.assert_equivalent(result, ref, what=f"tp=2 sp={sp} recompute={mode} rank {rank}")

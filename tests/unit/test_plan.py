@@ -15,7 +15,7 @@ def test_sizes_must_be_whole_numbers_at_least_one(field, value):
     ("dp_mode", "horovod", "'ddp', 'dp', 'ps-sync', 'ps-async', 'diloco', 'local-sgd'"),
     ("offload", "nvme", "'none', 'cpu', 'disk'"),
     ("schedule", "zb-v", "'naive', 'gpipe', '1f1b', 'interleaved', 'zb-h1'"),
-    ("precision", "fp16", "'fp32', 'bf16'"),
+    ("precision", "fp16", "'fp32', 'bf16', 'fp8'"),
 ])
 def test_unknown_choice_lists_the_allowed_ones(field, value, choices):
     with pytest.raises(PlanError, match=rf"Plan\.{field}='{value}': choose one of {choices}$"):

@@ -55,8 +55,8 @@ TABLE2 = {   # (tp, sp, recompute) -> bytes per s b h, from a, s, h, t
     (1, False, "none"): lambda a, h: 34 + 5 * a * S / h,
     (T, False, "none"): lambda a, h: 10 + 24 / T + 5 * a * S / (h * T),
     (T, True, "none"): lambda a, h: 34 / T + 5 * a * S / (h * T),
-    (T, False, "selective"): lambda a, h: 10 + 24 / T,
-    (T, True, "selective"): lambda a, h: 34 / T,
+    (T, False, "attention"): lambda a, h: 10 + 24 / T,   # Korthikanti's "selective"
+    (T, True, "attention"): lambda a, h: 34 / T,
     (1, False, "full"): lambda a, h: 2,
 }
 GPT3 = PRESETS["gpt3-175b"]
@@ -78,12 +78,12 @@ def test_korthikanti_table2(model, tp, sp, recompute):
 
 def test_sequence_parallel_per_layer_for_the_22b_model():
     """The 22B model at t = 8 and micro-batch 4 (Table 3's global batch on its 8 GPUs): 885 MB
-    per layer with sequence parallel, 214 MB with selective recomputation too (issue 29's
+    per layer with sequence parallel, 214 MB with attention recomputation too (issue 29's
     figures from Table 2); saving the gathered attention and MLP inputs whole, as meshtrain
     did before, would add 2 x 2sbh (1 - 1/t): 1.06 GB and 390 MB."""
     spec, b = table3_spec("22B"), 4
     sp = am.layer_activation_bytes(spec, S, b, tp=T, sp=True)
-    selective = am.layer_activation_bytes(spec, S, b, tp=T, sp=True, recompute="selective")
+    selective = am.layer_activation_bytes(spec, S, b, tp=T, sp=True, recompute="attention")
     assert (round(sp / 1e6), round(selective / 1e6)) == (885, 214)
     gathered = 4 * S * b * spec.hidden * (1 - 1 / T)
     assert (round((sp + gathered) / 1e7), round((selective + gathered) / 1e6)) == (106, 390)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                  "fp8": torch.bfloat16}   # fp8: bf16 outside the float8 matmuls
 
 
 class MasterWeights:
