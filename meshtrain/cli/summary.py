@@ -47,7 +47,8 @@ def print_summary(s: dict) -> None:
                          f", gathered at most {_mib(m['gathered_peak'])}"
                          if m.get("gathered_peak") else "",
                          f", gradient buckets at most {_mib(m['gradients_in_flight'])}"
-                         if m.get("gradients_in_flight") else ""])
+                         if m.get("gradients_in_flight") else "",
+                         f", staging at most {_mib(m['staging'])}" if m.get("staging") else ""])
         host = (f" ({_mib(m['optimizer_on_host'])} of it in host memory)"
                 if m.get("optimizer_on_host") else "")
         lines.append(f"memory rank {rank}  params {_mib(m['parameters'])}, grads "

@@ -51,6 +51,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from meshtrain.core.handles import Done, Gauge, Then
 from meshtrain.core.mesh import AXES, Mesh
 from meshtrain.core.watchdog import CollectiveLog
 
@@ -150,40 +151,8 @@ class P2P:
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
 
-class _Done:
-    """Handle of a collective that had nothing to do (a group of one)."""
-
-    def wait(self) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
 def _copy(into: torch.Tensor, src: torch.Tensor) -> None:
     into.copy_(src)
-
-
-class _Then:
-    """Handle of a collective whose result needs one more local step once it arrives."""
-
-    def __init__(self, work, then) -> None:
-        self.work, self.then, self.done = work, then, False
-
-    def wait(self, timeout=None) -> bool:
-        if not self.done:
-            if timeout is None:
-                self.work.wait()
-            else:
-                self.work.wait(timeout=timeout)
-            self.then()
-            self.done = True
-        return True
-
-    def is_completed(self) -> bool:
-        if not self.done and self.work.is_completed():
-            self.wait()
-        return self.done
 
 
 def check_device(tensor: torch.Tensor, group) -> None:
@@ -208,6 +177,7 @@ class Comm:
         self.stats = stats if stats is not None else CommStats()
         self.log = CollectiveLog()   # the call sequence the watchdog compares between ranks
         self.link = None             # a core.link.LinkModel: sleeps the modelled time per call
+        self.staging = Gauge()       # gloo's whole buffers beside a gather's or scatter's output
 
     def group(self, axis: str):
         """The process group this Comm uses along `axis`."""
@@ -241,7 +211,7 @@ class Comm:
         """Reduce `tensor` in place over `axis` ("sum", "avg" or "max"); every member gets the
         result."""
         if not self._active(axis):
-            return _Done() if async_op else None
+            return Done() if async_op else None
         n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
         sent = ring_all_reduce_elements(tensor.numel(), n, r) * tensor.element_size()
         received = ring_all_reduce_received_elements(tensor.numel(), n, r) * tensor.element_size()
@@ -260,7 +230,7 @@ class Comm:
                              f"is not {self.mesh.size(axis)} x output ({output.numel()})")
         if not self._active(axis):
             output.copy_(input.reshape(output.shape))
-            return _Done() if async_op else None
+            return Done() if async_op else None
         n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
         nbytes = ring_half_elements(input.numel(), n, r) * input.element_size()
         self._account(axis, "reduce_scatter", tag, nbytes, nbytes, input)
@@ -269,13 +239,15 @@ class Comm:
             return reduce_scatter_single(output, input, op=_REDUCE_OPS[op], group=group,
                                          async_op=async_op)
         received = torch.empty_like(input)   # (N, k): row j is rank j's slice for us
+        self.staging.add(received.nbytes)
         work = dist.all_to_all_single(received, input.reshape(-1), group=group, async_op=True)
 
         def reduce() -> None:
             torch.sum(received.view(n, -1), dim=0, dtype=output.dtype, out=output.view(-1))
             if op == "avg":
                 output.div_(n)
-        handle = _Then(work, reduce)
+            self.staging.sub(received.nbytes)
+        handle = Then(work, reduce)
         if async_op:
             return handle
         handle.wait()
@@ -286,7 +258,7 @@ class Comm:
         """`output` (N times `input`) receives every member's `input`, in axis-rank order."""
         if not self._active(axis):
             output.copy_(input.reshape(output.shape))
-            return _Done() if async_op else None
+            return Done() if async_op else None
         n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
         nbytes = ring_half_elements(output.numel(), n, r) * output.element_size()
         self._account(axis, "all_gather", tag, nbytes, nbytes, input)
@@ -295,14 +267,20 @@ class Comm:
             return all_gather_single(output, input, group=group, async_op=async_op)
         # see [Note: all-gather as an all-to-all]
         repeated = input.reshape(1, -1).expand(n, -1).contiguous()
-        return dist.all_to_all_single(output.view(-1), repeated.view(-1), group=group,
-                                      async_op=async_op)
+        self.staging.add(repeated.nbytes)
+        handle = Then(dist.all_to_all_single(output.view(-1), repeated.view(-1), group=group,
+                                             async_op=True),
+                      lambda: self.staging.sub(repeated.nbytes))
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def broadcast(self, tensor: torch.Tensor, src: int, axis: str, tag: str = "",
                   async_op: bool = False):
         """Copy `tensor` from the member with axis rank `src` to every member of the axis."""
         if not self._active(axis):
-            return _Done() if async_op else None
+            return Done() if async_op else None
         n, nbytes = self.mesh.size(axis), tensor.numel() * tensor.element_size()
         is_src = self.mesh.axis_rank(axis) == src
         self._account(axis, "broadcast", tag, (n - 1) * nbytes if is_src else 0,
@@ -352,7 +330,7 @@ class Comm:
         group = self.group(axis)
         wire = tensor.cpu() if _stages_p2p(tensor, group) else tensor.contiguous()
         work = dist.isend(wire, dst=self.mesh.global_rank(axis, dst), group=group, tag=channel)
-        return _Then(work, lambda: wire) if wire is not tensor else work
+        return Then(work, lambda: wire) if wire is not tensor else work
 
     def irecv(self, tensor: torch.Tensor, src: int, axis: str, tag: str = "", channel: int = 0):
         """Start receiving into `tensor` from the member with axis rank `src`."""
@@ -363,7 +341,7 @@ class Comm:
                               tag=channel)
         host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
         work = dist.irecv(host, src=self.mesh.global_rank(axis, src), group=group, tag=channel)
-        return _Then(work, lambda: tensor.copy_(host))
+        return Then(work, lambda: tensor.copy_(host))
 
     def batch_isend_irecv(self, ops: list["P2P"], axis: str, tag: str = "") -> list:
         """Post every send and receive of `ops` at once (one c10d batch: none waits for
@@ -384,7 +362,7 @@ class Comm:
                                   self.mesh.global_rank(axis, op.peer), group=group,
                                   tag=op.match))
         works = dist.batch_isend_irecv(p2p) if p2p else []
-        return [work if back is None else _Then(work, partial(_copy, *back))
+        return [work if back is None else Then(work, partial(_copy, *back))
                 for work, back in zip(works, copy_back)]
 
     def send(self, tensor: torch.Tensor, dst: int, axis: str, tag: str = "",

@@ -102,6 +102,8 @@ class MemoryReport:
     gathered_peak: int | None = None  # ZeRO-3: most bytes of gathered units at once
     gradients_in_flight: int | None = None  # ZeRO-2/3: most bytes of whole gradient buckets
                                             # alive at once in backward, beside the shards
+    staging: int = 0                 # most bytes of gloo's staging buffers alive at once
+                                     # (core/comm.py: a gather's or scatter's whole copy)
     device_allocated: int | None = None  # CUDA: the allocator's bytes now (None on CPU)
     device_peak: int | None = None       # CUDA: its peak allocated bytes (None on CPU)
     host_pinned: int = 0             # CUDA: pinned host bytes offload holds (pinned_buffers)
@@ -119,9 +121,9 @@ class MemoryReport:
     @property
     def accounted(self) -> int:
         """Every byte counted from tensors: model states, gathered units, gradient buckets
-        in flight, activations."""
+        in flight, collectives' staging buffers, activations (each at its own peak)."""
         return (self.model_states + (self.gathered_peak or 0) + (self.activations or 0)
-                + (self.gradients_in_flight or 0))
+                + (self.gradients_in_flight or 0) + self.staging)
 
     @property
     def unaccounted(self) -> int | None:

@@ -351,7 +351,7 @@ class Trainer:
             peak_process=max(self.train_peak, peak_process_bytes()),
             host_pinned=storage_bytes(self.data_parallel.pinned_buffers()),   # offload's
             optimizer_on_host=self._optimizer_on_host(),
-            build_peak=self.build_peak, runtime=self.runtime_bytes,
+            build_peak=self.build_peak, runtime=self.runtime_bytes, staging=self.comm.staging.peak,
             checkpoint_peak=self.checkpoint_peak or None, checkpoint_share=self.checkpoint_share,
             **(device_memory(self.mesh.device) or {}))
 

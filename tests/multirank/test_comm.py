@@ -243,3 +243,24 @@ def test_emulated_link_sleeps_the_modelled_time_of_each_call():
         ag = ring_half_elements(12 * n, n, r) * 4
         assert slept == pytest.approx([2 * (n - 1) * 0.005 + max(ar, ar_in) / 1.25e8,
                                        (n - 1) * 0.005 + ag / 1.25e8])
+
+
+def staging_cases(k: int = 1000) -> dict:
+    """gloo's staging buffers, counted: an all-gather's repeated input (the output's size),
+    a reduce-scatter's received copy (the input's size), two at once when both are in
+    flight, none left once waited."""
+    comm = Comm(Mesh.build(Plan(dp=dist.get_world_size())))
+    n = dist.get_world_size()
+    shard = torch.ones(k, dtype=torch.float32)
+    gathered, scattered = torch.empty(n * k), torch.empty(k)
+    first = comm.all_gather(gathered, shard, "dp", async_op=True)
+    second = comm.reduce_scatter(scattered, torch.ones(n * k), "dp", async_op=True)
+    during = comm.staging.now
+    first.wait()
+    second.wait()
+    return {"during": during, "after": comm.staging.now, "peak": comm.staging.peak}
+
+
+def test_staging_buffers_are_counted_while_in_flight():
+    for result in run_ranks(2, staging_cases):
+        assert result == {"during": 2 * (2 * 1000 * 4), "after": 0, "peak": 2 * 2 * 1000 * 4}

@@ -67,8 +67,8 @@ def _published(trainer) -> None:
 
 
 def _done(kwargs):
-    from meshtrain.core.comm import _Done
-    return _Done() if kwargs.get("async_op") else None
+    from meshtrain.core.handles import Done
+    return Done() if kwargs.get("async_op") else None
 
 
 def _first_step():
