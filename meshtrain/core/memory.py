@@ -80,15 +80,22 @@ def peak_since(mark: int) -> int:
     return max([peak_process_bytes(), *_ENDED_PEAKS[mark:]])
 
 
-def _status_bytes(field: str) -> int | None:
+def process_status(fields: tuple[str, ...]) -> dict[str, int]:
+    """Those of /proc/self/status's memory fields (kB there) in bytes; empty off Linux."""
+    found = {}
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024   # kB
+                key, _, value = line.partition(":")
+                if key in fields:
+                    found[key] = int(value.split()[0]) * 1024
     except OSError:
-        return None
-    return None
+        pass
+    return found
+
+
+def _status_bytes(field: str) -> int | None:
+    return process_status((field,)).get(field)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from meshtrain.core.device import device_memory, reset_peak, synchronize
-from meshtrain.core.memory import peak_mark, peak_since, reset_process_peak
+from meshtrain.core.memory import peak_mark, peak_since, process_status, reset_process_peak
 
 
 def allocated_peak(fn, device: torch.device) -> int:
@@ -95,13 +95,7 @@ class ResidentPeak:
 
     @staticmethod
     def _status() -> dict[str, int]:
-        fields = {}
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("VmHWM", "RssAnon", "RssFile", "RssShmem"):
-                    fields[key] = int(value.split()[0]) * 1024
-        return fields
+        return process_status(("VmHWM", "RssAnon", "RssFile", "RssShmem"))
 
 
 class DevicePeak:

@@ -208,12 +208,25 @@ def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
     with recorder:
         model = build()
     torch.set_rng_state(rng_state)
-    model._meshtrain_init = InitRecording(recorder, model, rng_state)
+    return attach_source(model, InitRecording(recorder, model, rng_state))
+
+
+def attach_source(model: nn.Module, source) -> nn.Module:
+    """`model` (on the meta device) takes its values from `source` (its recording, or a
+    folder read tensor by tensor: models/pretrained.py) where the Trainer makes it real."""
+    model._meshtrain_init = source
     return model
 
 
-def recording_of(model: nn.Module) -> InitRecording | None:
+def source_of(model: nn.Module):
+    """Where a model on the meta device takes its values (None: nowhere said)."""
     return getattr(model, "_meshtrain_init", None)
+
+
+def recording_of(model: nn.Module) -> InitRecording | None:
+    """The model's recorded build, whatever source it was given since."""
+    source = source_of(model)
+    return getattr(source, "recording", source) if source is not None else None
 
 
 def is_on_meta(model: nn.Module) -> bool:

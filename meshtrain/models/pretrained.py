@@ -160,15 +160,14 @@ def from_pretrained(folder) -> nn.Module:
 def attach(model: nn.Module, weights: SafetensorsFolder) -> nn.Module:
     """`model` (built on the meta device, its build recorded) to take its values from
     `weights` where the folder has them; checked against it first."""
-    from meshtrain.models.deferred import recording_of
+    from meshtrain.models.deferred import attach_source, recording_of
 
     recording = recording_of(model)
     if recording is None:
         raise PretrainedError("the model must be built with build_on_meta(...) to load a "
                               "folder into it slice by slice")
     weights.check(model, ignored={n for n in weights.entries if n.endswith(".inv_freq")})
-    model._meshtrain_init = PretrainedSource(weights, recording)
-    return model
+    return attach_source(model, PretrainedSource(weights, recording))
 
 
 def _check_folder(folder: Path) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from meshtrain.core.state import StateLayout
+from meshtrain.models.deferred import source_of
 
 META = torch.device("meta")
 TakeParameter = Callable[[str, torch.Tensor], None]
@@ -36,7 +37,7 @@ def init_source(model: nn.Module) -> TensorSource | None:
     """Where a model on the meta device takes its values (None: the model is real)."""
     if not any(t.device == META for t in [*model.parameters(), *model.buffers()]):
         return None
-    source = getattr(model, "_meshtrain_init", None)
+    source = source_of(model)
     if source is None:
         raise MaterialiseError(
             f"{type(model).__name__} is on the meta device with nothing to fill it from: "

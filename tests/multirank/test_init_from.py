@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 
 import meshtrain as mt  # noqa: E402
 from meshtrain.models import hf_presets  # noqa: E402
+from meshtrain.models.deferred import source_of  # noqa: E402
 from meshtrain.models.pretrained import PretrainedError, SafetensorsFolder, from_pretrained  # noqa: E402
 from meshtrain.testing import run_ranks  # noqa: E402
 
@@ -41,7 +42,7 @@ def loaded(folder: str, plans: list[dict]) -> list[tuple]:
     out = []
     for plan in plans:
         model = from_pretrained(folder)
-        source = model._meshtrain_init
+        source = source_of(model)
         read: list[str] = []
         tensors = source.folder.tensors
 
