@@ -61,8 +61,9 @@ def _published(trainer) -> None:
     import json
 
     watchdog, want = trainer.watchdog, trainer.comm.log.count["dp"]
-    while json.loads(watchdog.store.get(watchdog.KEY + str(dist.get_rank())))["axes"]["dp"][
-            "count"] != want:
+    key = watchdog.KEY + str(dist.get_rank())
+    # the thread may have published before the first call on dp: that record has no "dp"
+    while json.loads(watchdog.store.get(key))["axes"].get("dp", {}).get("count") != want:
         time.sleep(0.01)
 
 
