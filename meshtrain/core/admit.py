@@ -54,6 +54,8 @@ def _refuse_unbuilt(plan: Plan) -> None:
          f"precision='fp8' with tp={plan.tp}, pp={plan.pp}, zero={plan.zero}, "
          f"compile={plan.compile!r}: float8 training runs under DDP and ZeRO-1/2, eager, "
          "for now"),
+        (plan.cp > 1, f"cp={plan.cp}: context parallel is not built yet"),
+        (plan.ep > 1, f"ep={plan.ep}: expert parallel is not built yet"),
     ]
     for applies, message in unbuilt:
         if applies:

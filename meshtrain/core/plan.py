@@ -18,6 +18,7 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 RECOMPUTES = ("none", "full", "selective", "attention")
 COMPRESSIONS = ("none", "powersgd")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "cudagraphs")   # compile=True is "inductor"
+CP_STYLES = ("ring", "all-to-all")
 
 
 class PlanError(ValueError):
@@ -32,6 +33,16 @@ class Plan:
     """Pipeline stages: the model's layers split into this many consecutive groups."""
     tp: int = 1
     """Tensor-parallel width: each layer's matrices split across this many ranks (one node)."""
+    cp: int = 1
+    """Context-parallel width: every sequence split over this many ranks (2*cp chunks, rank i
+    holding chunks i and 2cp-1-i so that causal attention's work is balanced)."""
+    cp_style: str = "ring"
+    """cp > 1: how attention crosses the cp axis: "ring" (K/V blocks passed round the ring,
+    partial results merged by log-sum-exp) | "all-to-all" (heads scattered, the sequence
+    gathered, as DeepSpeed Ulysses)."""
+    ep: int = 1
+    """Expert-parallel width: each MoE layer's experts split over this many ranks, taken from
+    the data-parallel ranks (ep divides dp; each expert is data-parallel over dp / ep)."""
     dp_mode: str = "ddp"
     """How data-parallel gradients are combined: "ddp" | "dp" | "ps-sync" | "ps-async" |
     "diloco" | "local-sgd" (workers step alone; see sync_every)."""
@@ -120,11 +131,13 @@ class Plan:
 
     def __post_init__(self) -> None:
         _freeze_knobs(self)
-        for name in ("dp", "pp", "tp", "microbatches", "virtual_stages", "ps_shards"):
+        for name in ("dp", "pp", "tp", "cp", "ep", "microbatches", "virtual_stages",
+                     "ps_shards"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"Plan.{name}={value!r}: must be a whole number >= 1")
         _choose("dp_mode", self.dp_mode, DP_MODES)
+        _check_cp_ep(self)
         _choose("offload", self.offload, OFFLOADS)
         _choose("schedule", self.schedule, SCHEDULES)
         _choose("precision", self.precision, PRECISIONS)
@@ -198,8 +211,9 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        """Ranks this plan needs: one per (pp, dp, tp) coordinate of the mesh."""
-        return self.pp * self.mesh_dp * self.tp
+        """Ranks this plan needs: one per (pp, dp, cp, tp) coordinate of the mesh (ep is
+        taken from the dp ranks)."""
+        return self.pp * self.mesh_dp * self.cp * self.tp
 
     def check_world_size(self, world_size: int) -> None:
         """Refuse a plan whose mesh does not cover exactly `world_size` ranks."""
@@ -211,11 +225,13 @@ class Plan:
                 f"(e.g. --nproc {self.world_size}), or use dp_mode='ddp' for one process per "
                 "replica")
         if self.world_size != world_size:
+            axes = "dp*pp*tp" if self.cp == 1 else "dp*pp*cp*tp"
+            sizes = f"dp={self.dp}, pp={self.pp}, tp={self.tp}" + (
+                f", cp={self.cp}" if self.cp > 1 else "")
             raise PlanError(
-                f"Plan(dp={self.dp}, pp={self.pp}, tp={self.tp}) needs dp*pp*tp = "
-                f"{self.world_size} ranks but the world has {world_size}; launch "
-                f"{self.world_size} ranks (e.g. --nproc {self.world_size}) or change the plan "
-                f"so that dp*pp*tp = {world_size}")
+                f"Plan({sizes}) needs {axes} = {self.world_size} ranks but the world has "
+                f"{world_size}; launch {self.world_size} ranks (e.g. --nproc "
+                f"{self.world_size}) or change the plan so that {axes} = {world_size}")
 
     def to_dict(self) -> dict:
         """JSON-ready fields (from_dict reads them back to an equal Plan)."""
@@ -258,6 +274,18 @@ def _check_local_steps(plan: Plan) -> None:
         raise PlanError(f"Plan(dp_mode={plan.dp_mode!r}, zero={plan.zero}): every worker "
                         "keeps whole parameters and its own optimizer between syncs, which "
                         "ZeRO shards over dp; use zero=0")
+
+
+def _check_cp_ep(plan: Plan) -> None:
+    _choose("cp_style", plan.cp_style, CP_STYLES)
+    if plan.cp_style != "ring" and plan.cp == 1:
+        raise PlanError(f"Plan.cp_style={plan.cp_style!r} shapes context parallel and needs "
+                        "cp > 1 (got cp=1); set cp=2 or more, or drop cp_style")
+    if plan.ep > 1 and plan.dp % plan.ep:
+        raise PlanError(f"Plan(ep={plan.ep}, dp={plan.dp}): expert parallel takes its ranks "
+                        f"from the data-parallel ones, so ep must divide dp; use dp="
+                        f"{plan.ep * max(1, round(plan.dp / plan.ep))} or an ep that divides "
+                        f"{plan.dp}")
 
 
 def _check_fp8(plan: Plan) -> None:

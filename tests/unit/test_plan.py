@@ -4,7 +4,8 @@ import pytest
 from meshtrain.core.plan import Plan, PlanError
 
 
-@pytest.mark.parametrize("field", ["dp", "pp", "tp", "microbatches", "virtual_stages"])
+@pytest.mark.parametrize("field", ["dp", "pp", "tp", "cp", "ep", "microbatches",
+                                   "virtual_stages"])
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
 def test_sizes_must_be_whole_numbers_at_least_one(field, value):
     with pytest.raises(PlanError, match=rf"Plan\.{field}={value!r}: must be a whole number >= 1"):
@@ -16,6 +17,7 @@ def test_sizes_must_be_whole_numbers_at_least_one(field, value):
     ("offload", "nvme", "'none', 'cpu', 'disk'"),
     ("schedule", "zb-v", "'naive', 'gpipe', '1f1b', 'interleaved', 'zb-h1'"),
     ("precision", "fp16", "'fp32', 'bf16', 'fp8'"),
+    ("cp_style", "ulysses", "'ring', 'all-to-all'"),
 ])
 def test_unknown_choice_lists_the_allowed_ones(field, value, choices):
     with pytest.raises(PlanError, match=rf"Plan\.{field}='{value}': choose one of {choices}$"):
@@ -82,6 +84,17 @@ def test_plan_is_frozen():
 def test_world_size_is_the_product_of_axes():
     assert Plan(dp=3, pp=2, tp=4).world_size == 24
     Plan(dp=3, pp=2, tp=4).check_world_size(24)
+
+
+def test_context_parallel_ranks_are_a_mesh_axis_expert_ranks_come_from_dp():
+    assert Plan(dp=2, cp=4, tp=2).world_size == 16   # cp multiplies the mesh
+    assert Plan(dp=4, ep=2).world_size == 4          # ep is taken from the dp ranks
+    with pytest.raises(PlanError, match=r"Plan\(dp=2, pp=1, tp=1, cp=2\) needs dp\*pp\*cp\*tp = 4"):
+        Plan(dp=2, cp=2).check_world_size(2)
+    with pytest.raises(PlanError, match=r"Plan\(ep=3, dp=4\): .* ep must divide dp; use dp=3"):
+        Plan(dp=4, ep=3)
+    with pytest.raises(PlanError, match=r"cp_style='all-to-all' .* needs cp > 1"):
+        Plan(cp_style="all-to-all")
 
 
 def test_check_world_size_names_both_numbers_and_the_fix():
