@@ -43,6 +43,7 @@ serves both ("cpu:gloo,cuda:nccl") takes either.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -275,6 +276,22 @@ class Comm:
             return handle
         handle.wait()
         return None
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int], axis: str, tag: str = "") -> None:
+        """Rows of `input` (dim 0) in `input_splits` go to the axis ranks in order; `output`
+        receives `output_splits` rows from each, in rank order (uneven counts allowed).
+        Charged its exact bytes: the rows that leave this rank, and those that arrive."""
+        if not self._active(axis):
+            output.copy_(input)
+            return
+        r = self.mesh.axis_rank(axis)
+        row = math.prod(input.shape[1:]) * input.element_size()   # bytes of one row
+        sent = (sum(input_splits) - input_splits[r]) * row
+        received = (sum(output_splits) - output_splits[r]) * row
+        self._account(axis, "all_to_all", tag, sent, received, input)
+        dist.all_to_all_single(output, input, output_split_sizes=output_splits,
+                               input_split_sizes=input_splits, group=self.group(axis))
 
     def broadcast(self, tensor: torch.Tensor, src: int, axis: str, tag: str = "",
                   async_op: bool = False):

@@ -47,6 +47,11 @@ class LayerSharding(Protocol):
         """The loss as this sharding computes it: the same function where outputs are whole;
         a vocab-parallel cross-entropy where the output layer's logits stay split over tp."""
 
+    replicas: dict
+    """Parameters replicated over fewer ranks than the dp axis, by name -> ReplicaGroup
+    (strategies/shared/replicas.py): experts under expert parallel, over their edp group.
+    The gradient sync reduces each over its group. Empty for every other sharding."""
+
 
 class Stages(Protocol):
     """Slot 2: which layers this rank runs along pp."""
@@ -200,6 +205,8 @@ class StepDriver(Protocol):
 # ---- each slot's choice when its axis has size one -------------------------------------------
 class NoSharding:
     """Slot 1 with tp = 1: every rank holds whole tensors."""
+
+    replicas: dict = {}
 
     def sum_partial_gradients(self, reduced) -> None:
         pass

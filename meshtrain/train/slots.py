@@ -10,7 +10,7 @@ from meshtrain.core.comm import Comm
 from meshtrain.core.memory import ActivationMeter
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.core.state import StateLayout
-from meshtrain.strategies import pipeline, tensor_parallel
+from meshtrain.strategies import expert_parallel, pipeline, tensor_parallel
 from meshtrain.strategies.compile import graph_step_marker
 from meshtrain.strategies.data_parallel.ddp import DDP
 from meshtrain.strategies.data_parallel.diloco import DiLoCo
@@ -20,6 +20,7 @@ from meshtrain.strategies.data_parallel.powersgd import PowerSGD
 from meshtrain.strategies.data_parallel.ps_async import AsyncParameterServer
 from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchLoop, NoSharding,
                                         Stages, StepDriver, WholeModel)
+from meshtrain.strategies.shared.replicas import ReplicaGroup
 from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.strategies.zero.zero3 import ZeRO3
 
@@ -27,6 +28,8 @@ from meshtrain.strategies.zero.zero3 import ZeRO3
 def shard_layers(model: nn.Module, plan: Plan, comm: Comm, tp_plan: dict | None) -> LayerSharding:
     """Slot 1: shard each layer's matrices over tp, in place, keeping parameter names."""
     check_layer_sharding(model, plan, tp_plan)
+    if plan.ep > 1:   # experts over ep ranks (tp and pp of MoE models are refused: models/moe.py)
+        return expert_parallel.shard(model, plan, comm)
     if plan.tp == 1:
         return NoSharding()
     return tensor_parallel.shard(model, plan, comm, tp_plan)
@@ -36,6 +39,7 @@ def check_layer_sharding(model: nn.Module, plan: Plan, tp_plan: dict | None) -> 
     """Slot 1's refusals that need the model's modules but no process group (run before
     the mesh is built; check_plan has refused a tp_plan without tp)."""
     tensor_parallel.check(model, plan, tp_plan)
+    expert_parallel.check(model, plan)
 
 
 def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout) -> Stages:
@@ -46,11 +50,13 @@ def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout) -
 
 
 def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
-                   fill: Callable | None = None) -> GradientSync:
+                   fill: Callable | None = None,
+                   replicas: dict[str, ReplicaGroup] | None = None) -> GradientSync:
     """Slots 3 and 4: how dp replicas agree on gradients, and who owns the optimizer.
     Parameters in `stages.shared` must be laid out identically on every stage holding them.
     `fill(take_parameter)` makes a model on the meta device real (strategies/materialise.py):
-    before the sync is built, or, under ZeRO-3, straight into its shards."""
+    before the sync is built, or, under ZeRO-3, straight into its shards. `replicas`: the
+    parameters slot 1 left replicated over fewer ranks than dp (LayerSharding.replicas)."""
     zero3 = plan.zero == 3 and plan.dp_mode == "ddp"
     if fill is not None and not zero3:
         fill(None)
@@ -73,7 +79,8 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
     if plan.compression == "powersgd":
         return PowerSGD(params, buffers, comm, plan.bucket_mb, plan.compression_rank,
                         plan.compression_min_rate, plan.sync_warmup_steps)
-    return DDP(params, buffers, comm, bucket_mb=plan.bucket_mb, precision=plan.precision)
+    return DDP(params, buffers, comm, bucket_mb=plan.bucket_mb, precision=plan.precision,
+               replicas=replicas)
 
 
 def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_fn: Callable,

@@ -111,7 +111,8 @@ class Trainer:
         fill = None if source is None else functools.partial(
             materialise, self.model, self.stages.modules(), self.layout, self.sharding, source,
             self.mesh.device)
-        self.data_parallel = sync_gradients(self.stages, plan, self.comm, fill)
+        self.data_parallel = sync_gradients(self.stages, plan, self.comm, fill,
+                                            self.sharding.replicas)
         self.optimizer = self.data_parallel.build_optimizer(optimizer)
         # 5. the step driver
         self.driver = drive_steps(self.model, self.stages, plan, self.comm, self.loss_fn,

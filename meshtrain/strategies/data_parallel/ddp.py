@@ -44,7 +44,8 @@ from meshtrain.core.optim_state import load_state_by_name, param_groups_by_name,
 from meshtrain.strategies.shared.buckets import Bucket, build_buckets
 from meshtrain.strategies.shared.gradient_buckets import GradientBuckets
 from meshtrain.strategies.shared.precision import MasterWeights, cast_to
-from meshtrain.strategies.shared.replicas import broadcast_tensors
+from meshtrain.strategies.shared.replicas import (ReplicaGroup, broadcast_tensors,
+                                                  replica_groups)
 from meshtrain.strategies.slots import GradientSync
 
 
@@ -54,9 +55,18 @@ class DDP(GradientSync):
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, bucket_mb: float,
-                 precision: str = "fp32", axis: str = "dp") -> None:
+                 precision: str = "fp32", axis: str = "dp",
+                 replicas: dict[str, ReplicaGroup] | None = None) -> None:
+        """`replicas`: parameters replicated over a group smaller than the dp axis (experts
+        over their edp group: strategies/expert_parallel), by name; each is broadcast and
+        reduced over its own group, in buckets of its own."""
         self.comm, self.axis = comm, axis
-        broadcast_tensors([p for _, p in named_params] + list(buffers), comm, axis)
+        self.replicas = replicas = dict(replicas or {})
+        broadcast_tensors([p for n, p in named_params if n not in replicas] + list(buffers),
+                          comm, axis)
+        for name, p in named_params:
+            if name in replicas:
+                broadcast_tensors([p], replicas[name].comm, replicas[name].axis)
         self.named = {n: p for n, p in named_params if p.requires_grad}
         self._name_of = {id(p): n for n, p in self.named.items()}
         self.params = list(self.named.values())
@@ -68,7 +78,10 @@ class DDP(GradientSync):
         # (fp32 payload; in bf16 the statistics travel in their own small all-reduce)
         buckets = build_buckets(self.params[::-1], bucket_mb * 2**20,
                                 last_extra=0 if self.mixed else 1 + len(self.params),
-                                pad_to=n if self.mixed else 1)
+                                pad_to=n if self.mixed else 1,
+                                groups=replica_groups(self.named, replicas))
+        self._group_of = {b.index: replicas.get(self._name_of[id(b.params[0])])
+                          for b in buckets}   # None: the whole dp axis
         self.grads = GradientBuckets(self.params, buckets, self._launch, scale=1.0 / n,
                                      hold_last=not self.mixed)
         self.buckets = buckets
@@ -90,12 +103,13 @@ class DDP(GradientSync):
         return self.grads.paused()
 
     def _launch(self, bucket: Bucket):
-        if self.comm.mesh.size(self.axis) == 1:   # one replica: its gradients are the mean
+        group = self._group_of[bucket.index]
+        comm, axis = (self.comm, self.axis) if group is None else (group.comm, group.axis)
+        if comm.mesh.size(axis) == 1:   # one replica: its gradients are the mean
             return None
         if not self.mixed:
-            return self.comm.all_reduce(bucket.buffer, self.axis, op="sum", tag="grad",
-                                        async_op=True)
-        return _ReduceThenGather(self.comm, bucket.buffer, self.axis)
+            return comm.all_reduce(bucket.buffer, axis, op="sum", tag="grad", async_op=True)
+        return _ReduceThenGather(comm, bucket.buffer, axis)
 
     def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
         """After the last backward: launch every bucket not yet launched (the statistics
@@ -137,12 +151,15 @@ class DDP(GradientSync):
         return self.named[name].grad
 
     def gradient_square_sum(self, counted: Callable[[str], bool]) -> torch.Tensor:
-        """Every replica holds every averaged gradient: dp rank 0 alone counts them."""
+        """Every replica holds every averaged gradient: rank 0 of its replicas (dp, or its
+        own group) alone counts it."""
         total = torch.zeros((), dtype=torch.float64, device=self.comm.mesh.device)
-        if self.comm.mesh.axis_rank(self.axis) == 0:
-            for name, p in self.named.items():
-                if p.grad is not None and counted(name):
-                    total += p.grad.double().square().sum()
+        first = self.comm.mesh.axis_rank(self.axis) == 0
+        for name, p in self.named.items():
+            group = self.replicas.get(name)
+            if (first if group is None else group.rank == 0) and p.grad is not None \
+                    and counted(name):
+                total += p.grad.double().square().sum()
         return total
 
     def scale_gradients(self, factor: torch.Tensor) -> None:

@@ -58,6 +58,8 @@ class TensorParallel:
     layer over a vocabulary of `vocab` has this rank's columns from `vocab_start` (both None:
     no such layer)."""
 
+    replicas: dict = {}   # every parameter is replicated over the whole dp axis
+
     def __init__(self, comm: Comm, splits: dict[str, Split], partial: set[str],
                  vocab_start: int | None = None, vocab: int | None = None) -> None:
         self.comm, self.splits, self.partial = comm, splits, partial

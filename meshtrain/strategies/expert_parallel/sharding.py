@@ -1,0 +1,60 @@
+"""Slot 1 over the ep axis: each MoE layer's packed experts split along their first dim.
+
+`ExpertParallel` implements the `LayerSharding` protocol (strategies/slots.py): a rank's
+experts made whole (an all-gather over ep, for the consolidated state) and cut back (a
+slice), the loss unchanged. It also says which parameters are not replicated over the whole
+dp axis (`replicas`: the experts, replicated over their edp group only), for the gradient
+sync to reduce each over its own group, and counts what the dispatch routed.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from meshtrain.core.comm import Comm
+from meshtrain.strategies.expert_parallel.dispatch import ShardedExperts
+from meshtrain.strategies.shared.replicas import ReplicaGroup
+
+
+class ExpertParallel:
+    """`layers`: the ShardedExperts of each MoE layer, by module name, in model order."""
+
+    def __init__(self, layers: dict[str, ShardedExperts], comm: Comm) -> None:
+        self.layers, self.comm = layers, comm
+        self.ep = comm.mesh.size("ep")
+        self.experts = {f"{name}.{p}" for name in layers for p in ("gate_up_proj", "down_proj")}
+        edp = ReplicaGroup(comm, "edp")
+        self.replicas = {name: edp for name in self.experts}
+
+    def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """Every ep rank's experts, in rank order (collective over ep for expert tensors)."""
+        if name not in self.experts or self.ep == 1:
+            return local
+        whole = local.new_empty((self.ep * local.shape[0], *local.shape[1:]))
+        self.comm.all_gather(whole, local.contiguous(), "ep", tag="ep-state")
+        return whole
+
+    def local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        if name not in self.experts:
+            return full
+        rows = full.shape[0] // self.ep
+        return full.narrow(0, self.comm.mesh.axis_rank("ep") * rows, rows)
+
+    def counts(self, name: str) -> bool:
+        return True   # over tp: ep has no tp of its own (the gradient sync counts over dp)
+
+    def sum_partial_gradients(self, reduced: Callable) -> None:
+        pass          # every expert's gradient is whole on the rank that holds it
+
+    def wrap_loss(self, loss_fn: Callable) -> Callable:
+        return loss_fn
+
+    def routed(self) -> dict[str, torch.Tensor]:
+        """What the dispatch routed since the last call, this rank's tokens, summed over
+        the MoE layers: "sent" rows to each ep rank (ep,), "per_expert" rows to each expert
+        (E,); and "layer_sent" (layers, ep) per layer."""
+        taken = [layer.take_counts() for layer in self.layers.values()]
+        layer_sent = torch.stack([sent for sent, _ in taken])
+        return {"sent": layer_sent.sum(dim=0), "layer_sent": layer_sent,
+                "per_expert": torch.stack([e for _, e in taken]).sum(dim=0)}
