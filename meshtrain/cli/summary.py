@@ -24,6 +24,15 @@ def _loss_parts(parts: dict | None) -> list[str]:
             f"{parts['router_aux']:.4f} (x router_aux_loss_coef)"]
 
 
+def _expert_load(load: dict | None) -> list[str]:
+    """The last step's tokens per expert (expert parallel): each layer's, and the imbalance."""
+    if not load:
+        return []
+    layers = "; ".join(" ".join(str(n) for n in layer) for layer in load["expert_tokens"])
+    return [f"experts       tokens per expert, last step, by layer: {layers} (imbalance "
+            f"max/mean {load['expert_imbalance']:.2f})"]
+
+
 def print_summary(s: dict) -> None:
     ratio = s["val_loss_end"] / s["val_loss_start"]
     lines = [
@@ -34,6 +43,7 @@ def print_summary(s: dict) -> None:
         *([f"data          {s['data']}"] if s.get("data") else []),
         f"train loss    {s['train_loss_start']:.4f} -> {s['train_loss_end']:.4f}",
         *_loss_parts(s.get("train_loss_parts_end")),
+        *_expert_load(s.get("expert_load_end")),
         f"val loss      {s['val_loss_start']:.4f} -> {s['val_loss_end']:.4f} ({ratio:.2f}x)",
         f"throughput    {s['tokens_per_s']:,.0f} tokens/s (median step {s['median_step_s'] * 1e3:.1f} ms; "
         f"first step done {s['first_step_after_s']:.1f} s after the command started)",

@@ -26,6 +26,10 @@ def check_model_plan(config, plan: Plan) -> None:
     from meshtrain.strategies.float8 import check_fp8
 
     check_fp8(plan.precision, plan.fp8_emulate, config.device)
+    if plan.ep > 1 and kind_of(config.model) not in ("transformers", "hf-preset"):
+        raise PlanError(f"--ep {plan.ep} splits the experts of mixture-of-experts layers, and "
+                        f"{config.model!r} has none; use --ep 1, or a MoE model "
+                        "(--model mixtral-tiny, qwen3-moe-tiny, olmoe-tiny)")
     if kind_of(config.model) == "gpt":
         from meshtrain.strategies.tensor_parallel.gpt import check_tensor_parallel
         gpt = gpt_config(config.model, **config.model_overrides)

@@ -120,6 +120,8 @@ def _add_plan_options(plan) -> None:
     plan.add_argument("--pp", type=int, default=1)
     plan.add_argument("--tp", type=int, default=1,
                       help="tensor-parallel ranks: each layer's matrices split over them")
+    plan.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (of the dp "
+                      "ranks): each MoE layer's experts split over them")
     plan.add_argument("--sequence-parallel", action="store_true",
                       help="with --tp > 1: split LayerNorm and residual activations along the "
                            "sequence (same bytes, activations of those regions / tp)")
@@ -213,7 +215,7 @@ def build_config(args):
     default_world = args.pp * args.tp if one_process else default_ranks(device)
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or default_world)
     dp = args.dp or (2 if one_process else max(1, world // (args.pp * args.tp)))
-    plan = Plan(dp=dp, pp=args.pp, tp=args.tp, staleness=args.staleness,
+    plan = Plan(dp=dp, pp=args.pp, tp=args.tp, ep=args.ep, staleness=args.staleness,
                 ps_shards=args.ps_shards, sync_every=args.sync_every,
                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                 zero=args.zero, dp_mode=args.dp_mode, microbatches=args.microbatches,

@@ -42,6 +42,7 @@ from meshtrain.data.source import check_fits, load_data
 from meshtrain.models.pretrained import SafetensorsFolder, attach
 from meshtrain.models.registry import build_model, token_cross_entropy
 from meshtrain.strategies.compile import limit_compile_workers
+from meshtrain.strategies.expert_parallel import ExpertParallel
 from meshtrain.train import faults
 from meshtrain.train.optimizers import run_optimizer
 from meshtrain.train.trainer import Trainer
@@ -85,7 +86,7 @@ def train_rank(config: RunConfig) -> dict:
         return mfu(tok_s, flops_tok, peak.flops, trainer.mesh.world_size)
 
     t_start = time.perf_counter()
-    loss, step_times, step_bytes, first_step_s = _train_steps(
+    loss, step_times, step_bytes, first_step_s, load = _train_steps(
         trainer, config, sampler, val, metrics, start, first, util, emulated, corpus.fingerprint)
     if config.trace and plan.pp > 1:
         _save_trace(trainer, plan, config)
@@ -103,6 +104,7 @@ def train_rank(config: RunConfig) -> dict:
         "data": corpus.source,
         "train_loss_start": first.get("train_loss"), "train_loss_end": loss,
         "train_loss_parts_end": trainer.last_loss_parts,   # a mixture of experts' router loss
+        "expert_load_end": load or None,   # its tokens per expert under expert parallel
         "val_loss_start": first["val_loss"], "val_loss_end": final_val,
         "median_step_s": median, "tokens_per_s": tokens_per_step / median,
         "mfu": util(tokens_per_step / median), "flops_per_token": flops_tok,
@@ -122,10 +124,10 @@ def _train_steps(trainer: Trainer, config: RunConfig, sampler: BatchSampler, val
                  start: int, first: dict, util: Callable[[float], float], emulated: str | None,
                  data_id: str):
     """Steps `start`..config.steps, each recorded in metrics.jsonl, with the run's evaluations
-    and checkpoints; returns the last loss, each step's seconds and bytes sent, and how long
-    after the command started the first step was done."""
+    and checkpoints; returns the last loss, each step's seconds and bytes sent, how long
+    after the command started the first step was done, and the last step's expert load."""
     bar = _progress(start, config.steps, enabled=trainer.mesh.rank == 0 and config.progress)
-    loss, first_step_s = float("nan"), float("nan")
+    loss, first_step_s, load = float("nan"), float("nan"), {}
     tokens_per_step = config.batch_size * sampler.seq_len
     clock = DeviceClock(trainer.mesh.device)   # times the device's work, not its launches
     step_times, step_bytes = [], []
@@ -148,7 +150,8 @@ def _train_steps(trainer: Trainer, config: RunConfig, sampler: BatchSampler, val
         sent = sum(by_axis.values())
         step_bytes.append(sent)
         first.setdefault("train_loss", loss)
-        record = {"step": step + 1, "loss": loss, **(trainer.last_loss_parts or {}),
+        load = expert_load(trainer)   # a mixture of experts under expert parallel
+        record = {"step": step + 1, "loss": loss, **(trainer.last_loss_parts or {}), **load,
                   "lr": lr, "step_s": dt,
                   "tokens_per_s": tokens_per_step / dt, "mfu": util(tokens_per_step / dt),
                   "bytes_sent": sent, "bytes_by_axis": by_axis,
@@ -169,7 +172,14 @@ def _train_steps(trainer: Trainer, config: RunConfig, sampler: BatchSampler, val
             _checkpoint(trainer, config, done, {"first": first, "data": dict(
                 sampler.position(done), fingerprint=data_id)})
     bar.close()
-    return loss, step_times, step_bytes, first_step_s
+    return loss, step_times, step_bytes, first_step_s, load
+
+
+def expert_load(trainer: Trainer) -> dict:
+    """The step's tokens per expert and their imbalance (strategies/expert_parallel), {}
+    where experts are not split."""
+    return (trainer.sharding.expert_load() if isinstance(trainer.sharding, ExpertParallel)
+            else {})
 
 
 def _build_trainer(config: RunConfig, plan: Plan, built) -> tuple[Trainer, str | None]:

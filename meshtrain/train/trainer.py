@@ -219,9 +219,11 @@ class Trainer:
     def _evaluate(self, batches: list) -> float:
         self._settle()
         mine = batches[self.dp_rank::self.dp_size]
-        # a forward that gathers over dp (ZeRO-3) must run as often on every dp rank: a
-        # rank short of batches runs the first one again, uncounted
-        rounds = -(-len(batches) // self.dp_size) if self.data_parallel.forward_gathers else 0
+        # a forward that gathers over dp (ZeRO-3) or exchanges tokens (expert parallel) must
+        # run as often on every dp rank: a rank short of batches runs the first one again,
+        # uncounted
+        collective = self.data_parallel.forward_gathers or self.plan.ep > 1
+        rounds = -(-len(batches) // self.dp_size) if collective else 0
         self.model.eval()
         try:
             losses = [self.driver.evaluate(x, y) for x, y in mine]

@@ -1,5 +1,7 @@
 """Bad input, table-driven, across the commands: each exits non-zero with a short message
 naming the problem (and the option), no Python traceback, before any rank starts."""
+import json
+
 import pytest
 
 from meshtrain.cli.main import main
@@ -142,6 +144,13 @@ CASES = [
     ("train --pp 2 --nproc 2 --microbatches 3 --batch 8",
      "each dp rank's batch of 8 does not split into --microbatches 3"),
     ("train --pp 9 --nproc 9 --layers 2", "stages, but 'tiny' has 4 layers"),
+    # train: expert parallel
+    ("train --nproc 4 --ep 3", "Plan(ep=3, dp=4): expert parallel takes its ranks"),
+    ("train --nproc 3 --ep 3 --batch 6 --model mixtral-tiny",
+     "4 experts do not split over 3 ranks"),
+    ("train --nproc 2 --ep 2", "'tiny' has none; use --ep 1"),
+    ("train --nproc 2 --ep 2 --model llama-tiny", "LlamaForCausalLM has none; use ep=1"),
+    ("train --nproc 2 --model topk5.json", "num_experts_per_tok=5 is more than its 4 experts"),
     # export, generate, report
     ("export nowhere out.safetensors", "nowhere is not a meshtrain run folder"),
     ("export notarun out.txt", "out.txt: give a file name ending in .safetensors"),
@@ -156,6 +165,10 @@ def workdir(tmp_path, monkeypatch):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "afile").write_text("x")
     (tmp_path / "notarun").mkdir()
+    (tmp_path / "topk5.json").write_text(json.dumps(dict(   # a MoE with top-k above its experts
+        model_type="mixtral", vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=5)))
     return tmp_path
 
 

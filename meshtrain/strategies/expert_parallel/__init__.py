@@ -64,4 +64,4 @@ def shard(model: nn.Module, plan: Plan, comm: Comm) -> ExpertParallel:
         parent, _, attr = name.rpartition(".")
         layers[name] = ShardedExperts(whole, sub, i)
         setattr(model.get_submodule(parent) if parent else model, attr, layers[name])
-    return ExpertParallel(layers, sub)
+    return ExpertParallel(layers, sub, comm)

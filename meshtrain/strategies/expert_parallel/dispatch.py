@@ -82,7 +82,8 @@ class ShardedExperts(nn.Module):
         per_peer = arriving.view(ep, self.local)             # (ep, E/ep) rows peer -> expert
         send = counts.view(ep, self.local).sum(dim=1).tolist()
         receive = per_peer.sum(dim=1).tolist()
-        with torch.no_grad():
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            # training forwards only: not evaluation, not recomputation inside backward
             self.sent += torch.tensor(send)
             self.per_expert += counts.cpu()
         rows = AllToAll.apply(hidden[token], send, receive, self.comm, "ep-dispatch")

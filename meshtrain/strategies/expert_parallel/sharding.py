@@ -20,8 +20,8 @@ from meshtrain.strategies.shared.replicas import ReplicaGroup
 class ExpertParallel:
     """`layers`: the ShardedExperts of each MoE layer, by module name, in model order."""
 
-    def __init__(self, layers: dict[str, ShardedExperts], comm: Comm) -> None:
-        self.layers, self.comm = layers, comm
+    def __init__(self, layers: dict[str, ShardedExperts], comm: Comm, dp_comm: Comm) -> None:
+        self.layers, self.comm, self.dp_comm = layers, comm, dp_comm
         self.ep = comm.mesh.size("ep")
         self.experts = {f"{name}.{p}" for name in layers for p in ("gate_up_proj", "down_proj")}
         edp = ReplicaGroup(comm, "edp")
@@ -56,5 +56,16 @@ class ExpertParallel:
         (E,); and "layer_sent" (layers, ep) per layer."""
         taken = [layer.take_counts() for layer in self.layers.values()]
         layer_sent = torch.stack([sent for sent, _ in taken])
+        layer_experts = torch.stack([e for _, e in taken])
         return {"sent": layer_sent.sum(dim=0), "layer_sent": layer_sent,
-                "per_expert": torch.stack([e for _, e in taken]).sum(dim=0)}
+                "per_expert": layer_experts.sum(dim=0), "layer_per_expert": layer_experts}
+
+    def expert_load(self) -> dict:
+        """Rows each expert of each MoE layer received since the last call, over the global
+        batch (collective over dp), and the imbalance: the largest max / mean of a layer
+        (1.0: perfectly balanced; the slowest expert sets an ep step's pace)."""
+        tokens = self.routed()["layer_per_expert"].to(self.comm.mesh.device, torch.float64)
+        self.dp_comm.all_reduce(tokens, "dp", tag="expert-load")
+        mean = tokens.mean(dim=1).clamp(min=1)
+        return {"expert_tokens": tokens.long().tolist(),
+                "expert_imbalance": (tokens.max(dim=1).values / mean).max().item()}

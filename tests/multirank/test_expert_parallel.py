@@ -1,0 +1,142 @@
+"""Expert parallel (strategies/expert_parallel): the experts of every MoE layer split over ep
+ranks carved from dp, equal to one process computing what transformers computes on the global
+batch (cross-entropy + router_aux_loss_coef x the load-balancing loss), SGD with momentum,
+1e-5; with the bytes each collective moved checked against what the step routed.
+
+Cases pairwise over (model, ep, dp): ep = dp = 2 and ep = dp = 4, and ep = 2 inside dp = 4
+(edp groups of 2), across Mixtral (top-2 renormalised) and Qwen3-MoE (norm_topk_prob)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import meshtrain as mt
+from meshtrain.core.comm import ring_all_reduce_elements
+from meshtrain.models.hf_presets import build, config_of
+from meshtrain.testing import run_ranks
+from tests.multirank import equivalence as eq
+from tests.multirank import hf_cases as hf
+from tests.multirank.test_hf_moe import first_step_parts
+
+pytest.importorskip("transformers")
+
+STEPS = 3
+CASES = {2: [(dict(dp=2, ep=2), "mixtral-tiny"), (dict(dp=2, ep=2), "qwen3-moe-tiny")],
+         4: [(dict(dp=4, ep=4), "mixtral-tiny"), (dict(dp=4, ep=2), "qwen3-moe-tiny")]}
+
+
+def train_observed(cases: list[tuple[dict, str]]) -> list[dict]:
+    """Each case trained STEPS steps on this rank, with every step's counters and routing."""
+    results = []
+    for plan, model in cases:
+        torch.manual_seed(0)
+        trainer = mt.Trainer(build(model), mt.Plan(**plan), optimizer=eq.sgd)
+        losses, parts, traffic, routed = [], [], [], []
+        for x, y in eq.batches(model, STEPS, trainer.dp_rank, trainer.dp_size):
+            trainer.comm.stats.reset()
+            losses.append(trainer.step(x, y))
+            parts.append(trainer.last_loss_parts)
+            traffic.append(trainer.comm.stats.snapshot())
+            routed.append(trainer.sharding.routed())
+        experts = sum(p.numel() for n, p in trainer.stages.named_parameters()
+                      if n in trainer.sharding.experts)
+        dense = sum(p.numel() for n, p in trainer.stages.named_parameters()
+                    if n not in trainer.sharding.experts)
+        results.append(eq.on_host({
+            "losses": losses, "parts": parts, "traffic": traffic, "routed": routed,
+            "numel": (experts, dense), "params": len(trainer.stages.named_parameters()),
+            "state": trainer.full_state_dict(), "norms": [],
+            "optimizer": trainer.full_optimizer_state()["state"]}))
+    return results
+
+
+@pytest.fixture(scope="module")
+def references():
+    models = {m for cases in CASES.values() for _, m in cases}
+    return {m: (hf.reference(m, steps=STEPS), first_step_parts(m)) for m in models}
+
+
+def train_then_run(cases: list[tuple[dict, str]], run_dir: str | None) -> list[dict]:
+    """`train_observed`, then (where `run_dir` is given) this rank of `meshtrain train
+    --model mixtral-tiny --ep 2` writing its metrics there (the same ranks: no new start)."""
+    from meshtrain.train.config import RunConfig
+    from meshtrain.train.run import train_rank
+
+    results = train_observed(cases)
+    if run_dir is not None:
+        config = RunConfig(run_dir=run_dir, plan=mt.Plan(dp=2, ep=2).to_dict(),
+                           model="mixtral-tiny", steps=2, batch_size=4, seq_len=16,
+                           optimizer="sgd", lr=0.1, warmup=0, eval_every=1, eval_batches=1,
+                           ckpt_every=100, progress=False)
+        train_rank(config)
+    return results
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_expert_parallel_equals_one_process(references, world, tmp_path, capsys):
+    cases = CASES[world]
+    run_dir = str(tmp_path) if world == 2 else None
+    per_rank = run_ranks(world, train_then_run, cases, run_dir, timeout=170)
+    if run_dir is not None:
+        check_run_reports_expert_load(tmp_path)
+        assert "imbalance max/mean" in capsys.readouterr().out
+    for rank, results in enumerate(per_rank):
+        for (plan, model), result in zip(cases, results):
+            what = f"{model} rank {rank} {mt.Plan(**plan).describe()}"
+            ref, first = references[model]
+            eq.assert_equivalent(result, ref, what=what)
+            torch.testing.assert_close(result["parts"][0], first, rtol=1e-6, atol=0,
+                                       msg=lambda m: f"{what} parts: {m}")
+            check_traffic(result, plan, model, rank, what)
+
+
+def check_traffic(result: dict, plan: dict, model: str, rank: int, what: str) -> None:
+    """Expert gradients over the edp group only, dense ones over dp; the all-to-alls carry
+    exactly the rows the step routed to other ranks, each way, forward and backward."""
+    config = config_of(model)
+    dp, ep = plan["dp"], plan["ep"]
+    edp, me = dp // ep, rank % ep           # dp rank r: ep rank r % ep, edp rank r // ep
+    experts, dense = result["numel"]
+    rows = eq.GLOBAL_BATCH // dp * hf.SEQ * config.num_experts_per_tok   # routed per layer
+    row_bytes = config.hidden_size * 4
+    for step, (traffic, routed) in enumerate(zip(result["traffic"], result["routed"])):
+        at = f"{what} step {step}"
+        # dense gradients + the step's statistics (loss, one used-flag per parameter) over dp
+        stats = 1 + result["params"]
+        assert traffic["dp/all_reduce[grad]"]["sent"] == 4 * ring_all_reduce_elements(
+            dense + stats, dp, rank), at
+        edp_grad = traffic.get("edp/all_reduce[grad]", {"sent": 0})["sent"]
+        assert edp_grad == 4 * ring_all_reduce_elements(experts, edp, rank // ep), at
+        # every routed row is sent somewhere: tokens x top-k per layer, this rank's own
+        # share stays (the counters charge only the rows that leave the rank)
+        layer_sent = routed["layer_sent"]
+        assert layer_sent.shape == (config.num_hidden_layers, ep), at
+        assert layer_sent.sum(dim=1).tolist() == [rows] * config.num_hidden_layers, at
+        leaving = (layer_sent.sum() - layer_sent[:, me].sum()).item() * row_bytes
+        assert leaving > 0, at
+        for key, way in (("ep-dispatch", "sent"), ("ep-combine", "received"),
+                         ("ep-dispatch-grad", "received"), ("ep-combine-grad", "sent")):
+            assert traffic[f"ep/all_to_all[{key}]"][way] == leaving, f"{at} {key}"
+        assert routed["per_expert"].sum().item() == rows * config.num_hidden_layers, at
+
+
+def check_run_reports_expert_load(run_dir) -> None:
+    """Each step of metrics.jsonl gives the tokens each expert of each layer received over
+    the global batch (batch x seq x top-k per layer, evaluations not counted: eval_every=1)
+    and their imbalance, max / mean; the summary prints the last step's."""
+    import json
+
+    from meshtrain.cli.summary import print_summary
+
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in lines if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        tokens = m["expert_tokens"]
+        assert [sum(layer) for layer in tokens] == [4 * 16 * 2] * 2, m
+        assert m["expert_imbalance"] == pytest.approx(
+            max(max(layer) / (sum(layer) / len(layer)) for layer in tokens)), m
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["expert_load_end"] == {k: steps[-1][k]
+                                          for k in ("expert_tokens", "expert_imbalance")}
+    print_summary(summary)
