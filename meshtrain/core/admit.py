@@ -55,12 +55,12 @@ def _refuse_unbuilt(plan: Plan) -> None:
          f"compile={plan.compile!r}: float8 training runs under DDP and ZeRO-1/2, eager, "
          "for now"),
         (plan.cp > 1, f"cp={plan.cp}: context parallel is not built yet"),
-        (plan.ep > 1 and (plan.zero > 0 or plan.compression != "none"
+        (plan.ep > 1 and (plan.zero == 3 or plan.compression != "none"
                           or plan.precision == "fp8"),
          f"ep={plan.ep} with zero={plan.zero}, compression={plan.compression!r}, "
-         f"precision={plan.precision!r}: expert parallel runs with DDP (zero=0), fp32 or "
-         "bf16, for now (ZeRO would shard each expert over its expert-data-parallel group, "
-         "not built yet); use zero=0"),
+         f"precision={plan.precision!r}: expert parallel runs with DDP and ZeRO-1/2, fp32 "
+         "or bf16, for now (ZeRO-3 of experts over their expert-data-parallel group is not "
+         "built yet); use zero=0, 1 or 2"),
     ]
     for applies, message in unbuilt:
         if applies:

@@ -75,7 +75,7 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
                      fill=fill)
     if plan.zero in (1, 2):
         return ZeRO(params, buffers, comm, plan, shared=list(stages.shared),
-                    offload_dir=plan.offload_dir)
+                    offload_dir=plan.offload_dir, replicas=replicas)
     if plan.compression == "powersgd":
         return PowerSGD(params, buffers, comm, plan.bucket_mb, plan.compression_rank,
                         plan.compression_min_rate, plan.sync_warmup_steps)

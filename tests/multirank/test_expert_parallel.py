@@ -4,14 +4,15 @@ batch (cross-entropy + router_aux_loss_coef x the load-balancing loss), SGD with
 1e-5; with the bytes each collective moved checked against what the step routed.
 
 Cases pairwise over (model, ep, dp): ep = dp = 2 and ep = dp = 4, and ep = 2 inside dp = 4
-(edp groups of 2), across Mixtral (top-2 renormalised) and Qwen3-MoE (norm_topk_prob)."""
+(edp groups of 2), across Mixtral (top-2 renormalised) and Qwen3-MoE (norm_topk_prob); and
+ZeRO-1, its experts' optimizer states sharded over their edp group."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import meshtrain as mt
-from meshtrain.core.comm import ring_all_reduce_elements
+from meshtrain.core.comm import ring_all_reduce_elements, ring_half_elements
 from meshtrain.models.hf_presets import build, config_of
 from meshtrain.testing import run_ranks
 from tests.multirank import equivalence as eq
@@ -22,7 +23,8 @@ pytest.importorskip("transformers")
 
 STEPS = 3
 CASES = {2: [(dict(dp=2, ep=2), "mixtral-tiny"), (dict(dp=2, ep=2), "qwen3-moe-tiny")],
-         4: [(dict(dp=4, ep=4), "mixtral-tiny"), (dict(dp=4, ep=2), "qwen3-moe-tiny")]}
+         4: [(dict(dp=4, ep=4), "mixtral-tiny"), (dict(dp=4, ep=2), "qwen3-moe-tiny"),
+             (dict(dp=4, ep=2, zero=1), "mixtral-tiny")]}
 
 
 def train_observed(cases: list[tuple[dict, str]]) -> list[dict]:
@@ -101,12 +103,18 @@ def check_traffic(result: dict, plan: dict, model: str, rank: int, what: str) ->
     row_bytes = config.hidden_size * 4
     for step, (traffic, routed) in enumerate(zip(result["traffic"], result["routed"])):
         at = f"{what} step {step}"
-        # dense gradients + the step's statistics (loss, one used-flag per parameter) over dp
-        stats = 1 + result["params"]
-        assert traffic["dp/all_reduce[grad]"]["sent"] == 4 * ring_all_reduce_elements(
-            dense + stats, dp, rank), at
-        edp_grad = traffic.get("edp/all_reduce[grad]", {"sent": 0})["sent"]
-        assert edp_grad == 4 * ring_all_reduce_elements(experts, edp, rank // ep), at
+        if plan.get("zero"):   # one bucket of experts, padded to a multiple of dp
+            padded = -(-experts // dp) * dp
+            assert traffic["edp/reduce_scatter[grad]"]["sent"] == 4 * ring_half_elements(
+                padded, edp, rank // ep), at
+            assert traffic["edp/all_gather[param]"]["sent"] == 4 * ring_half_elements(
+                padded, edp, rank // ep), at
+        else:   # dense gradients + the step's statistics (loss, a used-flag per parameter)
+            stats = 1 + result["params"]
+            assert traffic["dp/all_reduce[grad]"]["sent"] == 4 * ring_all_reduce_elements(
+                dense + stats, dp, rank), at
+            edp_grad = traffic.get("edp/all_reduce[grad]", {"sent": 0})["sent"]
+            assert edp_grad == 4 * ring_all_reduce_elements(experts, edp, rank // ep), at
         # every routed row is sent somewhere: tokens x top-k per layer, this rank's own
         # share stays (the counters charge only the rows that leave the rank)
         layer_sent = routed["layer_sent"]

@@ -17,7 +17,7 @@ REFUSALS = [
     (dict(dp=2, dp_mode="dp", precision="bf16"), None, None, "run in fp32 for now",
      "Plan(dp=N)"),
     (dict(cp=2), None, None, "cp=2: context parallel is not built yet", "Plan(dp=N)"),
-    (dict(dp=2, ep=2, zero=1), None, None, "ep=2 with zero=1", "use zero=0"),
+    (dict(dp=2, ep=2, zero=3), None, None, "ep=2 with zero=3", "use zero=0, 1 or 2"),
     (dict(max_grad_norm=0.0), None, None, "max_grad_norm=0.0: must be a positive", "or None"),
     (dict(dp_mode="ps-async", max_grad_norm=1.0), None, None,
      "max_grad_norm with dp_mode='ps-async'", "use ps-sync, or drop max_grad_norm"),

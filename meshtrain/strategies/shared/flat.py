@@ -38,24 +38,32 @@ class Piece:
 class FlatLayout:
     """The buckets' layout: every parameter's place, and this rank's range in each bucket."""
 
-    def __init__(self, buckets: list[Bucket], names: dict[int, str], n: int, rank: int) -> None:
+    def __init__(self, buckets: list[Bucket], names: dict[int, str], n: int, rank: int,
+                 splits: dict[int, tuple[int, int]] | None = None) -> None:
+        """Each bucket split over `n` ranks, this one `rank`; `splits`: bucket index ->
+        (n, rank) for a bucket split over another group (experts over their edp group)."""
         self.n, self.rank = n, rank
+        self.splits = splits or {}
         self.lengths = [b.numel for b in buckets]
         self.pieces = [Piece(names[id(p)], b.index, o, p.numel(), tuple(p.shape))
                        for b in buckets for o, p in zip(b.offsets, b.params)]
         self.by_name = {piece.name: piece for piece in self.pieces}
 
+    def split_of(self, bucket: int) -> tuple[int, int]:
+        """(ranks, this rank's index) that bucket `bucket` is split over."""
+        return self.splits.get(bucket, (self.n, self.rank))
+
     def shard_size(self, bucket: int) -> int:
-        return self.lengths[bucket] // self.n
+        return self.lengths[bucket] // self.split_of(bucket)[0]
 
     def owned(self, piece: Piece) -> tuple[int, int]:
         """The part of `piece` in this rank's shard: (start, stop) within the shard."""
-        k = self.shard_size(piece.bucket)
-        lo = max(piece.start, self.rank * k)
-        hi = min(piece.start + piece.numel, (self.rank + 1) * k)
+        k, rank = self.shard_size(piece.bucket), self.split_of(piece.bucket)[1]
+        lo = max(piece.start, rank * k)
+        hi = min(piece.start + piece.numel, (rank + 1) * k)
         if hi <= lo:
             return 0, 0
-        return lo - self.rank * k, hi - self.rank * k
+        return lo - rank * k, hi - rank * k
 
     def shard_view(self, shards: list[torch.Tensor], name: str) -> torch.Tensor:
         """This rank's part of parameter `name` in per-bucket shard tensors (maybe empty)."""
@@ -79,7 +87,8 @@ class FlatLayout:
 
     def my_shards(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's shard of each whole bucket tensor (views)."""
-        return [flat.view(self.n, -1)[self.rank] for flat in flats]
+        return [flat.view(self.split_of(i)[0], -1)[self.split_of(i)[1]]
+                for i, flat in enumerate(flats)]
 
     def gather(self, shards: list[torch.Tensor], comm: Comm, axis: str,
                tag: str = "state") -> list[torch.Tensor]:
@@ -88,7 +97,8 @@ class FlatLayout:
         and land where they were kept."""
         flats, device = [], comm.mesh.device
         for shard in shards:
-            flat = torch.empty(shard.numel() * self.n, dtype=shard.dtype, device=device)
+            flat = torch.empty(shard.numel() * comm.mesh.size(axis), dtype=shard.dtype,
+                               device=device)
             comm.all_gather(flat, shard.to(device).contiguous(), axis, tag=tag)
             flats.append(flat.to(shard.device))
         return flats

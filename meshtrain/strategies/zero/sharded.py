@@ -43,7 +43,8 @@ from meshtrain.strategies.shared.flat import (FlatLayout, flatten_into_buckets, 
                                               parameter_groups)
 from meshtrain.strategies.shared.gradient_buckets import GradientBuckets
 from meshtrain.strategies.shared.precision import COMPUTE_DTYPES, MasterWeights, cast_to
-from meshtrain.strategies.shared.replicas import broadcast_tensors
+from meshtrain.strategies.shared.replicas import (ReplicaGroup, broadcast_tensors,
+                                                  replica_groups)
 from meshtrain.strategies.slots import GradientSync
 from meshtrain.strategies.zero.offload import Offloader
 
@@ -53,15 +54,23 @@ class ZeRO(GradientSync):
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, plan: Plan,
-                 shared: list[str] = (), axis: str = "dp", offload_dir=None) -> None:
+                 shared: list[str] = (), axis: str = "dp", offload_dir=None,
+                 replicas: dict[str, ReplicaGroup] | None = None) -> None:
+        """`replicas`: parameters replicated over a group smaller than dp (experts over
+        their edp group), each in buckets of its own, reduced and sharded over that group."""
         self.comm, self.axis, self.stage = comm, axis, plan.zero
+        self.replicas = replicas = dict(replicas or {})
         self.n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
         elements = sum(p.numel() for _, p in named_params)
         # fp32 master, two moments, ZeRO-3's shard: at most 16 bytes per element of a shard
         self.offload = Offloader(plan.offload, comm.mesh.device, offload_dir,
                                  16 * (elements // self.n + 1), comm.mesh.rank)
         if not any(p.is_meta for _, p in named_params):   # else made equal by construction
-            broadcast_tensors([p for _, p in named_params] + list(buffers), comm, axis)
+            broadcast_tensors([p for n, p in named_params if n not in replicas]
+                              + list(buffers), comm, axis)
+            for n, p in named_params:
+                if n in replicas:
+                    broadcast_tensors([p], replicas[n].comm, replicas[n].axis)
         self.named = {n: p for n, p in named_params if p.requires_grad}
         self.params = list(self.named.values())
         names = {id(p): n for n, p in self.named.items()}
@@ -69,12 +78,14 @@ class ZeRO(GradientSync):
         compute = (COMPUTE_DTYPES[plan.precision] if plan.precision != "fp32"
                    else self.params[0].dtype)
         self.buckets = self._make_buckets(plan, compute, shared)
-        self.layout = FlatLayout(self.buckets, names, self.n, rank)
+        self._group_of = {b.index: replicas.get(names[id(b.params[0])]) for b in self.buckets}
+        self.layout = FlatLayout(self.buckets, names, self.n, rank, splits={
+            i: (g.comm.mesh.size(g.axis), g.rank) for i, g in self._group_of.items() if g})
         self.masters = self._make_storage(plan.precision, compute)
         cast_to(plan.precision, [], list(buffers))
         # ZeRO-1: the gradient shard is this rank's chunk of its (persistent) bucket;
         # ZeRO-2/3: a tensor of its own, the only gradients kept between micro-batches
-        self.grad_shards = ([b.buffer.view(self.n, -1)[rank] for b in self.buckets]
+        self.grad_shards = (self.layout.my_shards([b.buffer for b in self.buckets])
                             if self.stage == 1 else
                             [torch.zeros(self.layout.shard_size(b.index), dtype=compute,
                                          device=b.device) for b in self.buckets])
@@ -88,7 +99,9 @@ class ZeRO(GradientSync):
 
     def _make_buckets(self, plan: Plan, compute: torch.dtype, shared) -> list[Bucket]:
         """Buckets of about Plan.bucket_mb, in backward order; shared weights on their own."""
-        groups = parameter_groups(self.params, [self.named[s] for s in shared if s in self.named])
+        dense = [p for n, p in self.named.items() if n not in self.replicas]
+        groups = replica_groups(self.named, self.replicas) + parameter_groups(
+            dense, [self.named[s] for s in shared if s in self.named])
         return build_buckets([], plan.bucket_mb * 2**20, pad_to=self.n, dtype=compute,
                              lazy=self.stage == 2, groups=groups)
 
@@ -138,7 +151,7 @@ class ZeRO(GradientSync):
 
     def _launch(self, bucket: Bucket):
         target = self.grad_shards[bucket.index]
-        return _ReduceScatter(self.comm, bucket, target, self.axis,
+        return _ReduceScatter(*self._where(bucket.index), bucket, target,
                               accumulate=self.stage >= 2 and self._rounds > 0,
                               release=self.stage >= 2)
 
@@ -179,11 +192,16 @@ class ZeRO(GradientSync):
         """Every bucket's whole parameters from the updated shards (each shard is its own
         place in the gathered output: NCCL gathers in place, gloo copies it out first)."""
         shards = self.layout.my_shards(self.data)
-        handles = [self.comm.all_gather(flat, shard, self.axis, tag="param",
-                                        async_op=True)
-                   for flat, shard in zip(self.data, shards)]
+        handles = [comm.all_gather(flat, shard, axis, tag="param", async_op=True)
+                   for (comm, axis), flat, shard in zip(map(self._where, range(len(shards))),
+                                                        self.data, shards)]
         for h in handles:
             h.wait()
+
+    def _where(self, bucket: int) -> tuple[Comm, str]:
+        """The group bucket `bucket` is reduced and sharded over: dp, or its replicas'."""
+        group = self._group_of[bucket]
+        return (self.comm, self.axis) if group is None else (group.comm, group.axis)
 
     # ---- after the sync: other axes, clipping -------------------------------------------------
     def reduced_gradient(self, name: str) -> torch.Tensor | None:
@@ -247,7 +265,7 @@ class ZeRO(GradientSync):
 
     def _whole(self, i: int, shard: torch.Tensor) -> dict[str, torch.Tensor]:
         """Bucket i's per-parameter tensors from every rank's `shard` of it (an all-gather)."""
-        flat = self.layout.gather([shard], self.comm, self.axis)[0]
+        flat = self.layout.gather([shard], *self._where(i))[0]
         return {p.name: flat[p.start:p.start + p.numel].view(p.shape)
                 for p in self.layout.pieces if p.bucket == i}
 
@@ -333,7 +351,7 @@ class _ReduceScatter:
     land in `target` (overwritten, or added to when `accumulate`); the bucket's buffer is
     dropped afterwards when `release` (ZeRO-2)."""
 
-    def __init__(self, comm: Comm, bucket: Bucket, target: torch.Tensor, axis: str,
+    def __init__(self, comm: Comm, axis: str, bucket: Bucket, target: torch.Tensor,
                  accumulate: bool, release: bool) -> None:
         self.bucket, self.target, self.accumulate, self.release = bucket, target, accumulate, release
         # the sums land in the target itself where nothing is to be added or rounded
