@@ -23,6 +23,7 @@ import meshtrain as mt
 from meshtrain.strategies.zero.offload import OffloadNotice
 from meshtrain.testing import run_ranks
 from tests.multirank import equivalence as eq
+from tests.multirank import hf_cases   # registers the transformers presets with eq.MODELS
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Case:
 
 
 PIPE = dict(pp=2, microbatches=4)
+STEPS = 10
 CASES = {
     # world-1 plans: on one GPU, NCCL itself
     "ddp-world1": Case(1, dict(dp=1), clip=0.3),
@@ -74,7 +76,12 @@ CASES = {
     # over micro-batches (a step's graphs after another's), and gradient hooks beside them
     "cudagraphs-world1": Case(1, dict(dp=1, microbatches=2, compile="cudagraphs"), clip=0.3),
     "cudagraphs-ddp": Case(2, dict(dp=2, compile="cudagraphs")),
+    # expert parallel: a mixture of experts' tokens over all-to-all (its router loss on)
+    "ep": Case(2, dict(dp=2, ep=2), model="mixtral-tiny", clip=0.3),
+    "ep-edp-zero1": Case(4, dict(dp=4, ep=2, zero=1), model="qwen3-moe-tiny"),
 }
+MIXTURES = ("mixtral-tiny", "qwen3-moe-tiny")   # their one-process reference: hf_cases'
+
 
 
 @contextmanager
@@ -97,6 +104,8 @@ def deterministic(device: str):
 
 def reference_of(case: Case, device: str) -> dict:
     with deterministic(device):
+        if case.model in MIXTURES:   # transformers' loss: cross-entropy + its router's
+            return hf_cases.reference(case.model, STEPS, case.clip, device)
         if case.bf16:
             return eq.reference_bf16(case.model, case.optimizer, device=device)
         return eq.reference(case.model, case.optimizer, max_grad_norm=case.clip, device=device)
@@ -110,7 +119,7 @@ def train_case(name: str, device: str, directory: str) -> dict:
         kw["offload_dir"] = directory
     with deterministic(device), warnings.catch_warnings():
         warnings.simplefilter("ignore", OffloadNotice)   # offload="cpu" on a CPU machine
-        ours = eq.train(mt.Plan(**case.plan), case.model, case.optimizer,
+        ours = eq.train(mt.Plan(**case.plan), case.model, case.optimizer, steps=STEPS,
                         max_grad_norm=case.clip, **kw)
         # AdamW's bound: the drift torch's own DDP shows on the same case (test_zero.py)
         peer = eq.train_torch_ddp(case.model, "adamw") if case.optimizer == "adamw" else None

@@ -39,21 +39,24 @@ def transformers_loss(net: nn.Module):
     return lambda output, targets: token_loss(output, targets) + coef * output.aux_loss.float()
 
 
-def reference(model: str, steps: int = STEPS) -> dict:
+def reference(model: str, steps: int = STEPS, max_grad_norm: float | None = None,
+              device: str = "cpu") -> dict:
     torch.manual_seed(0)
-    net = eq.MODELS[model][0]()
+    net = eq.MODELS[model][0]().to(device)
     opt = eq.sgd(net.parameters())
     names = {id(p): n for n, p in net.named_parameters()}
-    losses, loss_fn = [], transformers_loss(net)
+    losses, norms, loss_fn = [], [], transformers_loss(net)
     for x, y in eq.batches(model, steps):
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(net(x, use_cache=False), y)
+        loss = loss_fn(net(x.to(device), use_cache=False), y.to(device))
         loss.backward()
+        if max_grad_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), max_grad_norm).item())
         opt.step()
         losses.append(loss.item())
     state = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
-    return {"losses": losses, "state": {k: v.clone() for k, v in net.state_dict().items()},
-            "optimizer": state, "norms": []}
+    return eq.on_host({"losses": losses, "norms": norms, "optimizer": state,
+                       "state": {k: v.clone() for k, v in net.state_dict().items()}})
 
 
 def reference_bf16(model: str, steps: int = STEPS) -> dict:
