@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
                                      "implementation, or meshtrain's own machinery")
     p.add_argument("strategy", choices=["ddp", "zero", "tp", "hybrid", "collectives", "dp",
                                         "pp", "harness", "startup", "survival", "slowlink",
-                                        "single", "data"],
+                                        "single", "data", "ep"],
                    help="ddp: our DDP vs torch DDP; zero: our DDP, ZeRO-1/2/3 vs torch's "
                         "ZeroRedundancyOptimizer and FSDP2; tp: vs DTensor tensor parallel; "
                         "hybrid: every 8-rank dp x pp x tp plan vs FSDP2 + DTensor TP; "
@@ -33,7 +33,9 @@ def add_parser(sub) -> None:
                         "slow dp link (--link, on max --world ranks); single: one device, "
                         "plain PyTorch eager and compiled vs meshtrain Plan() eager and "
                         "compiled (--device); data: windows/s the loader delivers per rank "
-                        "against what a training step consumes (--data, --world)")
+                        "against what a training step consumes (--data, --world); ep: "
+                        "expert parallel vs replicated experts on a transformers MoE preset "
+                        "(--model, default mixtral-tiny), the all-to-all against its formula")
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8],
                    help="pp: micro-batch counts (4 8)")
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (2 4)")
@@ -142,6 +144,8 @@ def run(args) -> int:
         result = hybrid.run(model_name=args.model, global_batch=args.batch, steps=args.steps,
                             reps=args.reps, warmup=args.warmup, progress=progress)
         print(hybrid.format_report(result))
+    elif args.strategy == "ep":
+        result = _run_ep(args, progress)
     elif args.strategy == "tp":
         result = tp.run(worlds=args.world, model_name=args.model, global_batch=args.batch,
                         steps=args.steps, reps=args.reps, warmup=args.warmup, progress=progress)
@@ -155,6 +159,15 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0 if ok else 1
+
+
+def _run_ep(args, progress) -> dict:
+    """`bench ep`: expert parallel vs replicated experts; prints the report."""
+    from meshtrain.bench import ep
+    result = ep.run(worlds=args.world, model=args.model, global_batch=args.batch,
+                    steps=args.steps, reps=args.reps, warmup=args.warmup, progress=progress)
+    print(ep.format_report(result))
+    return result
 
 
 def run_machinery(args, progress) -> tuple[object, str, bool]:
@@ -237,6 +250,18 @@ def check_bench_args(args) -> str | None:
         except DeviceError as e:
             return str(e)
         args.model = args.model or default_model(args.device)
+    if args.strategy == "ep":
+        from meshtrain.models.hf_presets import MOE, config_of
+        args.model = args.model or "mixtral-tiny"
+        if args.model not in MOE:
+            return f"--model {args.model!r}: bench ep runs a MoE preset ({', '.join(MOE)})"
+        from meshtrain.models.moe import router_of
+        experts = router_of(type("M", (), {"config": config_of(args.model)})).experts
+        uneven = [w for w in args.world if experts % w]
+        if uneven:
+            return (f"--world {' '.join(map(str, uneven))}: ep = world must divide "
+                    f"{args.model}'s {experts} experts")
+        return None
     if args.strategy in ("slowlink", "data"):   # the smallest preset: the default GPT's
         args.model = args.model or "tiny"
     args.model = args.model or "small"

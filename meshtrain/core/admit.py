@@ -55,12 +55,10 @@ def _refuse_unbuilt(plan: Plan) -> None:
          f"compile={plan.compile!r}: float8 training runs under DDP and ZeRO-1/2, eager, "
          "for now"),
         (plan.cp > 1, f"cp={plan.cp}: context parallel is not built yet"),
-        (plan.ep > 1 and (plan.zero == 3 or plan.compression != "none"
-                          or plan.precision == "fp8"),
-         f"ep={plan.ep} with zero={plan.zero}, compression={plan.compression!r}, "
-         f"precision={plan.precision!r}: expert parallel runs with DDP and ZeRO-1/2, fp32 "
-         "or bf16, for now (ZeRO-3 of experts over their expert-data-parallel group is not "
-         "built yet); use zero=0, 1 or 2"),
+        (plan.ep > 1 and (plan.compression != "none" or plan.precision == "fp8"),
+         f"ep={plan.ep} with compression={plan.compression!r}, precision={plan.precision!r}: "
+         "expert parallel runs with DDP and ZeRO, in fp32 or bf16, for now; use "
+         "compression='none' and precision 'fp32' or 'bf16'"),
     ]
     for applies, message in unbuilt:
         if applies:

@@ -72,7 +72,7 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
     if zero3:
         return ZeRO3(stages.model, params, buffers, comm, plan,
                      unit_names=_list(plan.zero3_units), offload_dir=plan.offload_dir,
-                     fill=fill)
+                     fill=fill, replicas=replicas)
     if plan.zero in (1, 2):
         return ZeRO(params, buffers, comm, plan, shared=list(stages.shared),
                     offload_dir=plan.offload_dir, replicas=replicas)

@@ -5,8 +5,11 @@ batch (cross-entropy + router_aux_loss_coef x the load-balancing loss), SGD with
 
 Cases pairwise over (model, ep, dp): ep = dp = 2 and ep = dp = 4, and ep = 2 inside dp = 4
 (edp groups of 2), across Mixtral (top-2 renormalised) and Qwen3-MoE (norm_topk_prob); and
-ZeRO-1, its experts' optimizer states sharded over their edp group."""
+ZeRO-1 and ZeRO-3, each expert's states (and under ZeRO-3 its weights) sharded over its edp
+group."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -24,7 +27,8 @@ pytest.importorskip("transformers")
 STEPS = 3
 CASES = {2: [(dict(dp=2, ep=2), "mixtral-tiny"), (dict(dp=2, ep=2), "qwen3-moe-tiny")],
          4: [(dict(dp=4, ep=4), "mixtral-tiny"), (dict(dp=4, ep=2), "qwen3-moe-tiny"),
-             (dict(dp=4, ep=2, zero=1), "mixtral-tiny")]}
+             (dict(dp=4, ep=2, zero=1), "mixtral-tiny"),
+             (dict(dp=4, ep=2, zero=3), "qwen3-moe-tiny")]}
 
 
 def train_observed(cases: list[tuple[dict, str]]) -> list[dict]:
@@ -40,10 +44,11 @@ def train_observed(cases: list[tuple[dict, str]]) -> list[dict]:
             parts.append(trainer.last_loss_parts)
             traffic.append(trainer.comm.stats.snapshot())
             routed.append(trainer.sharding.routed())
-        experts = sum(p.numel() for n, p in trainer.stages.named_parameters()
-                      if n in trainer.sharding.experts)
-        dense = sum(p.numel() for n, p in trainer.stages.named_parameters()
-                    if n not in trainer.sharding.experts)
+        # elements this rank holds whole before any ZeRO sharding: its experts, the rest
+        numel = {n: math.prod(trainer.layout.shapes[n]) for n, _ in
+                 trainer.stages.named_parameters()}
+        experts = sum(numel[n] // plan["ep"] for n in trainer.sharding.experts)
+        dense = sum(k for n, k in numel.items() if n not in trainer.sharding.experts)
         results.append(eq.on_host({
             "losses": losses, "parts": parts, "traffic": traffic, "routed": routed,
             "numel": (experts, dense), "params": len(trainer.stages.named_parameters()),
@@ -103,12 +108,14 @@ def check_traffic(result: dict, plan: dict, model: str, rank: int, what: str) ->
     row_bytes = config.hidden_size * 4
     for step, (traffic, routed) in enumerate(zip(result["traffic"], result["routed"])):
         at = f"{what} step {step}"
-        if plan.get("zero"):   # one bucket of experts, padded to a multiple of dp
-            padded = -(-experts // dp) * dp
-            assert traffic["edp/reduce_scatter[grad]"]["sent"] == 4 * ring_half_elements(
-                padded, edp, rank // ep), at
-            assert traffic["edp/all_gather[param]"]["sent"] == 4 * ring_half_elements(
-                padded, edp, rank // ep), at
+        if plan.get("zero"):   # experts in buckets of their own (ZeRO-3: one per layer's
+            # unit), each padded to a multiple of dp, reduce-scattered over edp
+            layers = config.num_hidden_layers if plan["zero"] == 3 else 1
+            padded = -(-experts // layers // dp) * dp
+            scattered = layers * 4 * ring_half_elements(padded, edp, rank // ep)
+            assert traffic["edp/reduce_scatter[grad]"]["sent"] == scattered, at
+            if plan["zero"] == 1:   # and the updated experts gathered back once
+                assert traffic["edp/all_gather[param]"]["sent"] == scattered, at
         else:   # dense gradients + the step's statistics (loss, a used-flag per parameter)
             stats = 1 + result["params"]
             assert traffic["dp/all_reduce[grad]"]["sent"] == 4 * ring_all_reduce_elements(

@@ -125,6 +125,8 @@ CASES = [
     ("bench pp --microbatches 0", "--microbatches 0: each must be >= 1"),
     ("bench tp --model nosuch", "--model 'nosuch': the benchmarks run a GPT preset"),
     ("bench survival --runs 0", "--runs 0: give a whole number >= 1"),
+    ("bench ep --model tiny", "--model 'tiny': bench ep runs a MoE preset"),
+    ("bench ep --world 3 --batch 6", "--world 3: ep = world must divide mixtral-tiny's 4"),
     ("bench harness --world 1", "world 1 needs to be >= 2"),
     ("bench startup --against nowhere/bin/meshtrain", "--against nowhere/bin/meshtrain: no such"),
     ("bench single --device cuda", "--device cuda: no CUDA GPU is visible"),

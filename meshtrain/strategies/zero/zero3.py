@@ -117,6 +117,27 @@ class Unit:
                       else torch.empty(0, dtype=self.shard.dtype, device=self.comm.mesh.device))
 
 
+class Parts:
+    """A wrapping unit as one Unit per group its parameters are sharded over: dp, and for
+    experts under expert parallel their edp group (strategies/shared/replicas.py)."""
+
+    def __init__(self, units: list[Unit]) -> None:
+        self.units, self.name = units, units[0].name
+
+    def gather(self) -> None:
+        for unit in self.units:
+            unit.gather()
+
+    def wait(self) -> None:
+        self.gather()   # every part's gather in flight before waiting for the first
+        for unit in self.units:
+            unit.wait()
+
+    def free(self) -> None:
+        for unit in self.units:
+            unit.free()
+
+
 def wrapping_units(model: nn.Module, names: list[str] | None) -> list[tuple[str, nn.Module]]:
     """The modules ZeRO-3 gathers one at a time, in forward order: `names` if given (module
     names as `named_modules()` gives them), else the model's units (a transformers causal LM's
@@ -143,13 +164,14 @@ class ZeRO3(ZeRO):
     def __init__(self, model: nn.Module, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, plan: Plan,
                  unit_names: list[str] | None = None, axis: str = "dp",
-                 offload_dir=None, fill=None) -> None:
+                 offload_dir=None, fill=None, replicas=None) -> None:
         self._unit_modules = wrapping_units(model, unit_names)
         self._fill = fill   # a model on the meta device: its values stream into the shards
         self._frozen = {n: p for n, p in named_params if not p.requires_grad}
         self.gathered_bytes = self.gathered_peak = 0
         self.unit_events: list[tuple[str, str, float]] = []   # (what, unit, time): prefetch log
-        super().__init__(named_params, buffers, comm, plan, axis=axis, offload_dir=offload_dir)
+        super().__init__(named_params, buffers, comm, plan, axis=axis, offload_dir=offload_dir,
+                         replicas=replicas)
         self._hook(model)
 
     # ---- layout: one bucket per unit, the root last ---------------------------------------------
@@ -162,14 +184,27 @@ class ZeRO3(ZeRO):
                    for i in range(len(self._unit_modules))]
         root = [p for p in self.params if len(owners.get(id(p), [])) != 1]
         # backward order: the last unit's gradients come first; the root's at the very end
-        order = [i for i in reversed(range(len(in_unit))) if in_unit[i]]
-        groups = [in_unit[i] for i in order] + ([root] if root else [])
-        self._unit_of_bucket = order + ([None] if root else [])
+        order = [i for i in reversed(range(len(in_unit))) if in_unit[i]] + (
+            [None] if root else [])
+        groups, self._unit_of_bucket = [], []
+        for i in order:   # a bucket per group a unit's parameters are sharded over
+            for part in self._split_by_replicas(root if i is None else in_unit[i]):
+                groups.append(part)
+                self._unit_of_bucket.append(i)
         buckets = build_buckets([], float("inf"), pad_to=self.n, dtype=compute, lazy=True,
                                 groups=groups)
         for b in buckets:   # the compute device, also for parameters still on the meta device
             b.device = self.comm.mesh.device
         return buckets
+
+    def _split_by_replicas(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """`params` of one unit: those sharded over dp, then each replica group's."""
+        name = {id(p): n for n, p in self.named.items()}
+        parts: dict = {}
+        for p in params:
+            parts.setdefault(self.replicas.get(name[id(p)]), []).append(p)
+        dense = parts.pop(None, None)
+        return ([dense] if dense else []) + list(parts.values())
 
     def _make_storage(self, precision: str, compute: torch.dtype) -> MasterWeights:
         """Only this rank's shard of each unit; the optimizer steps it (its fp32 master)."""
@@ -187,11 +222,13 @@ class ZeRO3(ZeRO):
                 self._take(fp32, name, p.detach())
         # between uses, a unit's shard lives where offload keeps things (a file for "disk")
         self.shards = [self.offload.place(s.to(compute).clone()) for s in fp32]
-        self.units = [Unit(self._unit_name(b), b, shard, self.comm, self.axis, self)
+        self.units = [Unit(self._unit_name(b), b, shard, *self._where(b.index), self)
                       for b, shard in zip(self.buckets, self.shards)]
-        self._by_module_index = {i: u for u, i in zip(self.units, self._unit_of_bucket)
-                                 if i is not None}
-        self.root = self.units[-1] if self._unit_of_bucket[-1] is None else None
+        parts: dict[int | None, list[Unit]] = {}
+        for unit, i in zip(self.units, self._unit_of_bucket):
+            parts.setdefault(i, []).append(unit)
+        self._by_module_index = {i: Parts(us) for i, us in parts.items() if i is not None}
+        self.root = Parts(parts[None]) if None in parts else None
         return self._masters(self.shards, precision, fp32)
 
     def _take(self, shards: list[torch.Tensor], name: str, whole: torch.Tensor) -> None:
@@ -205,7 +242,8 @@ class ZeRO3(ZeRO):
             return
         lo, hi = self.layout.owned(piece)
         if hi > lo:
-            start = self.layout.rank * self.layout.shard_size(piece.bucket) + lo - piece.start
+            rank = self.layout.split_of(piece.bucket)[1]
+            start = rank * self.layout.shard_size(piece.bucket) + lo - piece.start
             shards[piece.bucket][lo:hi] = whole.reshape(-1)[start:start + hi - lo]
 
     def _unit_name(self, bucket: Bucket) -> str:
