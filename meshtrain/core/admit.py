@@ -55,10 +55,12 @@ def _refuse_unbuilt(plan: Plan) -> None:
          f"compile={plan.compile!r}: float8 training runs under DDP and ZeRO-1/2, eager, "
          "for now"),
         (plan.cp > 1, f"cp={plan.cp}: context parallel is not built yet"),
-        (plan.ep > 1 and (plan.compression != "none" or plan.precision == "fp8"),
-         f"ep={plan.ep} with compression={plan.compression!r}, precision={plan.precision!r}: "
-         "expert parallel runs with DDP and ZeRO, in fp32 or bf16, for now; use "
-         "compression='none' and precision 'fp32' or 'bf16'"),
+        (plan.ep > 1 and (plan.dp_mode != "ddp" or plan.compression != "none"
+                          or plan.precision == "fp8"),
+         f"ep={plan.ep} with dp_mode={plan.dp_mode!r}, compression={plan.compression!r}, "
+         f"precision={plan.precision!r}: expert parallel runs with DDP and ZeRO, in fp32 or "
+         "bf16, for now; use dp_mode='ddp', compression='none' and precision 'fp32' or "
+         "'bf16'"),
     ]
     for applies, message in unbuilt:
         if applies:

@@ -50,3 +50,38 @@ def test_refused_by_name_before_any_group(name, plan, message):
     pytest.importorskip("transformers")
     with pytest.raises(PlanError, match=message):
         expert_parallel.check(model(name), plan)
+
+
+def test_one_rank_dispatch_computes_what_the_replaced_module_computes():
+    """ep = 1 (the all-to-alls copy): ShardedExperts sorts, splits, computes and combines the
+    routed rows to transformers' own experts module's output and gradients, an index E
+    ("no expert", which transformers skips) included."""
+    pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from meshtrain.core.comm import Comm
+    from meshtrain.core.mesh import Mesh
+    from meshtrain.models.hf_presets import config_of
+    from meshtrain.strategies.expert_parallel.dispatch import ShardedExperts
+    from meshtrain.strategies.expert_parallel.groups import expert_comm
+
+    config = config_of("mixtral-tiny")
+    torch.manual_seed(0)
+    whole = MixtralExperts(config)
+    with torch.no_grad():
+        for p in whole.parameters():
+            p.normal_(0, 0.1)
+    mine = ShardedExperts(whole, expert_comm(Comm(Mesh.build(Plan())), 1))
+    hidden = torch.randn(12, config.hidden_size, requires_grad=True)
+    weights, index = torch.softmax(torch.randn(12, 4), -1).topk(2, dim=-1)
+    index[3, 1] = 4   # no expert for this row
+    weights = weights.detach().requires_grad_()
+    outs = [m(hidden, index, weights) for m in (whole, mine)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-6)
+    grads = [torch.autograd.grad(o.square().sum(), (hidden, weights, m.gate_up_proj,
+                                                    m.down_proj))
+             for o, m in zip(outs, (whole, mine))]
+    for ours, theirs in zip(grads[1], grads[0]):   # fp32 round-off: sums in another order
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    assert mine.take_counts()[1].tolist() == torch.bincount(
+        index[index < 4], minlength=4).tolist()

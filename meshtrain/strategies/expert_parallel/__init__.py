@@ -60,8 +60,8 @@ def shard(model: nn.Module, plan: Plan, comm: Comm) -> ExpertParallel:
     check(model, plan)
     sub = expert_comm(comm, plan.ep)
     layers = {}
-    for i, (name, whole) in enumerate(experts_modules(model).items()):
+    for name, whole in experts_modules(model).items():
         parent, _, attr = name.rpartition(".")
-        layers[name] = ShardedExperts(whole, sub, i)
+        layers[name] = ShardedExperts(whole, sub)
         setattr(model.get_submodule(parent) if parent else model, attr, layers[name])
     return ExpertParallel(layers, sub, comm)

@@ -51,13 +51,13 @@ class ShardedExperts(nn.Module):
     """This ep rank's experts of one MoE layer, under the packed parameters' own names
     (gate_up_proj, down_proj: their first E/ep rows), called as the module it replaces."""
 
-    def __init__(self, whole: nn.Module, comm: Comm, index: int) -> None:
+    def __init__(self, whole: nn.Module, comm: Comm) -> None:
         super().__init__()
         ep, k = comm.mesh.size("ep"), comm.mesh.axis_rank("ep")
         self.experts = whole.gate_up_proj.shape[0]
         self.local = self.experts // ep
         self.first = k * self.local
-        self.comm, self.index, self.act_fn = comm, index, whole.act_fn
+        self.comm, self.act_fn = comm, whole.act_fn
         mine = slice(self.first, self.first + self.local)
         self.gate_up_proj = _slice(whole.gate_up_proj, mine)
         self.down_proj = _slice(whole.down_proj, mine)
@@ -74,14 +74,16 @@ class ShardedExperts(nn.Module):
         k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)                       # (T*K,) expert of each routed row
         order = torch.argsort(flat, stable=True)             # rows grouped by expert
-        token = order // k                                   # the token each sorted row copies
-        counts = torch.bincount(flat, minlength=self.experts)   # (E,) rows per expert
+        # (E,) rows per expert; an index E means "no expert" to transformers: sorted last, cut
+        counts = torch.bincount(flat, minlength=self.experts + 1)[:self.experts]
         arriving = torch.empty_like(counts)                  # (ep * E/ep,) from each peer
         self.comm.all_to_all(arriving, counts, [self.local] * ep, [self.local] * ep, "ep",
                              tag="ep-counts")
         per_peer = arriving.view(ep, self.local)             # (ep, E/ep) rows peer -> expert
         send = counts.view(ep, self.local).sum(dim=1).tolist()
         receive = per_peer.sum(dim=1).tolist()
+        order = order[:sum(send)]
+        token = order // k                                   # the token each sorted row copies
         if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             # training forwards only: not evaluation, not recomputation inside backward
             self.sent += torch.tensor(send)
