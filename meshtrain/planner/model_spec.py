@@ -158,7 +158,9 @@ class ModelSpec:
 # Published shapes. GPT-2 (Radford et al. 2019; HF gpt2 / gpt2-medium configs), "gpt2-1.3b" as
 # GPT-3 XL with 16 heads of 128 (Brown et al. 2020, Table 2.1), GPT-3 175B (ibid.), Llama
 # (Touvron et al. 2023, Table 2: 7B 32 x 4096, 70B 80 x 8192 with 8 kv heads; SwiGLU widths
-# 11008 / 28672 from the released configs; RMSNorm; untied head; rotary positions).
+# 11008 / 28672 from the released configs; RMSNorm; untied head; rotary positions); Llama 3.1
+# 8B from its released config (8 kv heads, SwiGLU 14336, vocabulary 128256), no dropout and
+# a fused attention as torchtitan trains it (its Table 1 at 8192 tokens).
 PRESETS: dict[str, ModelSpec] = {
     "gpt2-124m": ModelSpec("gpt2-124m", 12, 768, 12, 50257, 1024),
     "gpt2-350m": ModelSpec("gpt2-350m", 24, 1024, 16, 50257, 1024),
@@ -169,6 +171,9 @@ PRESETS: dict[str, ModelSpec] = {
     "llama-70b": ModelSpec("llama-70b", 80, 8192, 64, 32000, 4096, ffn=28672, kv_heads=8,
                            mlp="swiglu", bias=False, norm="rmsnorm", tied=False,
                            learned_pos=False),
+    "llama3.1-8b": ModelSpec("llama3.1-8b", 32, 4096, 32, 128256, 8192, ffn=14336, kv_heads=8,
+                             mlp="swiglu", bias=False, norm="rmsnorm", tied=False,
+                             learned_pos=False, dropout=False, flash_attention=True),
 }
 
 
