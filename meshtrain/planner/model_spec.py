@@ -44,10 +44,11 @@ class ModelSpec:
     # traced from the model itself on fake tensors (measure/traced.py), where it was: per
     # precision, (element bytes, bytes per token saved for backward) by one layer and by
     # the final norm and output layer, and (element bytes, its elementwise work against a
-    # GPT's of its shape)
+    # GPT's of its shape), and what one layer keeps per token under per-op selective
     traced_layer_bytes: tuple[tuple[int, float], ...] = ()
     traced_head_bytes: tuple[tuple[int, float], ...] = ()
     traced_elementwise: tuple[tuple[int, float], ...] = ()
+    traced_selective_bytes: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -140,10 +141,14 @@ class ModelSpec:
         h = self.hidden
         return max(h * self.ffn_hidden, self.vocab * h, h * h)
 
-    def traced_bytes_per_token(self, elem_bytes: int, head: bool = False) -> float | None:
+    def traced_bytes_per_token(self, elem_bytes: int, head: bool = False,
+                               selective: bool = False) -> float | None:
         """What one layer (or the final norm and output layer) saves per token in
-        `elem_bytes` precision, as traced; None where the model was not traced in it."""
-        return dict(self.traced_head_bytes if head else self.traced_layer_bytes).get(elem_bytes)
+        `elem_bytes` precision, as traced (`selective`: what a layer keeps under per-op
+        selective recomputation); None where the model was not traced in it."""
+        table = (self.traced_head_bytes if head else
+                 self.traced_selective_bytes if selective else self.traced_layer_bytes)
+        return dict(table).get(elem_bytes)
 
     def elementwise_scale(self, elem_bytes: int) -> float:
         """This model's elementwise work against a GPT's of its shape, as traced (1: not
