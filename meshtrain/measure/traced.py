@@ -23,7 +23,6 @@ GPU's flash kernel saves (the output and its log-sum-exp).
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -126,31 +125,35 @@ def _trace_one(build: Callable[[], nn.Module], loss: Callable | None, seq: int,
                     model.register_forward_hook(at(None))]
         device = next(model.parameters()).device   # fake tensors' own
 
-        def step(batch: int, context) -> list[int]:
+        def step(batch: int) -> list[int]:
             """One step of `batch` sequences: bytes saved by the layers, by the head, and
             the elementwise bytes."""
             saved.update(layers={}, head={})
             tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
-            with _ElementwiseBytes() as count, context():
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            with _ElementwiseBytes() as count, hooks:
                 loss(model(tokens), tokens).backward()
             model.zero_grad(set_to_none=True)   # the next pass makes its gradients anew
             return [sum(saved["layers"].values()), sum(saved["head"].values()),
                     count.elementwise]
 
+        def kept(batch: int) -> int:
+            """Bytes the layers keep under per-op selective, through its own policy: what it
+            holds as a layer runs forward (the layer's input, its kept ops' outputs)."""
+            saved.update(layers={}, head={})
+            model(torch.zeros(batch, seq, dtype=torch.long, device=device))
+            return sum(saved["layers"].values())
+
         # one sequence, then two: their difference is what grows with the tokens (RoPE's
         # tables, for one, are saved once per batch)
-        per_batch = [step(batch, lambda: torch.autograd.graph.saved_tensors_hooks(
-            pack, lambda t: t)) for batch in (1, 2)]
-        # per-op selective through its own policy: what it holds while a layer runs
-        # forward (the layer's input, its kept ops' outputs), beyond autograd's saved
+        per_batch = [step(batch) for batch in (1, 2)]
         apply_recompute(model, "selective", keep=lambda tensors: [pack(t) for t in tensors])
-        kept = [step(batch, contextlib.nullcontext)[0] for batch in (1, 2)]
+        selective = [kept(batch) for batch in (1, 2)]
         for h in handles:
             h.remove()
     layer, head, elementwise = ((two - one) / seq for one, two in zip(*per_batch))
-    selective = (kept[1] - kept[0]) / seq / len(layers)
     return {"layer": layer / len(layers), "head": head, "elementwise": elementwise,
-            "selective": selective,
+            "selective": (selective[1] - selective[0]) / seq / len(layers),
             "gpt": _gpt_like(model, seq)}
 
 
