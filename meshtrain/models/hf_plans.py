@@ -9,11 +9,14 @@ transformers' style          meshtrain's (strategies/tensor_parallel/tp_plan.py)
   rowwise_split_input          row_split
   embedding_rowwise            vocab
   replicated_with_grad_allreduce  replicated
-Every other style (experts, packed projections, latent attention...) is refused naming the
-module and the style. The embedding and the output layer are always vocab-parallel.
+Every other style (packed projections, latent attention...) is refused naming the module
+and the style, except a mixture of experts' experts: they stay whole on every tp rank (the
+entries under an `experts` module are dropped), split over ep ranks where Plan.ep > 1
+(strategies/expert_parallel). The embedding and the output layer are always vocab-parallel.
 """
 from __future__ import annotations
 
+import fnmatch
 import warnings
 
 from torch import nn
@@ -45,7 +48,12 @@ def tp_plan_of(model: nn.Module, tp: int, derive_layers) -> dict:
     prefix = model.base_model_prefix
     if base_plan:
         plan = {}
+        names = [n for n, _ in model.named_modules()]
         for pattern, style in base_plan.items():
+            if ".experts" in f".{pattern}":   # experts whole over tp (the module docstring)
+                continue
+            if not fnmatch.filter(names, f"{prefix}.{pattern}"):
+                continue   # a module this config does not build (Qwen3-MoE's dense MLPs)
             if style not in STYLE_OF:
                 raise PlanError(f"{type(model).__name__}'s base_model_tp_plan[{pattern!r}] = "
                                 f"{style!r}: meshtrain maps only {', '.join(STYLE_OF)}; pass "

@@ -63,11 +63,14 @@ def check(model, plan: Plan) -> None:
     if router.top_k > router.experts:
         raise PlanError(f"{name}: num_experts_per_tok={router.top_k} is more than its "
                         f"{router.experts} experts; set num_experts_per_tok <= {router.experts}")
-    if plan.tp > 1 or plan.pp > 1:
-        raise PlanError(f"{name} with tp={plan.tp}, pp={plan.pp}: tensor and pipeline parallel "
-                        "of mixture-of-experts layers are not built yet (no expert styles, "
-                        "and the router's loss is not carried between stages); train it "
-                        "data-parallel: Plan(dp=N) or with ZeRO, Plan(dp=N, zero=1|2|3)")
+    if plan.pp > 1:
+        raise PlanError(f"{name} with pp={plan.pp}: pipeline parallel of mixture-of-experts "
+                        "layers is not built yet (the router's loss is not carried between "
+                        "stages); train it data-parallel, Plan(dp=N) (with ZeRO, tp or ep)")
+    if plan.tp > 1 and plan.sequence_parallel:
+        raise PlanError(f"{name} with tp={plan.tp}, sequence_parallel=True: its experts stay "
+                        "whole over tp and would route each rank's slice of the sequence "
+                        "alone; drop sequence_parallel")
     if router.aux_coef is not None and plan.dp_mode != "ddp":
         raise PlanError(f"{name} with dp_mode={plan.dp_mode!r}: its router's load-balancing "
                         "loss (output_router_logits=True) needs the routing counts of the "

@@ -28,11 +28,10 @@ from meshtrain.strategies.zero.zero3 import ZeRO3
 def shard_layers(model: nn.Module, plan: Plan, comm: Comm, tp_plan: dict | None) -> LayerSharding:
     """Slot 1: shard each layer's matrices over tp, in place, keeping parameter names."""
     check_layer_sharding(model, plan, tp_plan)
-    if plan.ep > 1:   # experts over ep ranks (tp and pp of MoE models are refused: models/moe.py)
-        return expert_parallel.shard(model, plan, comm)
-    if plan.tp == 1:
-        return NoSharding()
-    return tensor_parallel.shard(model, plan, comm, tp_plan)
+    sharding = NoSharding() if plan.tp == 1 else tensor_parallel.shard(model, plan, comm, tp_plan)
+    if plan.ep > 1:   # then a MoE's experts (whole over tp) over ep ranks
+        sharding = expert_parallel.shard(model, plan, comm, sharding)
+    return sharding
 
 
 def check_layer_sharding(model: nn.Module, plan: Plan, tp_plan: dict | None) -> None:

@@ -6,7 +6,8 @@ batch (cross-entropy + router_aux_loss_coef x the load-balancing loss), SGD with
 Cases pairwise over (model, ep, dp): ep = dp = 2 and ep = dp = 4, and ep = 2 inside dp = 4
 (edp groups of 2), across Mixtral (top-2 renormalised) and Qwen3-MoE (norm_topk_prob); and
 ZeRO-1 and ZeRO-3, each expert's states (and under ZeRO-3 its weights) sharded over its edp
-group; recomputation with micro-batches (against one process accumulating over the global
+group; with tensor parallel (attention split over tp, experts whole over tp and split over
+ep), on OLMoE (top-k not renormalised); recomputation with micro-batches (against one process accumulating over the global
 micro-batches), and bf16 (within bf16's round-off, as test_hf_moe.py's)."""
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ CASES = {2: [(dict(dp=2, ep=2), "mixtral-tiny"), (dict(dp=2, ep=2), "qwen3-moe-t
              (dict(dp=2, ep=2, precision="bf16"), "mixtral-tiny")],
          4: [(dict(dp=4, ep=4), "mixtral-tiny"), (dict(dp=4, ep=2), "qwen3-moe-tiny"),
              (dict(dp=4, ep=2, zero=1), "mixtral-tiny"),
-             (dict(dp=4, ep=2, zero=3), "qwen3-moe-tiny")]}
+             (dict(dp=4, ep=2, zero=3), "qwen3-moe-tiny"),
+             (dict(dp=2, tp=2, ep=2, zero=1), "olmoe-tiny")]}
 
 
 def train_observed(cases: list[tuple[dict, str]]) -> list[dict]:
@@ -56,6 +58,7 @@ def train_observed(cases: list[tuple[dict, str]]) -> list[dict]:
         results.append(eq.on_host({
             "losses": losses, "parts": parts, "traffic": traffic, "routed": routed,
             "numel": (experts, dense), "params": len(trainer.stages.named_parameters()),
+            "dp_rank": trainer.dp_rank,
             "state": trainer.full_state_dict(), "norms": [],
             "optimizer": trainer.full_optimizer_state()["state"]}))
     return results
@@ -106,15 +109,17 @@ def test_expert_parallel_equals_one_process(references, world, tmp_path, capsys)
                 eq.assert_equivalent(result, ref, what=what)
                 torch.testing.assert_close(result["parts"][0], first, rtol=1e-6, atol=0,
                                            msg=lambda m: f"{what} parts: {m}")
-            check_traffic(result, plan, model, rank, what)
+            check_traffic(result, plan, model, result["dp_rank"], what)
 
 
 def check_traffic(result: dict, plan: dict, model: str, rank: int, what: str) -> None:
     """Expert gradients over the edp group only, dense ones over dp; the all-to-alls carry
-    exactly the rows the step routed to other ranks, each way, forward and backward."""
+    exactly the rows the step routed to other ranks, each way, forward and backward. `rank`:
+    the dp rank."""
     config = config_of(model)
     dp, ep = plan["dp"], plan["ep"]
     edp, me = dp // ep, rank % ep           # dp rank r: ep rank r % ep, edp rank r // ep
+    sent = lambda traffic, key: traffic.get(key, {"sent": 0})["sent"]   # 0: not a collective
     experts, dense = result["numel"]
     rows = eq.GLOBAL_BATCH // dp * hf.SEQ * config.num_experts_per_tok   # routed per layer
     row_bytes = config.hidden_size * (2 if plan.get("precision") == "bf16" else 4)
@@ -127,15 +132,16 @@ def check_traffic(result: dict, plan: dict, model: str, rank: int, what: str) ->
             layers = config.num_hidden_layers if plan["zero"] == 3 else 1
             padded = -(-experts // layers // dp) * dp
             scattered = layers * 4 * ring_half_elements(padded, edp, rank // ep)
-            assert traffic["edp/reduce_scatter[grad]"]["sent"] == scattered, at
+            assert sent(traffic, "edp/reduce_scatter[grad]") == scattered, at
             if plan["zero"] == 1:   # and the updated experts gathered back once
-                assert traffic["edp/all_gather[param]"]["sent"] == scattered, at
-        else:   # dense gradients + the step's statistics (loss, a used-flag per parameter)
+                assert sent(traffic, "edp/all_gather[param]") == scattered, at
+        elif plan.get("tp", 1) == 1:   # dense gradients + the step's statistics (loss, a
+            # used-flag per parameter); under tp the dense ones are tp's slices
             stats = 1 + result["params"]
             assert traffic["dp/all_reduce[grad]"]["sent"] == 4 * ring_all_reduce_elements(
                 dense + stats, dp, rank), at
-            edp_grad = traffic.get("edp/all_reduce[grad]", {"sent": 0})["sent"]
-            assert edp_grad == 4 * ring_all_reduce_elements(experts, edp, rank // ep), at
+            assert sent(traffic, "edp/all_reduce[grad]") == 4 * ring_all_reduce_elements(
+                experts, edp, rank // ep), at
         # every routed row is sent somewhere: tokens x top-k per layer, this rank's own
         # share stays (the counters charge only the rows that leave the rank)
         layer_sent = routed["layer_sent"]

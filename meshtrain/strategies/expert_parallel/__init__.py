@@ -54,8 +54,9 @@ def check(model: nn.Module, plan: Plan) -> None:
                             "expert parallel does not split yet; use ep=1")
 
 
-def shard(model: nn.Module, plan: Plan, comm: Comm) -> ExpertParallel:
-    """Replace each MoE layer's experts module by this rank's share, in place. Collective:
+def shard(model: nn.Module, plan: Plan, comm: Comm, inner) -> ExpertParallel:
+    """Replace each MoE layer's experts module by this rank's share, in place, after slot 1's
+    `inner` sharding (tensor parallel, which leaves the experts whole) has run. Collective:
     every rank builds the ep and edp groups together."""
     check(model, plan)
     sub = expert_comm(comm, plan.ep)
@@ -64,4 +65,4 @@ def shard(model: nn.Module, plan: Plan, comm: Comm) -> ExpertParallel:
         parent, _, attr = name.rpartition(".")
         layers[name] = ShardedExperts(whole, sub)
         setattr(model.get_submodule(parent) if parent else model, attr, layers[name])
-    return ExpertParallel(layers, sub, comm)
+    return ExpertParallel(layers, sub, comm, inner)

@@ -18,10 +18,12 @@ from meshtrain.strategies.shared.replicas import ReplicaGroup
 
 
 class ExpertParallel:
-    """`layers`: the ShardedExperts of each MoE layer, by module name, in model order."""
+    """`layers`: the ShardedExperts of each MoE layer, by module name, in model order;
+    `inner`: the LayerSharding of every other tensor (tensor parallel's, or none's)."""
 
-    def __init__(self, layers: dict[str, ShardedExperts], comm: Comm, dp_comm: Comm) -> None:
-        self.layers, self.comm, self.dp_comm = layers, comm, dp_comm
+    def __init__(self, layers: dict[str, ShardedExperts], comm: Comm, dp_comm: Comm,
+                 inner) -> None:
+        self.layers, self.comm, self.dp_comm, self.inner = layers, comm, dp_comm, inner
         self.ep = comm.mesh.size("ep")
         self.experts = {f"{name}.{p}" for name in layers for p in ("gate_up_proj", "down_proj")}
         edp = ReplicaGroup(comm, "edp")
@@ -29,26 +31,26 @@ class ExpertParallel:
 
     def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """Every ep rank's experts, in rank order (collective over ep for expert tensors)."""
-        if name not in self.experts or self.ep == 1:
-            return local
+        if name not in self.experts:
+            return self.inner.full(name, local)
         whole = local.new_empty((self.ep * local.shape[0], *local.shape[1:]))
         self.comm.all_gather(whole, local.contiguous(), "ep", tag="ep-state")
         return whole
 
     def local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         if name not in self.experts:
-            return full
+            return self.inner.local(name, full)
         rows = full.shape[0] // self.ep
         return full.narrow(0, self.comm.mesh.axis_rank("ep") * rows, rows)
 
     def counts(self, name: str) -> bool:
-        return True   # over tp: ep has no tp of its own (the gradient sync counts over dp)
+        return self.inner.counts(name)   # experts are whole over tp: replicated there
 
     def sum_partial_gradients(self, reduced: Callable) -> None:
-        pass          # every expert's gradient is whole on the rank that holds it
+        self.inner.sum_partial_gradients(reduced)   # an expert's gradient is whole
 
     def wrap_loss(self, loss_fn: Callable) -> Callable:
-        return loss_fn
+        return self.inner.wrap_loss(loss_fn)
 
     def routed(self) -> dict[str, torch.Tensor]:
         """What the dispatch routed since the last call, this rank's tokens, summed over
