@@ -8,7 +8,8 @@ Cases pairwise over (model, ep, dp): ep = dp = 2 and ep = dp = 4, and ep = 2 ins
 ZeRO-1 and ZeRO-3, each expert's states (and under ZeRO-3 its weights) sharded over its edp
 group; with tensor parallel (attention split over tp, experts whole over tp and split over
 ep), on OLMoE (top-k not renormalised); recomputation with micro-batches (against one process accumulating over the global
-micro-batches), and bf16 (within bf16's round-off, as test_hf_moe.py's)."""
+micro-batches), and bf16 (within bf16's round-off, as test_hf_moe.py's). A checkpoint saved
+under ep loads whole under Plan(dp); a run's metrics give the tokens per expert."""
 from __future__ import annotations
 
 import math
@@ -37,8 +38,9 @@ CASES = {2: [(dict(dp=2, ep=2), "mixtral-tiny"), (dict(dp=2, ep=2), "qwen3-moe-t
              (dict(dp=2, tp=2, ep=2, zero=1), "olmoe-tiny")]}
 
 
-def train_observed(cases: list[tuple[dict, str]]) -> list[dict]:
-    """Each case trained STEPS steps on this rank, with every step's counters and routing."""
+def train_observed(cases: list[tuple[dict, str]], save_dir: str | None = None) -> list[dict]:
+    """Each case trained STEPS steps on this rank, with every step's counters and routing;
+    with `save_dir`, the first case's checkpoint loaded under Plan(dp) (experts whole)."""
     results = []
     for plan, model in cases:
         torch.manual_seed(0)
@@ -61,7 +63,21 @@ def train_observed(cases: list[tuple[dict, str]]) -> list[dict]:
             "dp_rank": trainer.dp_rank,
             "state": trainer.full_state_dict(), "norms": [],
             "optimizer": trainer.full_optimizer_state()["state"]}))
+        if save_dir is not None and len(results) == 1:
+            results[0]["reloaded"] = reloaded_without_ep(trainer, model, plan["dp"], save_dir)
     return results
+
+
+def reloaded_without_ep(trainer, model: str, dp: int, path: str) -> float:
+    """The largest difference between `trainer`'s state and optimizer state and what a
+    Plan(dp=dp) trainer loads from its checkpoint."""
+    trainer.save(path)
+    other = mt.Trainer(build(model), mt.Plan(dp=dp), optimizer=eq.sgd)
+    other.load(path)
+    pairs = list(zip(*(t.full_state_dict().values() for t in (trainer, other))))
+    mine, theirs = (t.full_optimizer_state()["state"] for t in (trainer, other))
+    pairs += [(v, theirs[n][k]) for n, s in mine.items() for k, v in s.items()]
+    return max((a - b).abs().max().item() for a, b in pairs)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +95,7 @@ def train_then_run(cases: list[tuple[dict, str]], run_dir: str | None) -> list[d
     from meshtrain.train.config import RunConfig
     from meshtrain.train.run import train_rank
 
-    results = train_observed(cases)
+    results = train_observed(cases, None if run_dir is None else f"{run_dir}/saved")
     if run_dir is not None:
         config = RunConfig(run_dir=run_dir, plan=mt.Plan(dp=2, ep=2).to_dict(),
                            model="mixtral-tiny", steps=2, batch_size=4, seq_len=16,
@@ -97,6 +113,8 @@ def test_expert_parallel_equals_one_process(references, world, tmp_path, capsys)
     if run_dir is not None:
         check_run_reports_expert_load(tmp_path)
         assert "imbalance max/mean" in capsys.readouterr().out
+        # saved under ep, loaded whole: the same state, the same optimizer state, exactly
+        assert [r[0]["reloaded"] for r in per_rank] == [0.0] * world
     for rank, results in enumerate(per_rank):
         for (plan, model), result in zip(cases, results):
             what = f"{model} rank {rank} {mt.Plan(**plan).describe()}"
