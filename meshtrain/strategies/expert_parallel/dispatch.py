@@ -68,6 +68,7 @@ class ShardedExperts(nn.Module):
         return (f"experts {self.first}..{self.first + self.local - 1} of {self.experts} "
                 f"(ep rank {self.comm.mesh.axis_rank('ep')})")
 
+    @torch.compiler.disable   # row counts change every step: compiled, it would recompile
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         ep = self.comm.mesh.size("ep")
