@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from meshtrain.core.plan import LOCAL_STEP_MODES
+from meshtrain.planner import context_parallel, experts
 from meshtrain.planner.compression import powersgd_traffic
 from meshtrain.planner.compute_time import dispatch_time, micro_batch_compute
 from meshtrain.planner.hardware import Cluster, nearest
@@ -36,6 +37,8 @@ class StepTime:
     offload: float          # host transfers and the host optimizer step
     optimizer: float        # the on-device optimizer step
     total: float
+    cp_comm: float = 0.0    # context parallel's exchange not hidden behind attention
+    ep_comm: float = 0.0    # expert parallel's all-to-alls and the busiest rank's skew
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,7 +102,13 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     (bubble included), the data-parallel exchange not hidden behind compute, offload, the
     optimizer step and the Trainer's fixed cost per step: added to the rest where the host
     computes (CPU ranks), the host's side of the slower of the two where it dispatches to a
-    device that runs behind it (GPU ranks of a local profile: `async_dispatch`)."""
+    device that runs behind it (GPU ranks of a local profile: `async_dispatch`). A cp rank
+    is priced as its view (context_parallel.rank_view) plus attention's exchange; expert
+    parallel adds its all-to-alls, on the critical path."""
+    t_cp = context_parallel.exposed_time(spec, cand, setup, cluster)   # per micro-batch
+    ep_span = cand.plan.ep * cand.plan.cp * cand.plan.tp
+    spec, cand = context_parallel.rank_view(spec, cand)
+    t_ep = experts.exposed_time(spec, cand, setup, cluster, ep_span)
     p = cand.plan
     m = p.microbatches
     b = cand.micro_batch / p.dp if p.dp_mode == "dp" else cand.micro_batch
@@ -111,15 +120,20 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
         t_mb += tp_overhead(cluster, p.tp, spec.hidden) * b * spec.seq * (layers_here + 1)
     t_tp = tp_comm_time(spec, cand, setup, cluster, b)
     t_pp = pp_comm_time(spec, cand, setup, cluster, b)
-    slot = t_mb + t_tp + t_pp
+    slot = t_mb + t_tp + t_pp + t_cp + t_ep
     compute = m * t_mb
     pipeline = pipeline_time(cand, cluster, slot)
     bubble = pipeline - m * slot
-    psi = stage_params(spec, p.pp, p.tp)
+    psi, expert_psi, edp = experts.expert_share(spec, cand, stage_params(spec, p.pp, p.tp))
     t_dp, last, stats = dp_comm_time(spec, cand, setup, cluster, psi)
-    exposed = max(0.0, t_dp - dp_hidden(cand, cluster, t_dp - last, compute, t_mb)) + stats
     t_off = offload_time(cand, setup, cluster, psi)
     t_opt = optimizer_time(cand, setup, cluster, psi)
+    if edp is not None:   # each expert's gradients over its expert-data-parallel group
+        t_edp, last_edp, _ = dp_comm_time(spec, edp, setup, cluster, expert_psi)
+        t_dp, last = t_dp + t_edp, last + last_edp
+        t_off += offload_time(edp, setup, cluster, expert_psi)
+        t_opt += optimizer_time(edp, setup, cluster, expert_psi)
+    exposed = max(0.0, t_dp - dp_hidden(cand, cluster, t_dp - last, compute, t_mb)) + stats
     device_work = pipeline + exposed + t_off + t_opt
     if cluster.async_dispatch:
         # the host queues the step ahead of the device: its own work (the Trainer's fixed
@@ -130,7 +144,8 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
         total = max(device_work, host)
     else:
         total = device_work + step_overhead
-    return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, t_opt, total)
+    return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, t_opt, total,
+                    m * t_cp, m * t_ep)
 
 
 def trainer_costs(cand: Candidate, cluster: Cluster) -> tuple[float, float]:
