@@ -83,6 +83,15 @@ def layer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     return (forward_passes(cand) + 1) * 4 * alltoall_bytes(spec, cand, setup) * (p.cp - 1) / p.cp
 
 
+def step_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> dict[str, float]:
+    """{"cp": bytes a rank sends across cp per step} (its stage's layers, every
+    micro-batch), as time_model.axis_bytes reports each axis; empty without cp."""
+    p = cand.plan
+    if p.cp == 1:
+        return {}
+    return {"cp": p.microbatches * math.ceil(spec.layers / p.pp) * layer_bytes(spec, cand, setup)}
+
+
 def alltoall_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     """One all-to-all's buffer on a rank, the average of q, k, v and the output:
     b (s/N) (2h + 2kv) e / (4t)."""

@@ -84,6 +84,14 @@ def layer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     return alltoalls(cand) * dispatch_bytes(spec, cand, setup) * (n - 1) / n
 
 
+def step_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> dict[str, float]:
+    """{"ep": bytes a rank sends across ep per step, routed evenly}; empty without ep."""
+    p = cand.plan
+    if not spec.experts or p.ep == 1:
+        return {}
+    return {"ep": p.microbatches * math.ceil(spec.layers / p.pp) * layer_bytes(spec, cand, setup)}
+
+
 def exposed_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster,
                  span: int) -> float:
     """Seconds per micro-batch expert parallel adds to the busiest stage: its all-to-alls,

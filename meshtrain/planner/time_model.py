@@ -328,13 +328,16 @@ def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None
     """Bytes one rank sends per step on each mesh axis, as meshtrain's Comm counts them (ring
     shares for collectives, whole messages point to point; a step's few statistics bytes
     left out): the busiest pipeline stage's rank, or `stage`'s; a parameter server's
-    server or worker. Empty for DP's one process (its copies never leave it)."""
+    server or worker. Empty for DP's one process (its copies never leave it). cp and ep
+    send their own (context_parallel.step_bytes, experts.step_bytes)."""
+    out = context_parallel.step_bytes(spec, cand, setup)
+    spec, cand = context_parallel.rank_view(spec, cand)
+    out.update(experts.step_bytes(spec, cand, setup))
     p = cand.plan
     if p.dp_mode == "dp":
         return {}
     b, m, s, h = cand.micro_batch, p.microbatches, spec.seq, spec.hidden
     layers_here = math.ceil(spec.layers / p.pp)
-    out: dict[str, float] = {}
     stages = range(p.pp) if stage is None else [stage]
     if p.tp > 1:   # per micro-batch: 2 all-reduces per block each way (one more forward
         # with full recomputation), the vocab-parallel embedding's on the first stage, the
