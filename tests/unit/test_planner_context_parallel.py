@@ -134,3 +134,14 @@ def test_styles_follow_the_sequence_and_the_heads():
     assert cpm.styles(GQA, 8, 2) == ("ring",)                  # 8 K/V heads, 16 ranks
     odd = from_description(2, 8192, 64, 32000, 4100, flash_attention=True)
     assert cpm.styles(odd, 4, 1) == ()                         # 8 chunks do not divide 4100
+
+
+def test_bytes_per_step_count_the_ring_and_the_gradients_over_dp_x_cp():
+    from meshtrain.planner.time_model import axis_bytes
+
+    # 2 micro-batches x 2 layers x 10 K/V pairs of 2 MiB blocks; the gradients all-reduced
+    # over the 4 cp ranks that hold the same parameters: 2 x 3/4 of them, 2 bytes each
+    out = axis_bytes(GQA, _cand(cp=4, microbatches=2), BF16)
+    assert out["cp"] == 2 * 2 * 10 * 2 * (1024 * 1024 * 2)
+    assert out["dp"] == pytest.approx(2 * 3 / 4 * GQA.num_params * 2)
+    assert "cp" not in axis_bytes(GQA, _cand(dp=4), BF16)

@@ -118,3 +118,22 @@ def test_bad_moe_input_is_refused_by_name():
         from_description(2, 64, 4, 256, 128, experts=2, top_k=3)
     with pytest.raises(SetupError, match="--expert-imbalance 0.5"):
         Setup(expert_imbalance=0.5)
+
+
+def test_bytes_per_step_count_the_all_to_alls():
+    from meshtrain.planner.time_model import axis_bytes
+
+    buffer = 4096 * 2 * 4096 * 2   # b s k h e, as above
+    out = axis_bytes(MIXTRAL, _cand(dp=4, ep=4), BF16)
+    assert out["ep"] == 32 * 4 * buffer * 3 / 4
+
+
+def test_plan_takes_the_imbalance_and_refuses_a_bad_one(capsys):
+    from meshtrain.cli.main import main
+
+    args = ["plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256",
+            "--seq", "128", "--gpu", "H100-80GB", "--json"]
+    assert main([*args, "--expert-imbalance", "0.5"]) == 2
+    assert "--expert-imbalance 0.5" in capsys.readouterr().err
+    assert main([*args, "--expert-imbalance", "1.25"]) == 0
+    assert '"expert_imbalance": 1.25' in capsys.readouterr().out
