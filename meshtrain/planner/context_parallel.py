@@ -122,10 +122,13 @@ def exposed_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluste
         return layers * (forward_passes(cand) + 1) * 4 * one
     send = cluster.collective_time("p2p", 2 * block_bytes(spec, cand, setup), 2, span)
     compute = block_compute(spec, cand, cluster)
+    # what hides of a step's comm: as much as its compute lasts, scaled by what the
+    # device lets overlap (1 on GPUs; low on CPU ranks, whose cores gloo's threads share)
+    shown = lambda comm, work: comm - min(comm, work) * cluster.overlap
     fwd, bwd = ring_sends(cand)
-    forward = fwd * (send - min(send, compute))
+    forward = fwd * shown(send, compute)
     # backward: each step's K/V and dK/dV sends (2 pairs) behind twice the forward's work
-    backward = (p.cp - 1) * (2 * send - min(2 * send, 2 * compute)) + send
+    backward = (p.cp - 1) * shown(2 * send, 2 * compute) + send
     return layers * (forward_passes(cand) * forward + backward)
 
 

@@ -145,3 +145,14 @@ def test_bytes_per_step_count_the_ring_and_the_gradients_over_dp_x_cp():
     assert out["cp"] == 2 * 2 * 10 * 2 * (1024 * 1024 * 2)
     assert out["dp"] == pytest.approx(2 * 3 / 4 * GQA.num_params * 2)
     assert "cp" not in axis_bytes(GQA, _cand(dp=4), BF16)
+
+
+def test_ring_overlap_follows_what_the_device_lets_hide():
+    # a cluster that overlaps nothing (overlap 0) shows every send, as instant compute does
+    from dataclasses import replace
+
+    send = 5e-6 + 2 * 1024 * 1024 * 2 / 200e9
+    slow = make_cluster("H100-80GB", 1, 8, intra_bw="200GB/s", peak_flops="1PFLOPS")
+    apart = replace(slow, overlap=0.0)
+    assert cpm.exposed_time(GQA, _cand(cp=4), BF16, apart) == pytest.approx(2 * 10 * send,
+                                                                           rel=1e-12)
