@@ -8,6 +8,9 @@ attention 4h^2 + 4h, MLP 8h^2 + 5h, two LayerNorms 4h: 12h^2 + 13h per layer; wi
 (V + s)h the model holds P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)). The general form below
 reduces to that for a GPT and also covers SwiGLU MLPs (3 matrices h x f), grouped-query
 attention (k, v of width kv_heads * h/heads), RMSNorm (h weights) and untied output heads.
+A mixture of experts' layer holds its E experts' matrices and a router (h x E), of which
+one token multiplies by the router and its top-k experts (and any shared ones): its FLOPs
+and saved activations follow k x the expert width (`ffn_hidden`), its weights all E.
 """
 from __future__ import annotations
 
