@@ -370,28 +370,31 @@ def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None
         # model's last, gradients out of every chunk but the model's first
         sends = [(v - (st == p.pp - 1)) + (v - (st == 0)) for st in stages]
         out["pp"] = m * act * max(sends)
-    if p.dp > 1:
-        psi = stage_params(spec, p.pp, p.tp, stage)
+    dense, expert_psi, edp = experts.expert_share(spec, cand, stage_params(spec, p.pp, p.tp, stage))
+    for q, psi in [(p, dense)] + ([(edp.plan, expert_psi)] if edp else []):   # experts: edp
+        if q.dp == 1:
+            continue
         grads, params = psi * setup.grad_bytes, psi * setup.param_bytes
-        share = (p.dp - 1) / p.dp
-        if p.dp_mode.startswith("ps-"):
-            k = p.ps_shards
+        share = (q.dp - 1) / q.dp
+        if q.dp_mode.startswith("ps-"):
+            k = q.ps_shards
             # a worker pushes the shards it does not serve; a server also sends its shard's
             # update to every other worker
-            out["dp"] = (grads * (k - 1) / k + (p.dp - 1) * params / k) if server else grads
-        elif p.dp_mode in LOCAL_STEP_MODES:   # the parameters, every sync_every steps
-            out["dp"] = 2 * share * params / p.sync_every
-        elif p.compression == "powersgd":   # the factors, and what is sent whole
-            t = powersgd_traffic(spec, p.compression_rank, p.compression_min_rate)
-            out["dp"] = 2 * share * (t.whole + t.p + t.q) * setup.grad_bytes
-        elif p.zero == 0:
-            out["dp"] = 2 * share * grads
-        elif p.zero == 1:
-            out["dp"] = share * (grads + params)
-        elif p.zero == 2:   # a reduce-scatter every micro-batch, one all-gather
-            out["dp"] = share * (m * grads + params)
+            sent = (grads * (k - 1) / k + (q.dp - 1) * params / k) if server else grads
+        elif q.dp_mode in LOCAL_STEP_MODES:   # the parameters, every sync_every steps
+            sent = 2 * share * params / q.sync_every
+        elif q.compression == "powersgd":   # the factors, and what is sent whole
+            t = powersgd_traffic(spec, q.compression_rank, q.compression_min_rate)
+            sent = 2 * share * (t.whole + t.p + t.q) * setup.grad_bytes
+        elif q.zero == 0:
+            sent = 2 * share * grads
+        elif q.zero == 1:
+            sent = share * (grads + params)
+        elif q.zero == 2:   # a reduce-scatter every micro-batch, one all-gather
+            sent = share * (m * grads + params)
         else:   # gathered for forward and again for backward (but what is gathered once),
             # scattered, every micro-batch
-            once = spec.gathered_once_params / p.tp * setup.param_bytes if p.pp == 1 else 0.0
-            out["dp"] = m * share * (2 * params - once + grads)
+            once = spec.gathered_once_params / q.tp * setup.param_bytes
+            sent = m * share * (2 * params - (once if q is p and p.pp == 1 else 0.0) + grads)
+        out["dp"] = out.get("dp", 0.0) + sent
     return out

@@ -137,3 +137,16 @@ def test_plan_takes_the_imbalance_and_refuses_a_bad_one(capsys):
     assert "--expert-imbalance 0.5" in capsys.readouterr().err
     assert main([*args, "--expert-imbalance", "1.25"]) == 0
     assert '"expert_imbalance": 1.25' in capsys.readouterr().out
+
+
+def test_expert_gradients_travel_over_their_expert_data_parallel_group_only():
+    from meshtrain.planner.time_model import axis_bytes
+
+    # dp 4, ep 2, DDP: the dense gradients all-reduced over 4 ranks, 2 x 3/4 of them; each
+    # rank's half of the experts over its group of 2, 2 x 1/2; 2 bytes each
+    dense = MIXTRAL.num_params - EXPERTS
+    out = axis_bytes(MIXTRAL, _cand(dp=4, ep=2), BF16)
+    assert out["dp"] == pytest.approx(2 * 3 / 4 * dense * 2 + 2 * 1 / 2 * EXPERTS / 2 * 2)
+    # ep = dp: every expert lives on one rank, its gradients go nowhere
+    assert axis_bytes(MIXTRAL, _cand(dp=4, ep=4), BF16)["dp"] == pytest.approx(
+        2 * 3 / 4 * dense * 2)
