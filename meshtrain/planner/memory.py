@@ -155,6 +155,20 @@ def _rerun_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, block: float,
     return rerun
 
 
+def float8_casts(spec: ModelSpec, cand: Candidate) -> float:
+    """The float8 casts one block linear's backward holds until it returns, under fp8: its
+    output gradient cast twice (once per GEMM), its weight and its input once each, 1 byte
+    an element (the layout copies the GEMMs may ask for not counted); the largest of the
+    MLP's linears (h in and f / t out, or f / t in and h out). torchao keeps no float8 copy
+    from forward to backward (it saves the bf16 input and weight and casts them again), so
+    an fp8 plan's activations are bf16's."""
+    if cand.plan.precision != "fp8":
+        return 0.0
+    h, f = spec.hidden, spec.ffn_hidden / cand.plan.tp
+    tokens = spec.seq * cand.micro_batch
+    return h * f + tokens * max(2 * f + h, 2 * h + f)
+
+
 def optimizer_step_bytes(optim_states: float, setup: Setup, temporaries: float) -> float:
     """Bytes the optimizer step allocates beside the model states on a rank that holds
     `optim_states` bytes of optimizer states (setup.optim_bytes per parameter it steps):
@@ -209,6 +223,7 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     # function overlapping in part)
     absorb = setup.grad_bytes * spec.largest_tensor_params / p.tp
     block = 1.5 * spec.ffn_hidden / p.tp * spec.seq * cand.micro_batch * setup.act_bytes
+    block += float8_casts(spec, cand)
     transient = transient_bytes(spec, cand, setup) if last else absorb + block
     if cand.sp:   # meshtrain's sequence-parallel backward: an all-gather's output and its
         # reshaped copy (the regathered input of a column layer), a reduce-scatter's

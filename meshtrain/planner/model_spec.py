@@ -47,10 +47,11 @@ class ModelSpec:
     # traced from the model itself on fake tensors (measure/traced.py), where it was: per
     # precision, (element bytes, bytes per token saved for backward) by one layer and by
     # the final norm and output layer, and (element bytes, its elementwise work against a
-    # GPT's of its shape)
+    # GPT's of its shape), and what one layer keeps per token under per-op selective
     traced_layer_bytes: tuple[tuple[int, float], ...] = ()
     traced_head_bytes: tuple[tuple[int, float], ...] = ()
     traced_elementwise: tuple[tuple[int, float], ...] = ()
+    traced_selective_bytes: tuple[tuple[int, float], ...] = ()
     # a mixture of experts in every layer's MLP (0 experts: dense; planner/experts.py)
     experts: int = 0                # routed experts per layer
     top_k: int = 0                  # experts each token is routed to
@@ -185,10 +186,14 @@ class ModelSpec:
             return max(fused, self.vocab * h, h * max(h, self.shared_ffn))
         return max(h * self.ffn_hidden, self.vocab * h, h * h)
 
-    def traced_bytes_per_token(self, elem_bytes: int, head: bool = False) -> float | None:
+    def traced_bytes_per_token(self, elem_bytes: int, head: bool = False,
+                               selective: bool = False) -> float | None:
         """What one layer (or the final norm and output layer) saves per token in
-        `elem_bytes` precision, as traced; None where the model was not traced in it."""
-        return dict(self.traced_head_bytes if head else self.traced_layer_bytes).get(elem_bytes)
+        `elem_bytes` precision, as traced (`selective`: what a layer keeps under per-op
+        selective recomputation); None where the model was not traced in it."""
+        table = (self.traced_head_bytes if head else
+                 self.traced_selective_bytes if selective else self.traced_layer_bytes)
+        return dict(table).get(elem_bytes)
 
     def elementwise_scale(self, elem_bytes: int) -> float:
         """This model's elementwise work against a GPT's of its shape, as traced (1: not
@@ -206,7 +211,9 @@ class ModelSpec:
 # Published shapes. GPT-2 (Radford et al. 2019; HF gpt2 / gpt2-medium configs), "gpt2-1.3b" as
 # GPT-3 XL with 16 heads of 128 (Brown et al. 2020, Table 2.1), GPT-3 175B (ibid.), Llama
 # (Touvron et al. 2023, Table 2: 7B 32 x 4096, 70B 80 x 8192 with 8 kv heads; SwiGLU widths
-# 11008 / 28672 from the released configs; RMSNorm; untied head; rotary positions).
+# 11008 / 28672 from the released configs; RMSNorm; untied head; rotary positions); Llama 3.1
+# 8B from its released config (8 kv heads, SwiGLU 14336, vocabulary 128256), no dropout and
+# a fused attention as torchtitan trains it (its Table 1 at 8192 tokens).
 PRESETS: dict[str, ModelSpec] = {
     "gpt2-124m": ModelSpec("gpt2-124m", 12, 768, 12, 50257, 1024),
     "gpt2-350m": ModelSpec("gpt2-350m", 24, 1024, 16, 50257, 1024),
@@ -217,6 +224,9 @@ PRESETS: dict[str, ModelSpec] = {
     "llama-70b": ModelSpec("llama-70b", 80, 8192, 64, 32000, 4096, ffn=28672, kv_heads=8,
                            mlp="swiglu", bias=False, norm="rmsnorm", tied=False,
                            learned_pos=False),
+    "llama3.1-8b": ModelSpec("llama3.1-8b", 32, 4096, 32, 128256, 8192, ffn=14336, kv_heads=8,
+                             mlp="swiglu", bias=False, norm="rmsnorm", tied=False,
+                             learned_pos=False, dropout=False, flash_attention=True),
 }
 
 

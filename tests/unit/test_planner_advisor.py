@@ -185,7 +185,9 @@ def test_cli_table_and_json_agree(capsys):
     (["--model", "gpt3-175b", "--gpus-per-node", "2"], "fits no plan.*To fit, try: more devices"),
     (["--layers", "4"], "no model"),
     (["--model", "gpt2-1.3b", "--nodes", "0"], "--nodes 0"),
-    (["--model", "gpt2-1.3b", "--precision", "fp8"], "--precision 'fp8'"),
+    (["--model", "gpt2-1.3b", "--precision", "fp16"], "--precision 'fp16'"),
+    (["--model", "gpt2-1.3b", "--precision", "fp8"], "--precision fp8: the default A100-80GB "
+                                                      "has no float8 tensor cores"),
 ])
 def test_cli_bad_input_is_a_clear_error(capsys, argv, words):
     rc, out, err = _cli(capsys, *argv)
