@@ -50,6 +50,8 @@ def add_parser(subparsers) -> None:
     t.add_argument("--optimizer", default="adam", help="adam or sgd")
     t.add_argument("--recompute", default="auto", help="auto, none, selective, attention or full")
     t.add_argument("--no-sequence-parallel", action="store_true")
+    t.add_argument("--expert-imbalance", type=float, default=1.0, help="a mixture of experts: "
+                   "the busiest expert-parallel rank's routed tokens over the mean (1: even)")
     o = p.add_argument_group("output and actions")
     o.add_argument("--top", type=int, default=10, help="plans to show")
     o.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -156,7 +158,8 @@ def build_inputs(args):
     recompute = "" if args.recompute == "auto" else args.recompute
     setup = Setup(global_batch=args.global_batch, micro_batch=args.micro_batch,
                   precision=args.precision, optimizer=args.optimizer, recompute=recompute,
-                  sequence_parallel=not args.no_sequence_parallel)
+                  sequence_parallel=not args.no_sequence_parallel,
+                  expert_imbalance=args.expert_imbalance)
     extra = {"efficiency": args.efficiency} if args.efficiency is not None else {}
     if args.host_mem:
         from meshtrain.core.units import parse_bytes

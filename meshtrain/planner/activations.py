@@ -52,7 +52,8 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
     attn = e * (2 + 2 * spec.kv_dim / h)
     mlp = e * (4 if spec.mlp == "swiglu" else 2) * spec.ffn_hidden / h
     divided = attn + mlp
-    scores = 0.0 if spec.flash_attention else (a * s / h) * (e + (1 + e if spec.dropout else 0))
+    span = spec.attention_span or s   # keys per query: the whole sequence under cp
+    scores = 0.0 if spec.flash_attention else (a * span / h) * (e + (1 + e if spec.dropout else 0))
     traced = spec.traced_bytes_per_token(e)
     if traced is not None:   # the counts above at tp = 1 fall short of the trace by this
         kept += traced / h - (kept + divided + scores)
@@ -82,7 +83,7 @@ def selective_layer_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int =
     mlp_in = (2 if spec.mlp == "swiglu" else 1) * spec.ffn_hidden
     sliced = e * (h + 2 * spec.kv_dim + h + mlp_in) + 4 * a
     if not spec.flash_attention:
-        sliced += e * a * s
+        sliced += e * a * (spec.attention_span or s)
     whole = e * h / split + 2 * e * h
     traced = spec.traced_bytes_per_token(e, selective=True)
     if traced is not None:   # the counts at tp = 1 fall short of the trace by this

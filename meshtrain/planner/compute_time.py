@@ -26,7 +26,7 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
     elementwise work runs at its own `elementwise_bw`); where the host dispatches while
     the device computes (`async_dispatch`), the slower of the two bounds the micro-batch."""
     p = cand.plan
-    layer_f, scores_f, logits_f = forward_flops_per_token(spec, spec.seq)
+    layer_f, scores_f, logits_f = forward_flops_per_token(spec, spec.span)
     extra = (layer_f / p.recompute_every if cand.recompute == "full"
              else scores_f if cand.recompute == "attention" else 0)
     layers_here = math.ceil(spec.layers / p.pp)

@@ -26,9 +26,11 @@ def ring_factor(kind: str, n: int) -> float:
     """Bytes each rank moves per byte of buffer in a ring collective over `n` ranks (Thakur
     et al. 2005): all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n, broadcast and
     point-to-point 1. Calibration turns measured times into bus bandwidth with it, and the
-    time model divides by that bandwidth with it again."""
+    time model divides by that bandwidth with it again. An all-to-all sends (n-1)/n of its
+    buffer, each rank to every other directly (in n-1 steps, as the ring collectives)."""
     return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "all_gather": (n - 1) / n, "broadcast": 1.0, "p2p": 1.0}[kind]
+            "all_gather": (n - 1) / n, "broadcast": 1.0, "p2p": 1.0,
+            "all_to_all": (n - 1) / n}[kind]
 
 
 # Per-GPU bandwidths: NVLink 2/3/4 total per GPU 300/600/900 GB/s (NVIDIA datasheets);

@@ -63,7 +63,9 @@ def words(advice: Advice) -> str:
         out.append(f"Fastest plan's step: compute {t.compute:.3g} s, bubble {t.bubble:.3g} s, "
                    f"tensor-parallel {t.tp_comm:.3g} s, pipeline p2p {t.pp_comm:.3g} s, data-"
                    f"parallel {t.dp_comm:.3g} s of which {t.dp_exposed:.3g} s exposed, offload "
-                   f"{t.offload:.3g} s.")
+                   f"{t.offload:.3g} s"
+                   + (f", context-parallel exchange {t.cp_comm:.3g} s exposed" if t.cp_comm else "")
+                   + (f", expert all-to-alls {t.ep_comm:.3g} s" if t.ep_comm else "") + ".")
         note = slow_link_note(advice)
         if note:
             out.append(f"Slow link: {note}.")
@@ -104,7 +106,7 @@ def to_json(advice: Advice, top: int = 10) -> str:
         "mfu_peak": "bf16" if advice.setup.precision == "fp8" else advice.setup.precision,
         "setup": {k: getattr(advice.setup, k) for k in (
             "global_batch", "micro_batch", "precision", "optimizer", "recompute",
-            "sequence_parallel")},
+            "sequence_parallel", "expert_imbalance")},
         "considered": advice.considered, "fitting": len(advice.ranked),
         "rejected": len(advice.rejected),
         "guide": v.to_dict(),

@@ -41,6 +41,9 @@ class Setup:
     that fits."""
     sequence_parallel: bool = True
     """Shard LayerNorm/dropout activations along the sequence beside tensor parallelism."""
+    expert_imbalance: float = 1.0
+    """A mixture of experts: the busiest expert-parallel rank's routed tokens against the
+    mean (1.0: routed evenly; planner/experts.py)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
@@ -57,6 +60,9 @@ class Setup:
             raise SetupError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
         if self.recompute and self.recompute not in RECOMPUTE:
             raise SetupError(f"--recompute {self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+        if not isinstance(self.expert_imbalance, (int, float)) or self.expert_imbalance < 1:
+            raise SetupError(f"--expert-imbalance {self.expert_imbalance!r}: the busiest rank's "
+                             f"routed tokens over the mean, a number >= 1 (1: even routing)")
 
     # Bytes per parameter (ZeRO, Rajbhandari et al. 2020, §3.1 and Table 1): mixed-precision
     # Adam keeps 2-byte weights, 2-byte gradients and K = 12 bytes of optimizer state (fp32
@@ -100,6 +106,10 @@ class Candidate:
             parts.append(f"pp{p.pp}:{sched}")
         if p.tp > 1:
             parts.append(f"tp{p.tp}" + ("+sp" if self.sp else ""))
+        if p.cp > 1:
+            parts.append(f"cp{p.cp}" + (":a2a" if p.cp_style == "all-to-all" else ""))
+        if p.ep > 1:
+            parts.append(f"ep{p.ep}")
         if p.zero:
             parts.append(f"zero{p.zero}")
         if p.offload != "none":

@@ -141,7 +141,8 @@ def test_microbatches_at_least_four_times_stages():
         if p.schedule != "interleaved":
             assert ev.time.bubble == pytest.approx(
                 (p.pp - 1) / p.microbatches * ev.time.compute
-                + (p.pp - 1) * (ev.time.tp_comm + ev.time.pp_comm) / p.microbatches, rel=1e-9)
+                + (p.pp - 1) * (ev.time.tp_comm + ev.time.pp_comm + ev.time.cp_comm
+                                    + ev.time.ep_comm) / p.microbatches, rel=1e-9)
 
 
 def test_enumeration_covers_64_gpus():

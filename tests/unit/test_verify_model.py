@@ -8,6 +8,7 @@ import pytest
 from meshtrain.cli import plan_cmd
 from meshtrain.cli.main import main
 from meshtrain.core.gpt_shapes import GPT_SHAPES
+from meshtrain.core.plan import Plan
 from meshtrain.core.units import fmt_duration
 from meshtrain.measure import verify, verify_cli
 from tests.synthetic_profile import synthetic_profile
@@ -114,8 +115,11 @@ def test_on_one_gpu_verify_says_what_it_leaves_out_and_why(capsys, monkeypatch, 
     # the two parameter servers, DP, DiLoCo, local SGD and PowerSGD run in fp32 only
     assert model == verify.VERIFY_GPTS["cuda"] and fp32 == 6
     assert all(verify.world_of(p) == 1 for p, _ in plans)
-    more = len(verify.PLANS) - len(plans) - fp32
-    assert f"(AdamW; {more} need more GPUs; {fp32} run in fp32 only)" in err
+    # cp and ep plans wait for their strategies (named with check_plan's refusal)
+    building = sum(bool(verify.waits_for_strategy(p)) for p, _ in verify.BUILDING)
+    more = len(verify.PLANS + verify.BUILDING) - len(plans) - fp32 - building
+    waiting = f"; {building} not built yet" if building else ""
+    assert f"(AdamW; {more} need more GPUs; {fp32} run in fp32 only{waiting})" in err
 
 
 def test_verify_repeats_each_plan_the_rounds_given(capsys, monkeypatch, tmp_path):
@@ -140,3 +144,12 @@ def test_verify_repeats_each_plan_the_rounds_given(capsys, monkeypatch, tmp_path
 def test_rounds_is_refused_where_it_means_nothing(capsys, argv, words):
     assert main(["plan", "--model", "gpt2-124m", *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_verify_names_the_cp_and_ep_plans_that_wait_for_their_strategies(capsys, monkeypatch,
+                                                                         tmp_path):
+    plans, _, err = _verify_command(capsys, monkeypatch, tmp_path)
+    assert not [p for p, _ in plans if Plan(**p).cp > 1 or Plan(**p).ep > 1]
+    assert "cp=2: context parallel is not built yet" in err
+    assert "ep=2: expert parallel is not built yet" in err
+    assert f"; {len(verify.BUILDING)} not built yet" in err
