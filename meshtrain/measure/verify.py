@@ -146,6 +146,8 @@ def verify_rank(model: dict | TrainedModel, plan: dict, batch: int, steps: int =
         trainer.comm.stats.reset()   # one more step (round), counted
         one_round()
         sent = {axis: trainer.comm.stats.total(axis=axis).sent / every for axis in AXES}
+        # expert parallel's edp groups are subgroups of dp: their gradients count as dp's
+        sent["dp"] += trainer.comm.stats.total(axis="edp").sent / every
         peak_alloc = report.model_states + allocated_peak(one_round, device)
     trainer.close()
     role = rank_role(Plan(**plan), dist.get_rank() if dist.is_initialized() else 0)
@@ -356,6 +358,12 @@ def summary(rows: list[dict], limits: dict = LIMITS) -> tuple[bool, str]:
         lines.append(f"  {key}: worst error {worst:.1%} (limit {limit:.0%}) "
                      f"{'PASS' if passed else 'FAIL'}")
     return ok, "\n".join(lines)
+
+
+def needs_experts(plan: dict, model: dict | TrainedModel) -> bool:
+    """An ep plan for a model without experts: nothing for expert parallel to split (the
+    Trainer refuses it); verify runs it on a mixture of experts' --model only."""
+    return Plan(**plan).ep > 1 and not spec_of(model).experts
 
 
 def waits_for_strategy(plan: dict) -> str | None:

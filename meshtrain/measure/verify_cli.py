@@ -15,9 +15,9 @@ from meshtrain.measure.runs import VERIFY_GPTS, run_plan
 from meshtrain.measure.trained_model import TrainedModel, describe
 from meshtrain.measure.verify import (BUILDING, GPU_LIMITS, LEGEND, LIMITS, PLANS, ROUNDS,
                                       STEPS, WARMUP,
-                                      header, label, predict, profile_world,
-                                      runs_in_its_precision, summary, verify, waits_for_strategy,
-                                      world_of)
+                                      header, label, needs_experts, predict, profile_world,
+                                      runs_in_its_precision, summary, verify,
+                                      waits_for_strategy, world_of)
 from meshtrain.planner.hardware import HardwareError
 from meshtrain.planner.profile import load_profile, profile_path
 
@@ -29,16 +29,16 @@ def verify_command(args, model: dict | TrainedModel | None = None) -> int:
     profile = load_profile(args.profile, kind)
     device = resolve_device()
     model = model or VERIFY_GPTS[device]
-    plans, predicted, too_big, waiting = _plans(args, profile, kind, device, model)
+    plans, predicted, too_big, waiting, no_experts = _plans(args, profile, kind, device, model)
     rounds = args.rounds or ROUNDS
     steps = rounds * (WARMUP + STEPS) + 1   # the first round's one more, for exact counts
     seconds = steps * sum(ev.time.total for ev in predicted)
     fp32 = fp32_only(device)
     left_out = "".join(f"; {n} {why}" for n, why in (
-        (len(PLANS + BUILDING) - len(plans) - len(too_big) - fp32 - len(waiting),
-         "need more GPUs"),
+        (len(PLANS + BUILDING) - len(plans) - len(too_big) - fp32 - len(waiting)
+         - no_experts, "need more GPUs"),
         (fp32, "run in fp32 only"), (len(too_big), "predicted not to fit"),
-        (len(waiting), "not built yet")) if n)
+        (len(waiting), "not built yet"), (no_experts, "need a mixture of experts")) if n)
     print(f"verifying {len(plans)} plans of {describe(model)} (AdamW{left_out}), {rounds} "
           f"round{'s' * (rounds != 1)}, against the profile of {profile['created']}; their "
           f"steps alone are predicted to take {fmt_duration(seconds)}, beside each run's "
@@ -72,14 +72,18 @@ def fp32_only(device: str) -> int:
 
 def _plans(args, profile: dict, kind: str, device: str, model) -> tuple:
     """(verify's plans this machine runs for `model` and predicts to fit, their predictions,
-    the labels of those predicted not to fit, (label, refusal) of those not built yet),
+    the labels of those predicted not to fit, (label, refusal) of those not built yet, how
+    many ep plans the model has no experts for),
     refusing a profile without the worlds they need and a model none of them is predicted
     to fit, before any rank starts."""
     most = gpu_count() if device == "cuda" else float("inf")   # one rank per GPU
     ran = [(run_plan(plan, device), batch) for plan, batch in PLANS + BUILDING]   # its dtype
     waiting = [(label(*pb), why) for pb in ran if (why := waits_for_strategy(pb[0]))]
+    no_experts = [pb for pb in ran if needs_experts(pb[0], model) and not
+                  waits_for_strategy(pb[0])]
     plans = [(plan, batch) for plan, batch in ran if runs_in_its_precision(plan)
-             and max(world_of(plan), profile_world(plan)) <= most]
+             and max(world_of(plan), profile_world(plan)) <= most
+             and not needs_experts(plan, model)]
     missing = sorted({profile_world(p) for p, _ in plans} - {int(w) for w in profile["worlds"]})
     if missing:
         raise HardwareError(f"the profile {profile_path(args.profile, kind)} has no measurements at "
@@ -91,4 +95,5 @@ def _plans(args, profile: dict, kind: str, device: str, model) -> tuple:
         raise ValueError(f"none of --verify's plans is predicted to fit {describe(model)} on "
                          "this machine: verify a smaller model")
     fitting = [(pb, ev) for pb, ev in zip(plans, predicted) if ev.fits]
-    return tuple(pb for pb, _ in fitting), [ev for _, ev in fitting], too_big, waiting
+    return (tuple(pb for pb, _ in fitting), [ev for _, ev in fitting], too_big, waiting,
+            len(no_experts))

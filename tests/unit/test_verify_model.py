@@ -117,8 +117,12 @@ def test_on_one_gpu_verify_says_what_it_leaves_out_and_why(capsys, monkeypatch, 
     assert all(verify.world_of(p) == 1 for p, _ in plans)
     # cp and ep plans wait for their strategies (named with check_plan's refusal)
     building = sum(bool(verify.waits_for_strategy(p)) for p, _ in verify.BUILDING)
-    more = len(verify.PLANS + verify.BUILDING) - len(plans) - fp32 - building
-    waiting = f"; {building} not built yet" if building else ""
+    # ... and ep plans run on a mixture of experts only (this is a GPT)
+    no_experts = sum(verify.needs_experts(p, model) and not verify.waits_for_strategy(p)
+                     for p, _ in verify.BUILDING)
+    more = len(verify.PLANS + verify.BUILDING) - len(plans) - fp32 - building - no_experts
+    waiting = (f"; {building} not built yet" if building else "") + (
+        f"; {no_experts} need a mixture of experts" if no_experts else "")
     assert f"(AdamW; {more} need more GPUs; {fp32} run in fp32 only{waiting})" in err
 
 
@@ -146,10 +150,18 @@ def test_rounds_is_refused_where_it_means_nothing(capsys, argv, words):
     assert words in capsys.readouterr().err
 
 
-def test_verify_names_the_cp_and_ep_plans_that_wait_for_their_strategies(capsys, monkeypatch,
-                                                                         tmp_path):
+def test_verify_names_the_cp_plans_that_wait_for_their_strategy_and_keeps_ep_for_moe(
+        capsys, monkeypatch, tmp_path):
+    """Expert parallel is built: its plan runs on a mixture of experts' --model only (a GPT
+    has nothing for it to split, said as such); cp waits for its strategy, by name."""
     plans, _, err = _verify_command(capsys, monkeypatch, tmp_path)
     assert not [p for p, _ in plans if Plan(**p).cp > 1 or Plan(**p).ep > 1]
-    assert "cp=2: context parallel is not built yet" in err
-    assert "ep=2: expert parallel is not built yet" in err
-    assert f"; {len(verify.BUILDING)} not built yet" in err
+    waiting = sum(bool(verify.waits_for_strategy(p)) for p, _ in verify.BUILDING)
+    if waiting:
+        assert "cp=2: context parallel is not built yet" in err
+        assert f"; {waiting} not built yet" in err
+    assert "expert parallel is not built" not in err and "1 need a mixture of experts" in err
+    plans, _, err = _verify_command(capsys, monkeypatch, tmp_path, "--model", "mixtral-tiny",
+                                    "--seq", "64")
+    assert [p for p, _ in plans if Plan(**p).ep > 1] == [{"dp": 2, "ep": 2}]
+    assert "need a mixture of experts" not in err
