@@ -33,6 +33,12 @@ ALLOWED = {
     ("bench/harness.py", "one_all_reduce"): "the harness's ranks are run_ranks' gloo ranks "
                                             "on the host: it times their start, not a device",
     ("measure/verify.py", "*"): "plan verification's batches, moved by the step driver",
+    ("strategies/expert_parallel/dispatch.py", "__init__"): "routing counters for the "
+        "metrics (rows sent, tokens per expert): read on the host every step",
+    ("strategies/expert_parallel/dispatch.py", "forward"): "the split sizes, already host "
+        "integers (the all-to-all needs them there), added to the host counters",
+    ("bench/ep.py", "ep_rank"): "the global batch drawn on the host from one generator, so "
+                                "every device sees the same tokens; each rank moves its rows",
 }
 
 
