@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.core.handles import Done, Gauge, Then
-from meshtrain.core.mesh import AXES, Mesh
+from meshtrain.core.mesh import AXES, GROUP_AXES, Mesh
 from meshtrain.core.watchdog import CollectiveLog
 
 # torch 2.13 names the flat collectives *_single and deprecates the older names, which are all
@@ -198,7 +198,7 @@ class Comm:
 
     def _account(self, axis: str, op: str, tag: str, sent: int, received: int,
                  tensor: torch.Tensor) -> None:
-        if axis in AXES and self.mesh.device_mesh is not None:   # not "world"
+        if axis in GROUP_AXES and self.mesh.device_mesh is not None:   # not "world"
             check_device(tensor, self.group(axis))
         self.stats.record(axis, op, tag, sent, received)
         self.log.enter(op, axis, tag, tensor)

@@ -55,6 +55,7 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
     if fill is not None and not zero3:
         fill(None)
     params, buffers = stages.named_parameters(), [b for _, b in stages.named_buffers()]
+    axis = comm.mesh.replica_axis   # dp, or dp x cp (core/mesh.py [Note: the replica axis])
     if plan.dp_mode == "dp":
         return MasterDP(stages.model, params, comm, replicas=plan.dp)
     if plan.dp_mode == "ps-sync":
@@ -65,15 +66,16 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
         return DiLoCo(params, buffers, comm, plan)
     if zero3:
         return ZeRO3(stages.model, params, buffers, comm, plan,
-                     unit_names=_list(plan.zero3_units), offload_dir=plan.offload_dir,
-                     fill=fill)
+                     unit_names=_list(plan.zero3_units), axis=axis,
+                     offload_dir=plan.offload_dir, fill=fill)
     if plan.zero in (1, 2):
-        return ZeRO(params, buffers, comm, plan, shared=list(stages.shared),
+        return ZeRO(params, buffers, comm, plan, shared=list(stages.shared), axis=axis,
                     offload_dir=plan.offload_dir)
     if plan.compression == "powersgd":
         return PowerSGD(params, buffers, comm, plan.bucket_mb, plan.compression_rank,
                         plan.compression_min_rate, plan.sync_warmup_steps)
-    return DDP(params, buffers, comm, bucket_mb=plan.bucket_mb, precision=plan.precision)
+    return DDP(params, buffers, comm, bucket_mb=plan.bucket_mb, precision=plan.precision,
+               axis=axis)
 
 
 def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_fn: Callable,

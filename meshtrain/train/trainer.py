@@ -201,7 +201,7 @@ class Trainer:
         """`clip_gradients` without reading the norm on the host (the step never waits)."""
         counted = lambda name: self.sharding.counts(name) and self.stages.counts(name)
         square_sum = self.data_parallel.gradient_square_sum(counted)
-        for axis in ("tp", "pp", "dp"):
+        for axis in ("tp", "pp", self.mesh.replica_axis):
             self.comm.all_reduce(square_sum, axis, tag="grad-norm")
         norm = square_sum.sqrt().float()
         self.data_parallel.scale_gradients(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
@@ -298,7 +298,7 @@ class Trainer:
         self.checkpoint_share = max(self.checkpoint_share, storage_bytes(
             [*params.values(), *(v for s in states.values() for v in s.values())]))
         stepped = torch.tensor([float(len(states))], device=self.mesh.device)
-        for axis in ("tp", "pp", "dp"):
+        for axis in ("tp", "pp", self.mesh.replica_axis):
             self.comm.all_reduce(stepped, axis, tag="save")
         optimizer_state = {"state": states, "param_groups": groups} if stepped.item() else None
         checkpoint.save(path, params, optimizer_state, self.plan,
@@ -311,8 +311,9 @@ class Trainer:
         optimizer states by name, param groups). Each tensor goes to the rank of its stage
         holding the fewest bytes so far (every rank makes the same choice: the sizes are
         the same everywhere); tied tensors and buffers appear on every stage that holds them."""
-        mine = self.mesh.axis_rank("dp") * self.mesh.size("tp") + self.mesh.axis_rank("tp")
-        held = [0] * (self.mesh.size("dp") * self.mesh.size("tp"))
+        replicas = self.mesh.replica_axis   # every rank of a stage keeps a share
+        mine = self.mesh.axis_rank(replicas) * self.mesh.size("tp") + self.mesh.axis_rank("tp")
+        held = [0] * (self.mesh.size(replicas) * self.mesh.size("tp"))
         params, states = {}, {}
         for local, local_states in self.data_parallel.local_state_groups():
             for name, value in local.items():
