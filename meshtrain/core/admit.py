@@ -54,13 +54,29 @@ def _refuse_unbuilt(plan: Plan) -> None:
          f"precision='fp8' with tp={plan.tp}, pp={plan.pp}, zero={plan.zero}, "
          f"compile={plan.compile!r}: float8 training runs under DDP and ZeRO-1/2, eager, "
          "for now"),
-        (plan.cp > 1, f"cp={plan.cp}: context parallel is not built yet"),
         (plan.ep > 1, f"ep={plan.ep}: expert parallel is not built yet"),
     ]
     for applies, message in unbuilt:
         if applies:
             raise PlanError(f"{message}; use a data-parallel plan such as Plan(dp=N)")
     _check_compile(plan)
+    _check_context_parallel(plan)
+
+
+def _check_context_parallel(plan: Plan) -> None:
+    """Context parallel (strategies/context_parallel) with what it is not built with yet."""
+    if plan.cp == 1:
+        return
+    unbuilt = {"pp": plan.pp > 1, "tp": plan.tp > 1, "compile": plan.compile is not False,
+               f"dp_mode={plan.dp_mode!r}": plan.dp_mode != "ddp",
+               f"precision={plan.precision!r}": plan.precision != "fp32",
+               f"recompute={plan.recompute!r}": plan.recompute not in ("none", "full"),
+               f"compression={plan.compression!r}": plan.compression != "none"}
+    for name, applies in unbuilt.items():
+        if applies:
+            raise PlanError(f"cp with {name} is not built yet: context parallel runs with "
+                            "DDP or ZeRO over dp, fp32, eager, recompute 'none' or 'full'; "
+                            f"drop {name.split('=')[0]}, or use cp=1")
 
 
 def _check_compile(plan: Plan) -> None:

@@ -276,6 +276,18 @@ class Comm:
         handle.wait()
         return None
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, axis: str,
+                   tag: str = "") -> None:
+        """Slice j of `input` (split along dim 0 in N equal parts) goes to axis rank j;
+        slice j of `output` comes from it. Charged the (N-1)/N*S a rank sends and receives."""
+        if not self._active(axis):
+            output.copy_(input)
+            return
+        n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
+        nbytes = ring_half_elements(input.numel(), n, r) * input.element_size()
+        self._account(axis, "all_to_all", tag, nbytes, nbytes, input)
+        dist.all_to_all_single(output, input, group=self.group(axis))
+
     def broadcast(self, tensor: torch.Tensor, src: int, axis: str, tag: str = "",
                   async_op: bool = False):
         """Copy `tensor` from the member with axis rank `src` to every member of the axis."""

@@ -10,7 +10,7 @@ from meshtrain.core.comm import Comm
 from meshtrain.core.memory import ActivationMeter
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.core.state import StateLayout
-from meshtrain.strategies import pipeline, tensor_parallel
+from meshtrain.strategies import context_parallel, pipeline, tensor_parallel
 from meshtrain.strategies.compile import graph_step_marker
 from meshtrain.strategies.data_parallel.ddp import DDP
 from meshtrain.strategies.data_parallel.diloco import DiLoCo
@@ -19,7 +19,7 @@ from meshtrain.strategies.data_parallel.parameter_server import ParameterServer
 from meshtrain.strategies.data_parallel.powersgd import PowerSGD
 from meshtrain.strategies.data_parallel.ps_async import AsyncParameterServer
 from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchLoop, NoSharding,
-                                        Stages, StepDriver, WholeModel)
+                                        Stages, StepDriver, WholeModel, WholeSequences)
 from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.strategies.zero.zero3 import ZeRO3
 
@@ -36,6 +36,15 @@ def check_layer_sharding(model: nn.Module, plan: Plan, tp_plan: dict | None) -> 
     """Slot 1's refusals that need the model's modules but no process group (run before
     the mesh is built; check_plan has refused a tp_plan without tp)."""
     tensor_parallel.check(model, plan, tp_plan)
+    context_parallel.check(model, plan)
+
+
+def split_context(model: nn.Module, plan: Plan, comm: Comm):
+    """Slot 1 over cp: attention across the cp ranks, and the split that gives each its
+    chunks of every sequence (strategies/context_parallel)."""
+    if plan.cp == 1:
+        return WholeSequences()
+    return context_parallel.apply(model, plan, comm)
 
 
 def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout) -> Stages:

@@ -39,7 +39,7 @@ from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.tensor_parallel.sharding import is_token_cross_entropy
 from meshtrain.train import checkpoint
 from meshtrain.train.slots import (check_layer_sharding, drive_steps, keep_stages, shard_layers,
-                                   sync_gradients)
+                                   split_context, sync_gradients)
 from meshtrain.core.state import StateLayout
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -88,6 +88,7 @@ class Trainer:
         # 1. tensor parallel first: stages and gradient sync then see the shards
         self.sharding = shard_layers(self.model, plan, self.comm, tp_plan)
         self.loss_fn = self.sharding.wrap_loss(self.loss_fn)   # vocab-parallel where split
+        self.context = split_context(self.model, plan, self.comm)   # each cp rank its chunks
         self.activations = (ActivationMeter(self.model.parameters())
                             if plan.measure_activations else None)
         # float8 linears after tensor parallel, before compile and recomputation wrap them
@@ -147,7 +148,8 @@ class Trainer:
     def _step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         sync = self.data_parallel
         sync.zero_grad()
-        local_loss = self.driver.run(inputs, targets, sync)
+        split = self.context.split
+        local_loss = self.driver.run(split(inputs), split(targets), sync)
         loss = self.driver.global_loss(sync.finish_gradient_sync(local_loss))
         if self.router_loss is not None:
             self.last_loss_parts = self._loss_parts()
@@ -223,14 +225,15 @@ class Trainer:
         rounds = -(-len(batches) // self.dp_size) if self.data_parallel.forward_gathers else 0
         self.model.eval()
         try:
-            losses = [self.driver.evaluate(x, y) for x, y in mine]
+            split = self.context.split   # each cp rank's loss: its equal share's mean
+            losses = [self.driver.evaluate(split(x), split(y)) for x, y in mine]
             for _ in range(rounds - len(mine)):
-                self.driver.evaluate(*batches[0])
+                self.driver.evaluate(split(batches[0][0]), split(batches[0][1]))
         finally:
             self.model.train()
         total = torch.tensor([sum(losses), len(mine)], dtype=torch.float64,
                              device=self.mesh.device)
-        self.comm.all_reduce(total, "dp", tag="eval")
+        self.comm.all_reduce(total, self.mesh.replica_axis, tag="eval")
         return (total[0] / total[1].clamp(min=1)).item()
 
     @contextmanager
