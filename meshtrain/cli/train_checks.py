@@ -26,6 +26,7 @@ def check_model_plan(config, plan: Plan) -> None:
     from meshtrain.strategies.float8 import check_fp8
 
     check_fp8(plan.precision, plan.fp8_emulate, config.device)
+    check_context(config, plan)
     if kind_of(config.model) == "gpt":
         from meshtrain.strategies.tensor_parallel.gpt import check_tensor_parallel
         gpt = gpt_config(config.model, **config.model_overrides)
@@ -45,6 +46,30 @@ def check_model_plan(config, plan: Plan) -> None:
         raise PlanError(f"--tp {plan.tp}: tensor parallel from the command line shards "
                         f"meshtrain's GPT presets and transformers causal LMs; {config.model!r} "
                         "needs a tp_plan, which the Python API takes (Plan(tp=T, tp_plan={...}))")
+
+
+def add_context_options(plan) -> None:
+    """`meshtrain train`'s context-parallel flags (Plan.cp, Plan.cp_style)."""
+    plan.add_argument("--cp", type=int, default=1,
+                      help="context-parallel ranks: each sequence split over them (2 cp chunks, "
+                           "load-balanced), attention across them")
+    plan.add_argument("--cp-style", default="ring", choices=["ring", "all-to-all"],
+                      help="with --cp > 1: K/V passed round a ring, or heads scattered by an "
+                           "all-to-all (the heads must divide by --cp)")
+
+
+def check_context(config, plan: Plan) -> None:
+    """Context parallel's refusals of the model and its sequence length, on the model
+    built without memory: attention meshtrain cannot replace, heads all-to-all cannot
+    scatter, a sequence that 2 cp chunks do not cut evenly."""
+    if plan.cp == 1:
+        return
+    from meshtrain.models.registry import build_model
+    from meshtrain.strategies import context_parallel
+
+    built = build_model(config.model, config.model_overrides, config.seq_len, on_meta=True)
+    context_parallel.check(built.module, plan)
+    context_parallel.check_sequence(built.seq_len, plan.cp)
 
 
 def check_transformers_plan(spec: str, plan: Plan) -> None:
