@@ -1,0 +1,127 @@
+"""Issue 45: context parallel reproduces one process (SGD with momentum, 1e-5 on losses,
+parameters and optimizer states), for each style at cp = 2 and cp = 4, alone and with dp,
+ZeRO, recompute and clipping (covered pairwise, not as a product: the suite's budget), for
+meshtrain's GPT and a transformers Llama with grouped-query attention (4 heads, 2 K/V
+heads); and the ring's and the all-to-all's bytes per step equal their formulas.
+
+Each world starts once and runs all its cases; each one-process reference is computed once.
+The GPT is `gpt_tp` (4 heads, so all-to-all divides them by 4; 16 tokens, cut into 8 chunks
+at cp = 4).
+"""
+import pytest
+import torch
+
+import meshtrain as mt
+from meshtrain.testing import run_ranks
+from tests.multirank import equivalence as eq
+
+GPT, LLAMA = "gpt_tp", "llama-tiny"
+STEPS, CLIP = 3, 0.25
+RING, A2A = dict(cp_style="ring"), dict(cp_style="all-to-all")
+
+# (plan fields, model, max_grad_norm) per world size
+WORLD_2 = [(dict(cp=2, **RING), GPT, None), (dict(cp=2, **A2A), GPT, None),
+           (dict(cp=2, **RING), LLAMA, None), (dict(cp=2, **A2A), LLAMA, None)]
+WORLD_4 = [(dict(cp=4, **RING), GPT, None),
+           (dict(cp=4, recompute="full", **A2A), GPT, None),
+           (dict(dp=2, cp=2, **RING), GPT, CLIP),
+           (dict(dp=2, cp=2, zero=3, **A2A), GPT, None),
+           (dict(dp=2, cp=2, zero=3, recompute="full", **RING), GPT, None),
+           (dict(dp=2, cp=2, zero=1, microbatches=2, **A2A), GPT, CLIP)]
+
+
+@pytest.fixture(scope="module")
+def references():
+    """One per (model, clip) the cases use, each computed once."""
+    out = {(GPT, None): eq.reference(GPT, steps=STEPS),
+           (GPT, CLIP): eq.reference(GPT, steps=STEPS, max_grad_norm=CLIP)}
+    if any(model == LLAMA for _, model, _ in WORLD_2):
+        hf = pytest.importorskip("tests.multirank.hf_cases")
+        out[(LLAMA, None)] = hf.reference(LLAMA, steps=STEPS)
+    return out
+
+
+def run_cases(cases: list, counted: list) -> tuple[list, list]:
+    """On each rank: every case's training, then the counters of one step of each plan in
+    `counted`."""
+    if any(model == LLAMA for _, model, _ in cases):
+        import tests.multirank.hf_cases  # noqa: F401  (registers the transformers models)
+    trained = eq.train_many(cases, STEPS)
+    return trained, [one_step_bytes(plan) for plan in counted]
+
+
+def one_step_bytes(plan: dict) -> dict:
+    """Bytes this rank sent along cp per tag, in its second step (the first is the same)."""
+    torch.manual_seed(0)
+    trainer = mt.Trainer(eq.gpt_tp(), mt.Plan(**plan), optimizer=eq.sgd)
+    first, second = eq.batches(GPT, 2, trainer.dp_rank, trainer.dp_size)
+    trainer.step(*first)
+    trainer.comm.stats.reset()
+    trainer.step(*second)
+    return {tag: trainer.comm.stats.total(axis="cp", tag=tag).sent
+            for tag in ("ring-kv", "ring-dkv", "cp-a2a")}
+
+
+COUNTED = [dict(cp=4, **RING), dict(dp=2, cp=2, recompute="full", **RING),
+           dict(cp=4, **A2A)]
+
+
+def expected_bytes(plan: dict) -> dict:
+    """The formulas (strategies/context_parallel/ring.py, all_to_all.py), per step on every
+    rank: a K or V block is (B, heads, 2c, head_dim) fp32 with B this dp rank's rows.
+    Ring: forward 2 (cp-1) blocks per layer, again when recomputed; backward 2 (cp-1) for
+    K/V and 2 cp for dK/dV. All-to-all: (cp-1)/cp of q, k, v and the output per layer,
+    forward and backward."""
+    cfg, cp, dp = eq.TP_CONFIG, plan["cp"], plan.get("dp", 1)
+    block = (eq.GLOBAL_BATCH // dp) * cfg.n_head * (cfg.seq_len // cp) * cfg.head_dim * 4
+    forwards = 2 if plan.get("recompute") == "full" else 1
+    if plan["cp_style"] == "ring":
+        return {"ring-kv": cfg.n_layer * (forwards + 1) * 2 * (cp - 1) * block,
+                "ring-dkv": cfg.n_layer * 2 * cp * block, "cp-a2a": 0}
+    return {"ring-kv": 0, "ring-dkv": 0,
+            "cp-a2a": cfg.n_layer * 2 * 4 * block * (cp - 1) // cp}
+
+
+@pytest.mark.parametrize("world, cases", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])
+def test_context_parallel_matches_one_process(references, world, cases):
+    counted = COUNTED if world == 4 else []
+    per_rank = run_ranks(world, run_cases, cases, counted, timeout=170)
+    for rank, (trained, measured) in enumerate(per_rank):
+        for (plan, model, clip), result in zip(cases, trained):
+            what = f"rank {rank} {model} {mt.Plan(**plan).describe()}"
+            eq.assert_equivalent(result, references[(model, clip)], what=what)
+            assert len(result["norms"]) == (STEPS if clip else 0), what
+        for plan, got in zip(counted, measured):
+            assert got == expected_bytes(plan), f"rank {rank} {plan}"
+
+
+def test_the_split_gives_each_rank_chunks_i_and_2cp_minus_1_minus_i():
+    from meshtrain.strategies.context_parallel.layout import ChunkLayout
+
+    sequence = torch.arange(16).view(1, 16)
+    held = [ChunkLayout(r, 4).split(sequence)[0].tolist() for r in range(4)]
+    assert held == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    for r in range(4):   # the positions are the tokens' places in the whole sequence
+        assert ChunkLayout(r, 4).positions(4).tolist() == held[r]
+    # causal work per rank: a query at place p attends to p + 1 keys; balanced exactly
+    assert len({sum(p + 1 for p in h) for h in held}) == 1
+
+
+def test_bad_input_is_refused_by_name_before_any_process_group():
+    import torch.distributed as dist
+
+    from meshtrain.core.plan import PlanError
+    from meshtrain.strategies.context_parallel.layout import ChunkLayout
+
+    assert not dist.is_initialized()
+    with pytest.raises(PlanError, match="scatters the attention heads over cp=4, but the "
+                                        "model has 2 heads"):
+        mt.Trainer(eq.gpt(), mt.Plan(cp=4, **A2A), optimizer=eq.sgd)
+    with pytest.raises(PlanError, match="Sequential exposes none meshtrain can replace"):
+        mt.Trainer(eq.tied_sequential(), mt.Plan(cp=2), optimizer=eq.sgd,
+                   loss_fn=eq.token_loss)
+    with pytest.raises(PlanError, match="cp with pp is not built yet"):
+        mt.Trainer(eq.gpt(), mt.Plan(cp=2, pp=2), optimizer=eq.sgd)
+    assert not dist.is_initialized()
+    with pytest.raises(PlanError, match="2\\*cp = 4 equal chunks, but the sequence has 10"):
+        ChunkLayout(0, 2).split(torch.zeros(1, 10))
