@@ -26,12 +26,13 @@ def all_to_all_attention(q, k, v, comm: Comm, layout: ChunkLayout, scale: float)
     """Causal attention of this rank's queries over the whole sequence.
     q (B, H, 2c, D), k and v (B, Hkv, 2c, D), cp dividing H and Hkv -> (B, H, 2c, D)."""
     order = _sequence_order(layout, q.size(2), q.device)
-    q, k, v = (_HeadsToSequence.apply(t, comm)[:, :, order] for t in (q, k, v))
+    q, k, v = (_Exchange.apply(t, comm, _scatter_heads, _gather_heads)[:, :, order]
+               for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                          enable_gqa=q.size(1) != k.size(1))
     undo = torch.empty_like(order)
     undo[order] = torch.arange(order.numel(), device=order.device)
-    return _SequenceToHeads.apply(out[:, :, undo].contiguous(), comm)
+    return _Exchange.apply(out[:, :, undo], comm, _gather_heads, _scatter_heads)
 
 
 def _sequence_order(layout: ChunkLayout, local_len: int, device) -> torch.Tensor:
@@ -62,27 +63,15 @@ def _gather_heads(x, comm: Comm):
     return received.transpose(0, 1).reshape(B, n * h, T // n, D)
 
 
-class _HeadsToSequence(torch.autograd.Function):
-    """Scatter heads, gather the sequence in forward; the reverse in backward."""
+class _Exchange(torch.autograd.Function):
+    """`there` in forward and its inverse `back` in backward: each all-to-all's gradient is
+    the other all-to-all of the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, x, comm: Comm):
-        ctx.comm = comm
-        return _scatter_heads(x.contiguous(), comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_heads(grad.contiguous(), ctx.comm), None
-
-
-class _SequenceToHeads(torch.autograd.Function):
-    """Gather heads, scatter the sequence in forward; the reverse in backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm: Comm):
-        ctx.comm = comm
-        return _gather_heads(x.contiguous(), comm)
+    def forward(ctx, x, comm: Comm, there, back):
+        ctx.comm, ctx.back = comm, back
+        return there(x.contiguous(), comm)
 
     @staticmethod
     def backward(ctx, grad):
-        return _scatter_heads(grad.contiguous(), ctx.comm), None
+        return ctx.back(grad.contiguous(), ctx.comm), None, None, None

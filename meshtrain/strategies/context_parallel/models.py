@@ -19,7 +19,7 @@ from torch import nn
 
 from meshtrain.core.comm import Comm
 from meshtrain.core.plan import PlanError
-from meshtrain.models import hf
+from meshtrain.models import hf, moe
 from meshtrain.models.gpt import GPT, AttentionCore
 from meshtrain.strategies.context_parallel.all_to_all import all_to_all_attention
 from meshtrain.strategies.context_parallel.layout import ChunkLayout
@@ -32,6 +32,10 @@ _registered = itertools.count()   # each Trainer's attention function under a na
 def check_model(model: nn.Module, cp: int, style: str) -> None:
     """Refuse, by name, a model whose attention meshtrain cannot replace, or whose heads
     all-to-all cannot scatter over cp."""
+    if moe.router_of(model) is not None:
+        raise PlanError(f"cp with a mixture of experts ({type(model).__name__}) is not built "
+                        "yet: its router's load-balancing loss counts routing over dp only; "
+                        "train it with cp=1")
     if isinstance(model, GPT):
         heads = kv_heads = model.config.n_head
     elif hf.is_causal_lm(model):
