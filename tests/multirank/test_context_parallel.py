@@ -42,24 +42,27 @@ def references():
 
 
 def run_cases(cases: list, counted: list) -> tuple[list, list]:
-    """On each rank: every case's training, then the counters of one step of each plan in
-    `counted`."""
+    """On each rank: every case's training, then what one step of each plan in `counted`
+    sends and keeps."""
     if any(model == LLAMA for _, model, _ in cases):
         import tests.multirank.hf_cases  # noqa: F401  (registers the transformers models)
     trained = eq.train_many(cases, STEPS)
-    return trained, [one_step_bytes(plan) for plan in counted]
+    return trained, [one_step(plan) for plan in counted]
 
 
-def one_step_bytes(plan: dict) -> dict:
-    """Bytes this rank sent along cp per tag, in its second step (the first is the same)."""
+def one_step(plan: dict) -> dict:
+    """Bytes this rank sent along cp per tag in its second step (the first is the same), and
+    the activations it kept (ActivationMeter: the storages autograd saved)."""
     torch.manual_seed(0)
-    trainer = mt.Trainer(eq.gpt_tp(), mt.Plan(**plan), optimizer=eq.sgd)
+    trainer = mt.Trainer(eq.gpt_tp(), mt.Plan(measure_activations=True, **plan),
+                         optimizer=eq.sgd)
     first, second = eq.batches(GPT, 2, trainer.dp_rank, trainer.dp_size)
     trainer.step(*first)
     trainer.comm.stats.reset()
     trainer.step(*second)
-    return {tag: trainer.comm.stats.total(axis="cp", tag=tag).sent
+    sent = {tag: trainer.comm.stats.total(axis="cp", tag=tag).sent
             for tag in ("ring-kv", "ring-dkv", "cp-a2a")}
+    return dict(sent, activations=trainer.activations.last_bytes)
 
 
 COUNTED = [dict(cp=4, **RING), dict(dp=2, cp=2, recompute="full", **RING),
@@ -82,9 +85,26 @@ def expected_bytes(plan: dict) -> dict:
             "cp-a2a": cfg.n_layer * 2 * 4 * block * (cp - 1) // cp}
 
 
+def expected_activations(plan: dict, one_process: int) -> int | None:
+    """Activations per rank: one process's / cp (every saved tensor is per token, and
+    attention keeps O(tokens), never a T x T block), but for one fp32 scalar that does not
+    split (4 bytes). All-to-all also keeps, per layer, its output before the exchange back
+    (B, H, 2c, D) and the two int64 orders of the gathered sequence (T each). None where dp or
+    recomputation change what is kept."""
+    if plan.get("dp", 1) > 1 or plan.get("recompute", "none") != "none":
+        return None
+    cfg, cp = eq.TP_CONFIG, plan["cp"]
+    ring = (one_process - 4) // cp + 4
+    if plan["cp_style"] == "ring":
+        return ring
+    local = eq.GLOBAL_BATCH * cfg.n_head * (cfg.seq_len // cp) * cfg.head_dim * 4
+    return ring + cfg.n_layer * (local + 2 * cfg.seq_len * 8)
+
+
 @pytest.mark.parametrize("world, cases", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])
 def test_context_parallel_matches_one_process(references, world, cases):
     counted = COUNTED if world == 4 else []
+    one_process = one_step(dict(cp=1))["activations"] if counted else 0
     per_rank = run_ranks(world, run_cases, cases, counted, timeout=170)
     for rank, (trained, measured) in enumerate(per_rank):
         for (plan, model, clip), result in zip(cases, trained):
@@ -92,7 +112,10 @@ def test_context_parallel_matches_one_process(references, world, cases):
             eq.assert_equivalent(result, references[(model, clip)], what=what)
             assert len(result["norms"]) == (STEPS if clip else 0), what
         for plan, got in zip(counted, measured):
-            assert got == expected_bytes(plan), f"rank {rank} {plan}"
+            assert {k: v for k, v in got.items() if k != "activations"} == \
+                expected_bytes(plan), f"rank {rank} {plan}"
+            kept = expected_activations(plan, one_process)
+            assert kept is None or got["activations"] == kept, f"rank {rank} {plan}"
 
 
 def test_the_split_gives_each_rank_chunks_i_and_2cp_minus_1_minus_i():

@@ -60,7 +60,8 @@ def _gather_heads(x, comm: Comm):
     send = x.view(B, h, n, T // n, D).permute(2, 0, 1, 3, 4).contiguous()   # (cp, B, h, L, D)
     received = torch.empty_like(send)                                      # row j: heads j
     comm.all_to_all(received, send, AXIS, tag="cp-a2a")
-    return received.transpose(0, 1).reshape(B, n * h, T // n, D)
+    # laid out (B, L, H, D), as SDPA lays its output: merging the heads is then a view
+    return received.permute(1, 3, 0, 2, 4).reshape(B, T // n, n * h, D).transpose(1, 2)
 
 
 class _Exchange(torch.autograd.Function):

@@ -106,7 +106,10 @@ class _RingAttention(torch.autograd.Function):
             if step < layout.size - 1:
                 _wait(handles)
                 kv = incoming
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        # laid out (B, 2c, H, D), as SDPA lays its output: merging the heads is then a view,
+        # and the block's activations are one process's / cp
+        out = torch.cat(outs, dim=2).transpose(1, 2).contiguous().transpose(1, 2)
+        lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.layout, ctx.scale = comm, layout, scale
         return out
