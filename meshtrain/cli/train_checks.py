@@ -70,6 +70,9 @@ def check_context(config, plan: Plan) -> None:
     built = build_model(config.model, config.model_overrides, config.seq_len, on_meta=True)
     context_parallel.check(built.module, plan)
     context_parallel.check_sequence(built.seq_len, plan.cp)
+    if plan.sequence_parallel:   # tp splits each cp rank's tokens
+        from meshtrain.strategies.tensor_parallel.gpt import check_sequence
+        check_sequence(built.seq_len // plan.cp, plan.tp)
 
 
 def check_transformers_plan(spec: str, plan: Plan) -> None:

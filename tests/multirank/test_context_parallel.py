@@ -1,8 +1,9 @@
 """Issue 45: context parallel reproduces one process (SGD with momentum, 1e-5 on losses,
 parameters and optimizer states), for each style at cp = 2 and cp = 4, alone and with dp,
-ZeRO, recompute and clipping (covered pairwise, not as a product: the suite's budget), for
-meshtrain's GPT and a transformers Llama with grouped-query attention (4 heads, 2 K/V
-heads); and the ring's and the all-to-all's bytes per step equal their formulas.
+ZeRO, recompute, clipping and tp with sequence parallel (covered pairwise, not as a product:
+the suite's budget), for meshtrain's GPT and a transformers Llama with grouped-query
+attention (4 heads, 2 K/V heads); the ring's and the all-to-all's bytes per step equal their
+formulas, and a rank keeps one process's activations / cp.
 
 Each world starts once and runs all its cases; each one-process reference is computed once.
 The GPT is `gpt_tp` (4 heads, so all-to-all divides them by 4; 16 tokens, cut into 8 chunks
@@ -27,7 +28,9 @@ WORLD_4 = [(dict(cp=4, **RING), GPT, None),
            (dict(dp=2, cp=2, **RING), GPT, CLIP),
            (dict(dp=2, cp=2, zero=3, **A2A), GPT, None),
            (dict(dp=2, cp=2, zero=3, recompute="full", **RING), GPT, None),
-           (dict(dp=2, cp=2, zero=1, microbatches=2, **A2A), GPT, CLIP)]
+           (dict(dp=2, cp=2, zero=1, microbatches=2, **A2A), GPT, CLIP),
+           (dict(cp=2, tp=2, sequence_parallel=True, **A2A), GPT, None),
+           (dict(cp=2, tp=2, sequence_parallel=True, **RING), LLAMA, None)]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,7 @@ def references():
     """One per (model, clip) the cases use, each computed once."""
     out = {(GPT, None): eq.reference(GPT, steps=STEPS),
            (GPT, CLIP): eq.reference(GPT, steps=STEPS, max_grad_norm=CLIP)}
-    if any(model == LLAMA for _, model, _ in WORLD_2):
+    if any(model == LLAMA for _, model, _ in WORLD_2 + WORLD_4):
         hf = pytest.importorskip("tests.multirank.hf_cases")
         out[(LLAMA, None)] = hf.reference(LLAMA, steps=STEPS)
     return out

@@ -61,7 +61,11 @@ CASES = [
      "scatters the attention heads over cp=4, but the model has 2 heads"),
     ("train --nproc 2 --cp 2 --model tests.multirank.own_model:build",
      "Recurrent exposes none meshtrain can replace"),
-    ("train --nproc 4 --cp 2 --tp 2", "cp with tp is not built yet"),
+    ("train --nproc 4 --cp 2 --pp 2", "cp with pp is not built yet"),
+    ("train --nproc 8 --cp 4 --tp 2 --cp-style all-to-all",
+     "the model has 2 heads and 2 key/value heads on each of tp=2 ranks"),
+    ("train --nproc 8 --cp 2 --tp 4 --sequence-parallel --seq 20",
+     "use a sequence length that is a multiple of 4"),
     ("train --nproc 2 --cp 2 --cp-style mesh", "invalid choice: 'mesh'"),
     # the data-parallel family
     ("train --dp-mode dp --nproc 2", "runs its 2 replicas as threads of one process"),

@@ -29,9 +29,9 @@ STYLES = {"ring": ring_attention, "all-to-all": all_to_all_attention}
 _registered = itertools.count()   # each Trainer's attention function under a name of its own
 
 
-def check_model(model: nn.Module, cp: int, style: str) -> None:
+def check_model(model: nn.Module, cp: int, style: str, tp: int = 1) -> None:
     """Refuse, by name, a model whose attention meshtrain cannot replace, or whose heads
-    all-to-all cannot scatter over cp."""
+    (each tp rank's share of them) all-to-all cannot scatter over cp."""
     if moe.router_of(model) is not None:
         raise PlanError(f"cp with a mixture of experts ({type(model).__name__}) is not built "
                         "yet: its router's load-balancing loss counts routing over dp only; "
@@ -44,10 +44,12 @@ def check_model(model: nn.Module, cp: int, style: str) -> None:
         raise PlanError(f"context parallel replaces attention, but {type(model).__name__} "
                         "exposes none meshtrain can replace: use meshtrain's GPT or a "
                         "transformers causal LM (its attention-function interface), or cp=1")
+    heads, kv_heads = heads // tp, max(1, kv_heads // tp)   # each tp rank's
     if style == "all-to-all" and (heads % cp or kv_heads % cp):
+        each = f" on each of tp={tp} ranks" if tp > 1 else ""
         raise PlanError(f"cp_style='all-to-all' scatters the attention heads over cp={cp}, "
-                        f"but the model has {heads} heads and {kv_heads} key/value heads; "
-                        f"use a cp that divides both, or cp_style='ring'")
+                        f"but the model has {heads} heads and {kv_heads} key/value heads"
+                        f"{each}; use a cp that divides both, or cp_style='ring'")
 
 
 def _check_transformers(model: nn.Module) -> tuple[int, int]:
