@@ -67,7 +67,7 @@ def _check_context_parallel(plan: Plan) -> None:
     """Context parallel (strategies/context_parallel) with what it is not built with yet."""
     if plan.cp == 1:
         return
-    unbuilt = {"pp": plan.pp > 1, "compile": plan.compile is not False,
+    unbuilt = {"compile": plan.compile is not False,
                f"dp_mode={plan.dp_mode!r}": plan.dp_mode != "ddp",
                f"precision={plan.precision!r}": plan.precision != "fp32",
                f"recompute={plan.recompute!r}": plan.recompute not in ("none", "full"),
@@ -75,8 +75,8 @@ def _check_context_parallel(plan: Plan) -> None:
     for name, applies in unbuilt.items():
         if applies:
             raise PlanError(f"cp with {name} is not built yet: context parallel runs with "
-                            "tp, DDP or ZeRO over dp, fp32, eager, recompute 'none' or 'full'; "
-                            f"drop {name.split('=')[0]}, or use cp=1")
+                            "tp, pp, DDP or ZeRO over dp, fp32, eager, recompute 'none' or "
+                            f"'full'; drop {name.split('=')[0]}, or use cp=1")
 
 
 def _check_compile(plan: Plan) -> None:

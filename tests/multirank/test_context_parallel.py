@@ -1,6 +1,6 @@
 """Issue 45: context parallel reproduces one process (SGD with momentum, 1e-5 on losses,
 parameters and optimizer states), for each style at cp = 2 and cp = 4, alone and with dp,
-ZeRO, recompute, clipping and tp with sequence parallel (covered pairwise, not as a product:
+ZeRO, recompute, clipping, tp with sequence parallel and pp (covered pairwise, not as a product:
 the suite's budget), for meshtrain's GPT and a transformers Llama with grouped-query
 attention (4 heads, 2 K/V heads); the ring's and the all-to-all's bytes per step equal their
 formulas, and a rank keeps one process's activations / cp.
@@ -16,7 +16,7 @@ import meshtrain as mt
 from meshtrain.testing import run_ranks
 from tests.multirank import equivalence as eq
 
-GPT, LLAMA = "gpt_tp", "llama-tiny"
+GPT, LLAMA, PIPE = "gpt_tp", "llama-tiny", "gpt_pipe"   # gpt_pipe: 8 layers for stages
 STEPS, CLIP = 3, 0.25
 RING, A2A = dict(cp_style="ring"), dict(cp_style="all-to-all")
 
@@ -30,14 +30,16 @@ WORLD_4 = [(dict(cp=4, **RING), GPT, None),
            (dict(dp=2, cp=2, zero=3, recompute="full", **RING), GPT, None),
            (dict(dp=2, cp=2, zero=1, microbatches=2, **A2A), GPT, CLIP),
            (dict(cp=2, tp=2, sequence_parallel=True, **A2A), GPT, None),
-           (dict(cp=2, tp=2, sequence_parallel=True, **RING), LLAMA, None)]
+           (dict(cp=2, tp=2, sequence_parallel=True, **RING), LLAMA, None),
+           (dict(cp=2, pp=2, microbatches=4, schedule="zb-h1", **RING), PIPE, None)]
 
 
 @pytest.fixture(scope="module")
 def references():
     """One per (model, clip) the cases use, each computed once."""
     out = {(GPT, None): eq.reference(GPT, steps=STEPS),
-           (GPT, CLIP): eq.reference(GPT, steps=STEPS, max_grad_norm=CLIP)}
+           (GPT, CLIP): eq.reference(GPT, steps=STEPS, max_grad_norm=CLIP),
+           (PIPE, None): eq.reference(PIPE, steps=STEPS)}
     if any(model == LLAMA for _, model, _ in WORLD_2 + WORLD_4):
         hf = pytest.importorskip("tests.multirank.hf_cases")
         out[(LLAMA, None)] = hf.reference(LLAMA, steps=STEPS)
@@ -146,8 +148,8 @@ def test_bad_input_is_refused_by_name_before_any_process_group():
     with pytest.raises(PlanError, match="Sequential exposes none meshtrain can replace"):
         mt.Trainer(eq.tied_sequential(), mt.Plan(cp=2), optimizer=eq.sgd,
                    loss_fn=eq.token_loss)
-    with pytest.raises(PlanError, match="cp with pp is not built yet"):
-        mt.Trainer(eq.gpt(), mt.Plan(cp=2, pp=2), optimizer=eq.sgd)
+    with pytest.raises(PlanError, match="cp with compile is not built yet"):
+        mt.Trainer(eq.gpt(), mt.Plan(cp=2, compile=True), optimizer=eq.sgd)
     assert not dist.is_initialized()
     with pytest.raises(PlanError, match="2\\*cp = 4 equal chunks, but the sequence has 10"):
         ChunkLayout(0, 2).split(torch.zeros(1, 10))

@@ -6,7 +6,9 @@
                                Trainer's whole sequences into this rank's chunks
 
 Slot 1 after tensor parallel (its attention runs on each tp rank's heads; under sequence
-parallel tp splits each cp rank's tokens): parameters are untouched and replicated over cp, so the
+parallel tp splits each cp rank's tokens); pipeline stages pass each cp rank's chunks, and
+every cp rank of a stage runs the same schedule, so the ring's exchanges pair up.
+Parameters are untouched and replicated over cp, so the
 gradient sync reduces over dp x cp (core/mesh.py, [Note: the replica axis]). Each cp rank's
 loss is the mean over its own tokens; with equal shares, the mean over dp x cp is the mean
 over every token of the global batch.
@@ -35,7 +37,7 @@ class ContextSplit:
 
 def check(model: nn.Module, plan: Plan) -> None:
     if plan.cp > 1:
-        check_model(model, plan.cp, plan.cp_style, plan.tp)
+        check_model(model, plan)
 
 
 def apply(model: nn.Module, plan: Plan, comm: Comm) -> ContextSplit:

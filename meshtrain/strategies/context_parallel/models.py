@@ -18,7 +18,7 @@ import math
 from torch import nn
 
 from meshtrain.core.comm import Comm
-from meshtrain.core.plan import PlanError
+from meshtrain.core.plan import Plan, PlanError
 from meshtrain.models import hf, moe
 from meshtrain.models.gpt import GPT, AttentionCore
 from meshtrain.strategies.context_parallel.all_to_all import all_to_all_attention
@@ -29,9 +29,10 @@ STYLES = {"ring": ring_attention, "all-to-all": all_to_all_attention}
 _registered = itertools.count()   # each Trainer's attention function under a name of its own
 
 
-def check_model(model: nn.Module, cp: int, style: str, tp: int = 1) -> None:
+def check_model(model: nn.Module, plan: Plan) -> None:
     """Refuse, by name, a model whose attention meshtrain cannot replace, or whose heads
     (each tp rank's share of them) all-to-all cannot scatter over cp."""
+    cp, style, tp = plan.cp, plan.cp_style, plan.tp
     if moe.router_of(model) is not None:
         raise PlanError(f"cp with a mixture of experts ({type(model).__name__}) is not built "
                         "yet: its router's load-balancing loss counts routing over dp only; "
@@ -40,6 +41,10 @@ def check_model(model: nn.Module, cp: int, style: str, tp: int = 1) -> None:
         heads = kv_heads = model.config.n_head
     elif hf.is_causal_lm(model):
         heads, kv_heads = _check_transformers(model)
+        if plan.pp > 1:   # stages run the base model's forward on a proxy, without our hook
+            raise PlanError(f"cp with pp for a transformers model ({type(model).__name__}) is "
+                            "not built yet: its stages would not see the global positions; "
+                            "use pp=1, or meshtrain's GPT")
     else:
         raise PlanError(f"context parallel replaces attention, but {type(model).__name__} "
                         "exposes none meshtrain can replace: use meshtrain's GPT or a "
