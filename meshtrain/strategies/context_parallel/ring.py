@@ -48,10 +48,10 @@ def _pairs(layout: ChunkLayout, owner: int):
 
 def _scores(q, k, scale: float, causal: bool):
     """q k^T s, (B, H, c, c), with the keys expanded to the query heads (GQA)."""
-    s = q @ _expand(k, q.size(1)).transpose(-2, -1) * scale
+    s = (q @ _expand(k, q.size(1)).transpose(-2, -1)).mul_(scale)
     if causal:
         future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(future, float("-inf"))
+        s.masked_fill_(future, float("-inf"))
     return s
 
 
@@ -99,9 +99,9 @@ class _RingAttention(torch.autograd.Function):
                 handles = _exchange(comm, layout, kv, incoming, "ring-kv")
             ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             for a, b, causal in _pairs(layout, owner):
-                s = _scores(qs[a], ks[b], scale, causal)
+                s = _scores(qs[a], ks[b], scale, causal)   # in place from here: one c x c
                 lse = s.logsumexp(-1)                       # (B, H, c)
-                out = torch.exp(s - lse.unsqueeze(-1)) @ _expand(vs[b], q.size(1))
+                out = s.sub_(lse.unsqueeze(-1)).exp_() @ _expand(vs[b], q.size(1))
                 outs[a], lses[a] = _merge(outs[a], lses[a], out, lse)
             if step < layout.size - 1:
                 _wait(handles)
@@ -136,10 +136,10 @@ class _RingAttention(torch.autograd.Function):
             ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             dks, dvs = part[0].chunk(2, dim=2), part[1].chunk(2, dim=2)
             for a, b, causal in _pairs(layout, owner):
-                p = torch.exp(_scores(qs[a], ks[b], scale, causal) - lses[a].unsqueeze(-1))
+                p = _scores(qs[a], ks[b], scale, causal).sub_(lses[a].unsqueeze(-1)).exp_()
                 dvs[b].add_(_fold(p.transpose(-2, -1) @ dos[a], kv.size(2)))
                 dp = dos[a] @ _expand(vs[b], heads).transpose(-2, -1)
-                ds = p * (dp - deltas[a].unsqueeze(-1)) * scale
+                ds = dp.sub_(deltas[a].unsqueeze(-1)).mul_(p).mul_(scale)   # two c x c blocks
                 dqs[a].add_(ds @ _expand(ks[b], heads))
                 dks[b].add_(_fold(ds.transpose(-2, -1) @ qs[a], kv.size(2)))
             if travelling is not None:                      # the block's earlier shares
