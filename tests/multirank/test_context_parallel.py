@@ -56,8 +56,9 @@ def run_cases(cases: list, counted: list) -> tuple[list, list]:
 
 
 def one_step(plan: dict) -> dict:
-    """Bytes this rank sent along cp per tag in its second step (the first is the same), and
-    the activations it kept (ActivationMeter: the storages autograd saved)."""
+    """Bytes this rank sent along cp per tag in its second step (the first is the same), the
+    activations it kept (ActivationMeter: the storages autograd saved), and then the mean
+    loss of an evaluation (each cp rank's share, averaged over dp x cp)."""
     torch.manual_seed(0)
     trainer = mt.Trainer(eq.gpt_tp(), mt.Plan(measure_activations=True, **plan),
                          optimizer=eq.sgd)
@@ -67,7 +68,8 @@ def one_step(plan: dict) -> dict:
     trainer.step(*second)
     sent = {tag: trainer.comm.stats.total(axis="cp", tag=tag).sent
             for tag in ("ring-kv", "ring-dkv", "cp-a2a")}
-    return dict(sent, activations=trainer.activations.last_bytes)
+    evaluated = trainer.evaluate(eq.batches(GPT, 2))   # two whole global batches
+    return dict(sent, activations=trainer.activations.last_bytes, evaluated=evaluated)
 
 
 COUNTED = [dict(cp=4, **RING), dict(dp=2, cp=2, recompute="full", **RING),
@@ -109,7 +111,7 @@ def expected_activations(plan: dict, one_process: int) -> int | None:
 @pytest.mark.parametrize("world, cases", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])
 def test_context_parallel_matches_one_process(references, world, cases):
     counted = COUNTED if world == 4 else []
-    one_process = one_step(dict(cp=1))["activations"] if counted else 0
+    alone = one_step(dict(cp=1)) if counted else {}
     per_rank = run_ranks(world, run_cases, cases, counted, timeout=170)
     for rank, (trained, measured) in enumerate(per_rank):
         for (plan, model, clip), result in zip(cases, trained):
@@ -117,10 +119,11 @@ def test_context_parallel_matches_one_process(references, world, cases):
             eq.assert_equivalent(result, references[(model, clip)], what=what)
             assert len(result["norms"]) == (STEPS if clip else 0), what
         for plan, got in zip(counted, measured):
-            assert {k: v for k, v in got.items() if k != "activations"} == \
-                expected_bytes(plan), f"rank {rank} {plan}"
-            kept = expected_activations(plan, one_process)
+            sent = {k: v for k, v in got.items() if k not in ("activations", "evaluated")}
+            assert sent == expected_bytes(plan), f"rank {rank} {plan}"
+            kept = expected_activations(plan, alone["activations"])
             assert kept is None or got["activations"] == kept, f"rank {rank} {plan}"
+            assert got["evaluated"] == pytest.approx(alone["evaluated"], abs=1e-5, rel=0)
 
 
 def test_the_split_gives_each_rank_chunks_i_and_2cp_minus_1_minus_i():
