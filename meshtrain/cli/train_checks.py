@@ -64,6 +64,10 @@ def check_context(config, plan: Plan) -> None:
     scatter, a sequence that 2 cp chunks do not cut evenly."""
     if plan.cp == 1:
         return
+    if config.link:   # gradients travel over dp x cp, an axis the emulated link does not price
+        raise PlanError(f"--link with --cp {plan.cp} is not built yet: the gradients then "
+                        "travel over dp x cp, which the emulated link does not price; drop "
+                        "--link or --cp")
     from meshtrain.models.registry import build_model
     from meshtrain.strategies import context_parallel
 

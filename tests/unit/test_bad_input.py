@@ -64,6 +64,7 @@ CASES = [
     ("train --nproc 4 --cp 2 --pp 2 --model llama-tiny",
      "cp with pp for a transformers model (LlamaForCausalLM) is not built yet"),
     ("train --nproc 2 --cp 2 --compile", "cp with compile is not built yet"),
+    ("train --nproc 2 --cp 2 --link dp=1Gb/s", "--link with --cp 2 is not built yet"),
     ("train --nproc 8 --cp 4 --tp 2 --cp-style all-to-all",
      "the model has 2 heads and 2 key/value heads on each of tp=2 ranks"),
     ("train --nproc 8 --cp 2 --tp 4 --sequence-parallel --seq 20",
