@@ -1,7 +1,7 @@
 """Issue 45: context parallel reproduces one process (SGD with momentum, 1e-5 on losses,
 parameters and optimizer states), for each style at cp = 2 and cp = 4, alone and with dp,
 ZeRO, recompute, clipping, tp with sequence parallel and pp (covered pairwise, not as a product:
-the suite's budget), for meshtrain's GPT and a transformers Llama with grouped-query
+the suite's budget; bf16 within the suite's bf16 bound), for meshtrain's GPT and a transformers Llama with grouped-query
 attention (4 heads, 2 K/V heads); the ring's and the all-to-all's bytes per step equal their
 formulas, and a rank keeps one process's activations / cp.
 
@@ -15,6 +15,7 @@ import torch
 import meshtrain as mt
 from meshtrain.testing import run_ranks
 from tests.multirank import equivalence as eq
+from tests.multirank.test_zero import check_within_bf16_round_off
 
 GPT, LLAMA, PIPE = "gpt_tp", "llama-tiny", "gpt_pipe"   # gpt_pipe: 8 layers for stages
 STEPS, CLIP = 3, 0.25
@@ -39,20 +40,22 @@ def references():
     """One per (model, clip) the cases use, each computed once."""
     out = {(GPT, None): eq.reference(GPT, steps=STEPS),
            (GPT, CLIP): eq.reference(GPT, steps=STEPS, max_grad_norm=CLIP),
-           (PIPE, None): eq.reference(PIPE, steps=STEPS)}
+           (PIPE, None): eq.reference(PIPE, steps=STEPS),
+           "bf16": eq.reference_bf16(GPT, steps=STEPS)}
     if any(model == LLAMA for _, model, _ in WORLD_2 + WORLD_4):
         hf = pytest.importorskip("tests.multirank.hf_cases")
         out[(LLAMA, None)] = hf.reference(LLAMA, steps=STEPS)
     return out
 
 
-def run_cases(cases: list, counted: list) -> tuple[list, list]:
-    """On each rank: every case's training, then what one step of each plan in `counted`
-    sends and keeps."""
+def run_cases(cases: list, counted: list, bf16: list) -> tuple[list, list, list]:
+    """On each rank: every case's training, what one step of each plan in `counted` sends
+    and keeps, and the GPT trained under each plan of `bf16`."""
     if any(model == LLAMA for _, model, _ in cases):
         import tests.multirank.hf_cases  # noqa: F401  (registers the transformers models)
     trained = eq.train_many(cases, STEPS)
-    return trained, [one_step(plan) for plan in counted]
+    return (trained, [one_step(plan) for plan in counted],
+            [eq.train(mt.Plan(**plan), GPT, steps=STEPS) for plan in bf16])
 
 
 def one_step(plan: dict) -> dict:
@@ -72,6 +75,8 @@ def one_step(plan: dict) -> dict:
     return dict(sent, activations=trainer.activations.last_bytes, evaluated=evaluated)
 
 
+# bf16: K/V travel in bf16, attention's blocks and sums in fp32 (ring.py)
+BF16 = [dict(cp=2, precision="bf16", **RING), dict(cp=2, precision="bf16", **A2A)]
 COUNTED = [dict(cp=4, **RING), dict(dp=2, cp=2, recompute="full", **RING),
            dict(cp=4, **A2A)]
 
@@ -110,10 +115,12 @@ def expected_activations(plan: dict, one_process: int) -> int | None:
 
 @pytest.mark.parametrize("world, cases", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])
 def test_context_parallel_matches_one_process(references, world, cases):
-    counted = COUNTED if world == 4 else []
+    counted, bf16 = (COUNTED, []) if world == 4 else ([], BF16)
     alone = one_step(dict(cp=1)) if counted else {}
-    per_rank = run_ranks(world, run_cases, cases, counted, timeout=170)
-    for rank, (trained, measured) in enumerate(per_rank):
+    per_rank = run_ranks(world, run_cases, cases, counted, bf16, timeout=170)
+    for rank, (trained, measured, mixed) in enumerate(per_rank):
+        for plan, result in zip(bf16, mixed):   # the suite's bf16 bound (test_zero.py)
+            check_within_bf16_round_off(result, references["bf16"])
         for (plan, model, clip), result in zip(cases, trained):
             what = f"rank {rank} {model} {mt.Plan(**plan).describe()}"
             eq.assert_equivalent(result, references[(model, clip)], what=what)

@@ -18,7 +18,7 @@ REFUSALS = [
      "Plan(dp=N)"),
     (dict(cp=2, dp_mode="ps-sync"), None, None, "cp with dp_mode='ps-sync' is not built yet",
      "use cp=1"),
-    (dict(cp=2, precision="bf16"), None, None, "cp with precision='bf16' is not built yet",
+    (dict(cp=2, precision="fp8"), None, None, "cp with precision='fp8' is not built yet",
      "use cp=1"),
     (dict(cp=2, compile=True), None, None, "cp with compile is not built yet", "use cp=1"),
     (dict(cp=2, recompute="selective"), None, None,

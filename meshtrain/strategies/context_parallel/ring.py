@@ -15,8 +15,10 @@ Backward: with the final O and lse saved, each block's softmax is recomputed exa
 travels round the ring one step behind its K/V block and arrives home after cp steps.
 
 Each step's exchange is posted before that step's block is computed, so communication
-overlaps computation. Grouped-query attention sends only the K/V heads; each is expanded to
-its query heads locally, and their gradients summed back.
+overlaps computation. K/V travel in the compute precision (bf16 under precision="bf16"); the
+blocks, the merge and the travelling dK/dV sums are fp32, as a fused attention kernel's.
+Grouped-query attention sends only the K/V heads; each is expanded to its query heads
+locally, and their gradients summed back.
 
 Bytes sent per rank per layer, B(lock) = batch x kv heads x 2c tokens x head_dim x element:
 forward 2 (cp-1) B (K and V), backward 2 (cp-1) B (K and V again) + 2 cp B (dK, dV).
@@ -88,7 +90,7 @@ def _wait(handles) -> None:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm: Comm, layout: ChunkLayout, scale: float):
-        qs = q.chunk(2, dim=2)                              # 2 x (B, H, c, D)
+        qs = q.float().chunk(2, dim=2)                      # 2 x (B, H, c, D)
         outs = [None, None]
         lses = [None, None]
         kv = torch.stack([k, v])                            # (2, B, Hkv, 2c, D)
@@ -97,7 +99,7 @@ class _RingAttention(torch.autograd.Function):
             if step < layout.size - 1:                      # the next block, while computing
                 incoming = torch.empty_like(kv)
                 handles = _exchange(comm, layout, kv, incoming, "ring-kv")
-            ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            ks, vs = kv[0].float().chunk(2, dim=2), kv[1].float().chunk(2, dim=2)
             for a, b, causal in _pairs(layout, owner):
                 s = _scores(qs[a], ks[b], scale, causal)   # in place from here: one c x c
                 lse = s.logsumexp(-1)                       # (B, H, c)
@@ -108,7 +110,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = incoming
         # laid out (B, 2c, H, D), as SDPA lays its output: merging the heads is then a view,
         # and the block's activations are one process's / cp
-        out = torch.cat(outs, dim=2).transpose(1, 2).contiguous().transpose(1, 2)
+        out = torch.cat(outs, dim=2).transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
         lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.layout, ctx.scale = comm, layout, scale
@@ -119,11 +121,11 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         comm, layout, scale = ctx.comm, ctx.layout, ctx.scale
         n, heads = layout.size, q.size(1)
-        grad_out = grad_out.contiguous()
-        delta = (grad_out * out).sum(-1)                    # (B, H, 2c): rowsum(dO o O)
-        qs, dos = q.chunk(2, dim=2), grad_out.chunk(2, dim=2)
+        grad_out = grad_out.float()
+        delta = (grad_out * out.float()).sum(-1)            # (B, H, 2c): rowsum(dO o O)
+        qs, dos = q.float().chunk(2, dim=2), grad_out.chunk(2, dim=2)
         lses, deltas = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
-        dq = torch.zeros_like(q)
+        dq = torch.zeros_like(q, dtype=torch.float32)
         dqs = dq.chunk(2, dim=2)
         kv = torch.stack([k, v])
         travelling = None   # (handles, buffer): the dK/dV accumulator arriving with kv
@@ -132,8 +134,8 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1:
                 incoming = torch.empty_like(kv)
                 handles = _exchange(comm, layout, kv, incoming, "ring-kv")
-            part = torch.zeros_like(kv)                     # this rank's share of dK, dV
-            ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            part = torch.zeros_like(kv, dtype=torch.float32)   # this rank's share of dK, dV
+            ks, vs = kv[0].float().chunk(2, dim=2), kv[1].float().chunk(2, dim=2)
             dks, dvs = part[0].chunk(2, dim=2), part[1].chunk(2, dim=2)
             for a, b, causal in _pairs(layout, owner):
                 p = _scores(qs[a], ks[b], scale, causal).sub_(lses[a].unsqueeze(-1)).exp_()
@@ -152,7 +154,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = incoming
         _wait(travelling[0])   # after n steps each accumulator is back with its owner
         dkv = travelling[1]
-        return dq, dkv[0], dkv[1], None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def _merge(out, lse, block_out, block_lse):
