@@ -8,10 +8,10 @@
 Slot 1 after tensor parallel (its attention runs on each tp rank's heads; under sequence
 parallel tp splits each cp rank's tokens); pipeline stages pass each cp rank's chunks, and
 every cp rank of a stage runs the same schedule, so the ring's exchanges pair up.
-Parameters are untouched and replicated over cp, so the
-gradient sync reduces over dp x cp (core/mesh.py, [Note: the replica axis]). Each cp rank's
-loss is the mean over its own tokens; with equal shares, the mean over dp x cp is the mean
-over every token of the global batch.
+Parameters are untouched and replicated over cp, so the gradient sync reduces over dp x cp
+(core/mesh.py, [Note: the replica axis]). Each cp rank's loss is the mean over its own
+tokens; with equal shares, the mean over dp x cp is the mean over every token of the global
+batch (a loss that ignores some tokens would weigh the ranks' shares unequally).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ __all__ = ["ContextSplit", "apply", "check", "check_sequence"]
 
 
 class ContextSplit:
-    """Cuts (B, T) whole sequences into this cp rank's (B, 2T/(2cp)) tokens."""
+    """Cuts (B, T) whole sequences into this cp rank's (B, T/cp) tokens."""
 
     def __init__(self, layout: ChunkLayout) -> None:
         self.layout = layout
