@@ -55,7 +55,33 @@ def run_cases(cases: list, counted: list, bf16: list) -> tuple[list, list, list]
         import tests.multirank.hf_cases  # noqa: F401  (registers the transformers models)
     trained = eq.train_many(cases, STEPS)
     return (trained, [one_step(plan) for plan in counted],
-            [eq.train(mt.Plan(**plan), GPT, steps=STEPS) for plan in bf16])
+            [eq.train(mt.Plan(**plan), GPT, steps=STEPS) for plan in bf16],
+            ring_against_sdpa() if bf16 else None)
+
+
+def ring_against_sdpa(rows: int = 3) -> float:
+    """Ring attention with score blocks of `rows` query rows (fewer than a chunk's 8, and not
+    dividing it), GQA (4 heads, 2 K/V heads): the largest difference from one process's
+    SDPA over the whole sequence, in the output and in dq, dk, dv."""
+    import torch.nn.functional as F
+
+    from meshtrain.core.comm import Comm
+    from meshtrain.core.mesh import Mesh
+    from meshtrain.strategies.context_parallel.layout import ChunkLayout
+    from meshtrain.strategies.context_parallel.ring import ring_attention
+
+    comm = Comm(Mesh.build(mt.Plan(cp=2)))
+    layout = ChunkLayout(comm.mesh.axis_rank("cp"), 2)
+    torch.manual_seed(0)
+    whole = [torch.randn(2, h, 32, 8, requires_grad=True) for h in (4, 2, 2)]   # q, k, v
+    want = F.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
+    grad = torch.randn_like(want)
+    want.backward(grad)
+    mine = [layout.split(t.detach(), dim=2).requires_grad_() for t in whole]
+    got = ring_attention(*mine, comm, layout, 8 ** -0.5, rows=rows)
+    got.backward(layout.split(grad, dim=2))
+    pairs = [(got, want)] + [(m.grad, t.grad) for m, t in zip(mine, whole)]
+    return max((a - layout.split(b, dim=2)).abs().max().item() for a, b in pairs)
 
 
 def one_step(plan: dict) -> dict:
@@ -118,7 +144,8 @@ def test_context_parallel_matches_one_process(references, world, cases):
     counted, bf16 = (COUNTED, []) if world == 4 else ([], BF16)
     alone = one_step(dict(cp=1)) if counted else {}
     per_rank = run_ranks(world, run_cases, cases, counted, bf16, timeout=170)
-    for rank, (trained, measured, mixed) in enumerate(per_rank):
+    for rank, (trained, measured, mixed, tiled) in enumerate(per_rank):
+        assert tiled is None or tiled < 1e-5, f"rank {rank}: ring off SDPA by {tiled}"
         for plan, result in zip(bf16, mixed):   # the suite's bf16 bound (test_zero.py)
             check_within_bf16_round_off(result, references["bf16"])
         for (plan, model, clip), result in zip(cases, trained):

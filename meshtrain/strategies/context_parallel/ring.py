@@ -33,27 +33,35 @@ from meshtrain.strategies.context_parallel.layout import ChunkLayout
 AXIS = "cp"
 
 
-def ring_attention(q, k, v, comm: Comm, layout: ChunkLayout, scale: float):
+ROWS = 256
+"""Queries per score block: a chunk pair's scores are computed ROWS x c at a time, so a rank
+holds a few such blocks at once, not c x c (64 MiB per head group at c = 2048)."""
+
+
+def ring_attention(q, k, v, comm: Comm, layout: ChunkLayout, scale: float, rows: int = ROWS):
     """Causal attention of this rank's queries over the whole sequence's keys.
     q (B, H, 2c, D), k and v (B, Hkv, 2c, D), H a multiple of Hkv -> (B, H, 2c, D)."""
-    return _RingAttention.apply(q, k, v, comm, layout, scale)
+    return _RingAttention.apply(q, k, v, comm, layout, scale, rows)
 
 
-def _pairs(layout: ChunkLayout, owner: int):
-    """(query chunk, key chunk, causal) for each chunk pair with any key not in the future:
-    local chunk indices (0 or 1) of this rank's queries and of `owner`'s keys."""
+def _tiles(layout: ChunkLayout, owner: int, c: int, rows: int):
+    """(query chunk, key chunk, query rows, causal) for each block of a chunk pair with any
+    key not in the future: local chunk indices (0 or 1) of this rank's queries and of
+    `owner`'s keys, and a slice of the query chunk's rows; causal: the pair is the diagonal."""
     for a, gq in enumerate(layout.chunks):
         for b, gk in enumerate(layout.chunk_of(owner)):
             if gk <= gq:
-                yield a, b, gk == gq
+                for start in range(0, c, rows):
+                    yield a, b, slice(start, min(start + rows, c)), gk == gq
 
 
-def _scores(q, k, scale: float, causal: bool):
-    """q k^T s, (B, H, c, c), with the keys expanded to the query heads (GQA)."""
+def _scores(q, k, scale: float, causal: bool, first_row: int):
+    """q k^T s, (B, H, rows, c), with the keys expanded to the query heads (GQA); causal:
+    query row i (row first_row + i of its chunk) sees keys 0 .. first_row + i."""
     s = (q @ _expand(k, q.size(1)).transpose(-2, -1)).mul_(scale)
     if causal:
-        future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s.masked_fill_(future, float("-inf"))
+        future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device)
+        s.masked_fill_(future.triu(first_row + 1), float("-inf"))
     return s
 
 
@@ -89,10 +97,12 @@ def _wait(handles) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm: Comm, layout: ChunkLayout, scale: float):
+    def forward(ctx, q, k, v, comm: Comm, layout: ChunkLayout, scale: float, rows: int):
         qs = q.float().chunk(2, dim=2)                      # 2 x (B, H, c, D)
-        outs = [None, None]
-        lses = [None, None]
+        c = qs[0].size(2)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)   # (B, H, 2c)
+        outs, lses = out.chunk(2, dim=2), lse.chunk(2, dim=2)
         kv = torch.stack([k, v])                            # (2, B, Hkv, 2c, D)
         for step in range(layout.size):
             owner = (layout.rank - step) % layout.size
@@ -100,27 +110,26 @@ class _RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(kv)
                 handles = _exchange(comm, layout, kv, incoming, "ring-kv")
             ks, vs = kv[0].float().chunk(2, dim=2), kv[1].float().chunk(2, dim=2)
-            for a, b, causal in _pairs(layout, owner):
-                s = _scores(qs[a], ks[b], scale, causal)   # in place from here: one c x c
-                lse = s.logsumexp(-1)                       # (B, H, c)
-                out = s.sub_(lse.unsqueeze(-1)).exp_() @ _expand(vs[b], q.size(1))
-                outs[a], lses[a] = _merge(outs[a], lses[a], out, lse)
+            for a, b, r, causal in _tiles(layout, owner, c, rows):
+                s = _scores(qs[a][:, :, r], ks[b], scale, causal, r.start)   # then in place
+                block_lse = s.logsumexp(-1)                 # (B, H, rows)
+                block = s.sub_(block_lse.unsqueeze(-1)).exp_() @ _expand(vs[b], q.size(1))
+                _merge(outs[a][:, :, r], lses[a][:, :, r], block, block_lse)
             if step < layout.size - 1:
                 _wait(handles)
                 kv = incoming
         # laid out (B, 2c, H, D), as SDPA lays its output: merging the heads is then a view,
         # and the block's activations are one process's / cp
-        out = torch.cat(outs, dim=2).transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
-        lse = torch.cat(lses, dim=2)
+        out = out.transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.layout, ctx.scale = comm, layout, scale
+        ctx.comm, ctx.layout, ctx.scale, ctx.rows = comm, layout, scale, rows
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, layout, scale = ctx.comm, ctx.layout, ctx.scale
-        n, heads = layout.size, q.size(1)
+        comm, layout, scale, rows = ctx.comm, ctx.layout, ctx.scale, ctx.rows
+        n, heads, c = layout.size, q.size(1), q.size(2) // 2
         grad_out = grad_out.float()
         delta = (grad_out * out.float()).sum(-1)            # (B, H, 2c): rowsum(dO o O)
         qs, dos = q.float().chunk(2, dim=2), grad_out.chunk(2, dim=2)
@@ -137,13 +146,15 @@ class _RingAttention(torch.autograd.Function):
             part = torch.zeros_like(kv, dtype=torch.float32)   # this rank's share of dK, dV
             ks, vs = kv[0].float().chunk(2, dim=2), kv[1].float().chunk(2, dim=2)
             dks, dvs = part[0].chunk(2, dim=2), part[1].chunk(2, dim=2)
-            for a, b, causal in _pairs(layout, owner):
-                p = _scores(qs[a], ks[b], scale, causal).sub_(lses[a].unsqueeze(-1)).exp_()
-                dvs[b].add_(_fold(p.transpose(-2, -1) @ dos[a], kv.size(2)))
-                dp = dos[a] @ _expand(vs[b], heads).transpose(-2, -1)
-                ds = dp.sub_(deltas[a].unsqueeze(-1)).mul_(p).mul_(scale)   # two c x c blocks
-                dqs[a].add_(ds @ _expand(ks[b], heads))
-                dks[b].add_(_fold(ds.transpose(-2, -1) @ qs[a], kv.size(2)))
+            for a, b, r, causal in _tiles(layout, owner, c, rows):
+                q_r, do_r = qs[a][:, :, r], dos[a][:, :, r]
+                p = _scores(q_r, ks[b], scale, causal, r.start)
+                p.sub_(lses[a][:, :, r].unsqueeze(-1)).exp_()
+                dvs[b].add_(_fold(p.transpose(-2, -1) @ do_r, kv.size(2)))
+                dp = do_r @ _expand(vs[b], heads).transpose(-2, -1)
+                ds = dp.sub_(deltas[a][:, :, r].unsqueeze(-1)).mul_(p).mul_(scale)   # 2 blocks
+                dqs[a][:, :, r].add_(ds @ _expand(ks[b], heads))
+                dks[b].add_(_fold(ds.transpose(-2, -1) @ q_r, kv.size(2)))
             if travelling is not None:                      # the block's earlier shares
                 _wait(travelling[0])
                 part += travelling[1]
@@ -154,13 +165,13 @@ class _RingAttention(torch.autograd.Function):
                 kv = incoming
         _wait(travelling[0])   # after n steps each accumulator is back with its owner
         dkv = travelling[1]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def _merge(out, lse, block_out, block_lse):
-    """Two partial attentions of the same queries combined by their log-sum-exp."""
-    if out is None:
-        return block_out, block_lse
+def _merge(out, lse, block_out, block_lse) -> None:
+    """A block's partial attention merged into the running one of the same queries, in
+    place, by their log-sum-exp (the running lse starts at -inf, its output at 0)."""
     new = torch.logaddexp(lse, block_lse)
-    return (out * torch.exp(lse - new).unsqueeze(-1)
-            + block_out * torch.exp(block_lse - new).unsqueeze(-1)), new
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(
+        block_out * torch.exp(block_lse - new).unsqueeze(-1))
+    lse.copy_(new)
