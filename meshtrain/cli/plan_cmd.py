@@ -21,7 +21,7 @@ def add_parser(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (a preset, or a raw description)")
     m.add_argument("--model", help="preset: gpt2-124m, gpt2-350m, gpt2-1.3b, gpt3-175b, "
-                   "llama-7b, llama-70b, or a meshtrain GPT preset (tiny, small); or any "
+                   "llama-7b, llama-70b, llama3.1-8b, or a meshtrain GPT preset (tiny, small); or any "
                    "model `meshtrain train --model` takes (a transformers preset or "
                    "config.json, package.module:function)")
     for flag in ("layers", "hidden", "heads", "vocab"):
@@ -45,10 +45,13 @@ def add_parser(subparsers) -> None:
     t.add_argument("--global-batch", type=int, default=64, help="sequences per step")
     t.add_argument("--micro-batch", type=int, default=0, help="sequences per micro-batch "
                    "(default: the planner chooses)")
-    t.add_argument("--precision", default="bf16", help="bf16 (mixed) or fp32")
+    t.add_argument("--precision", default="bf16", help="bf16 (mixed), fp8 (bf16 with the "
+                   "block linears in float8, at the card's float8 peak) or fp32")
     t.add_argument("--optimizer", default="adam", help="adam or sgd")
     t.add_argument("--recompute", default="auto", help="auto, none, selective, attention or full")
     t.add_argument("--no-sequence-parallel", action="store_true")
+    t.add_argument("--expert-imbalance", type=float, default=1.0, help="a mixture of experts: "
+                   "the busiest expert-parallel rank's routed tokens over the mean (1: even)")
     o = p.add_argument_group("output and actions")
     o.add_argument("--top", type=int, default=10, help="plans to show")
     o.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -155,7 +158,8 @@ def build_inputs(args):
     recompute = "" if args.recompute == "auto" else args.recompute
     setup = Setup(global_batch=args.global_batch, micro_batch=args.micro_batch,
                   precision=args.precision, optimizer=args.optimizer, recompute=recompute,
-                  sequence_parallel=not args.no_sequence_parallel)
+                  sequence_parallel=not args.no_sequence_parallel,
+                  expert_imbalance=args.expert_imbalance)
     extra = {"efficiency": args.efficiency} if args.efficiency is not None else {}
     if args.host_mem:
         from meshtrain.core.units import parse_bytes

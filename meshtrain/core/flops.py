@@ -98,10 +98,25 @@ def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float, n_devices:
 
 
 # fp8 runs' MFU is against the bf16 peak (torchtitan's convention: float8 speeds the same
-# FLOPs up; the data sheets' float8 peaks are not in core/gpus.py yet)
+# FLOPs up, and only the linears run in it); the source says so, with the card's float8 peak
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
+def float8_basis(device_name: str | None) -> str:
+    """What an fp8 run's MFU is against, said beside its peak's source: the bf16 peak, and
+    the card's float8 peak where the data sheets give one (`device_name`: a CUDA device's,
+    None for CPU ranks)."""
+    gpu = GPUS.get(device_kind(device_name)) if device_name else None
+    fp8 = peak_flops(gpu, "fp8") if gpu is not None else None
+    return ("fp8 run: MFU against the bf16 peak, as torchtitan reports it"
+            + (f"; the card's float8 peak {fp8 / 1e12:.4g} TFLOP/s" if fp8 else ""))
+
+
 def run_peak(device: torch.device, precision: str) -> Peak:
-    """One device's peak for a run's plan precision ('fp32' | 'bf16' | 'fp8')."""
-    return device_peak(device, PRECISION_DTYPES.get(precision, torch.float32))
+    """One device's peak for a run's plan precision ('fp32' | 'bf16' | 'fp8'); an fp8 run's
+    is the bf16 peak, its source saying so (`float8_basis`)."""
+    peak = device_peak(device, PRECISION_DTYPES.get(precision, torch.float32))
+    if precision != "fp8":
+        return peak
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return Peak(peak.flops, f"{peak.source}; {float8_basis(name)}")

@@ -21,6 +21,7 @@ class GPU:
     mem_bw: float       # device memory bytes/s
     peak_tf32: float | None = None   # dense FLOP/s of fp32 matmuls on TF32 tensor cores
     bf16: bool = True   # bf16 on tensor cores (V100 has fp16 only)
+    peak_fp8: float | None = None   # dense FLOP/s of float8 matmuls (None: no fp8 tensor cores)
 
 
 # Vendor data sheets: A100 (NVIDIA A100 Tensor Core GPU datasheet, 2021: 312 TFLOPS bf16 dense,
@@ -29,14 +30,18 @@ class GPU:
 # V100 SXM2 (V100 datasheet: 125 TFLOPS fp16 tensor core, 15.7 fp32; no bf16, no TF32);
 # L4 (L4 datasheet: 121 TFLOPS bf16 dense, 60 TF32, 30.3 fp32, 300 GB/s); A10G (AWS's G5
 # part, no NVIDIA sheet: 70 TFLOPS bf16, 35 TF32, 31.2 fp32 as commonly quoted, 600 GB/s).
-# Memory bandwidth from the same sheets.
+# Memory bandwidth from the same sheets. Float8 (e4m3/e5m2 tensor cores, Hopper and Ada):
+# H100 and H200 SXM 1,979 TFLOPS dense (the sheets' 3,958 is with sparsity), L4 242.5 (485
+# with sparsity); the Ampere and Volta parts have none.
 GPUS = {
     "A100-40GB": GPU("A100-40GB", 40e9, 312e12, 19.5e12, "nvlink3", 1.555e12, 156e12),
     "A100-80GB": GPU("A100-80GB", 80e9, 312e12, 19.5e12, "nvlink3", 2.0e12, 156e12),
-    "H100-80GB": GPU("H100-80GB", 80e9, 989e12, 67e12, "nvlink4", 3.35e12, 494.5e12),
-    "H200-141GB": GPU("H200-141GB", 141e9, 989e12, 67e12, "nvlink4", 4.8e12, 494.5e12),
+    "H100-80GB": GPU("H100-80GB", 80e9, 989e12, 67e12, "nvlink4", 3.35e12, 494.5e12,
+                      peak_fp8=1979e12),
+    "H200-141GB": GPU("H200-141GB", 141e9, 989e12, 67e12, "nvlink4", 4.8e12, 494.5e12,
+                       peak_fp8=1979e12),
     "V100-32GB": GPU("V100-32GB", 32e9, 125e12, 15.7e12, "nvlink2", 0.9e12, bf16=False),
-    "L4-24GB": GPU("L4-24GB", 24e9, 121e12, 30.3e12, "pcie4", 0.3e12, 60e12),
+    "L4-24GB": GPU("L4-24GB", 24e9, 121e12, 30.3e12, "pcie4", 0.3e12, 60e12, peak_fp8=242.5e12),
     "A10G-24GB": GPU("A10G-24GB", 24e9, 70e12, 31.2e12, "pcie4", 0.6e12, 35e12),
 }
 
@@ -70,9 +75,11 @@ def device_kind(device_name: str | None, cpus: int | None = None) -> str:
 
 
 def peak_flops(gpu: GPU, dtype: str) -> float | None:
-    """The data sheet's dense peak for matmuls in `dtype` ('bf16', 'fp16', 'fp32', 'tf32'),
-    or None where the part has no tensor cores for it (bf16 on a V100; TF32 before Ampere
-    runs at the fp32 peak)."""
+    """The data sheet's dense peak for matmuls in `dtype` ('bf16', 'fp16', 'fp32', 'tf32',
+    'fp8'), or None where the part has no tensor cores for it (bf16 on a V100, float8 before
+    Hopper and Ada; TF32 before Ampere runs at the fp32 peak)."""
+    if dtype == "fp8":
+        return gpu.peak_fp8
     if dtype == "fp16" or (dtype == "bf16" and gpu.bf16):
         return gpu.peak_bf16
     if dtype == "tf32":

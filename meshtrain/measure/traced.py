@@ -6,6 +6,9 @@ fp32 copy of its input; GPT-2's GELU is built from several saved ops):
 - the bytes one decoder layer saves for backward per token, in each compute precision
   (autograd's saved tensors while the layer runs, parameters and views counted once, as
   core/memory.ActivationMeter counts them on a real step);
+- the bytes one decoder layer keeps under per-op selective recomputation (what the
+  policy of strategies/recompute.py keeps: the layer's input and the outputs of its
+  SAVED_OPS, traced through the policy itself), in each precision;
 - the bytes its elementwise operators (all but the matmuls and attention) read and write
   in a step, against those of meshtrain's GPT of the same width, depth, heads and
   vocabulary: the time model's elementwise work (planner/flops.ELEMENTWISE_BYTES, a
@@ -34,6 +37,7 @@ from torch.utils._pytree import tree_leaves
 
 from meshtrain.models import hf, structure
 from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.strategies.recompute import apply_recompute
 
 PRECISIONS = {4: torch.float32, 2: torch.bfloat16}   # element bytes -> compute dtype
 NOT_ELEMENTWISE = {"mm", "addmm", "bmm", "baddbmm", "_unsafe_view"}   # and attention's
@@ -43,11 +47,13 @@ NOT_ELEMENTWISE = {"mm", "addmm", "bmm", "baddbmm", "_unsafe_view"}   # and atte
 class Traced:
     """Per precision, (element bytes, value) pairs: the bytes per token one decoder layer saves
     (on average over the layers) and the model saves after its last one (the final norm
-    and the output layer's input; the loss, outside the model, not included), and the
-    elementwise bytes of a step against a GPT's of its shape."""
+    and the output layer's input; the loss, outside the model, not included), the
+    elementwise bytes of a step against a GPT's of its shape, and the bytes per token one
+    decoder layer keeps under per-op selective recomputation."""
     layer_bytes: tuple[tuple[int, float], ...]
     head_bytes: tuple[tuple[int, float], ...]
     elementwise_scale: tuple[tuple[int, float], ...]
+    selective_bytes: tuple[tuple[int, float], ...] = ()
 
 
 class _ElementwiseBytes(TorchDispatchMode):
@@ -72,22 +78,24 @@ class _ElementwiseBytes(TorchDispatchMode):
 def trace(build: Callable[[], nn.Module], loss: Callable, seq: int) -> Traced:
     """`build()` (a causal LM reading token ids, whose `loss(output, tokens)` trains it)
     traced at `seq` tokens in each of PRECISIONS."""
-    layer_bytes, head_bytes, scale = [], [], []
+    layer_bytes, head_bytes, scale, selective = [], [], [], []
     for elem, dtype in PRECISIONS.items():
         model = _trace_one(build, loss, seq, dtype)
         layer_bytes.append((elem, model["layer"]))
         head_bytes.append((elem, model["head"]))
+        selective.append((elem, model["selective"]))
         if model["gpt"] is not None:   # meshtrain's GPT itself: the scale's own reference
             gpt = _trace_one(lambda: GPT(model["gpt"]), None, seq, dtype)
             scale.append((elem, model["elementwise"] / gpt["elementwise"]))
-    return Traced(tuple(layer_bytes), tuple(head_bytes), tuple(scale))
+    return Traced(tuple(layer_bytes), tuple(head_bytes), tuple(scale), tuple(selective))
 
 
 def _trace_one(build: Callable[[], nn.Module], loss: Callable | None, seq: int,
                dtype: torch.dtype) -> dict:
     """Per token: the bytes a decoder layer saves (on average over the layers) and the
-    model after them, the elementwise bytes of a step; the GPTConfig of meshtrain's GPT of
-    this model's shape. `loss` None: the model's own `.loss`."""
+    model after them, the elementwise bytes of a step, what a layer keeps under per-op
+    selective recomputation; the GPTConfig of meshtrain's GPT of this model's shape.
+    `loss` None: the model's own `.loss`."""
     default = torch.get_default_dtype()
     with FakeTensorMode(), _as_eager(), _fused_attention(), _quiet():
         torch.set_default_dtype(dtype)   # built in `dtype`, as Plan(precision=...) runs it
@@ -115,22 +123,37 @@ def _trace_one(build: Callable[[], nn.Module], loss: Callable | None, seq: int,
         handles = [layer.register_forward_pre_hook(at("layers")) for layer in layers]
         handles += [layers[-1].register_forward_hook(at("head")),
                     model.register_forward_hook(at(None))]
-        per_batch, device = [], next(model.parameters()).device   # fake tensors' own
-        # one sequence, then two: their difference is what grows with the tokens (RoPE's
-        # tables, for one, are saved once per batch)
-        for batch in (1, 2):
-            saved = {"layers": {}, "head": {}}
+        device = next(model.parameters()).device   # fake tensors' own
+
+        def step(batch: int) -> list[int]:
+            """One step of `batch` sequences: bytes saved by the layers, by the head, and
+            the elementwise bytes."""
+            saved.update(layers={}, head={})
             tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
             hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
             with _ElementwiseBytes() as count, hooks:
                 loss(model(tokens), tokens).backward()
             model.zero_grad(set_to_none=True)   # the next pass makes its gradients anew
-            per_batch.append([sum(saved["layers"].values()), sum(saved["head"].values()),
-                              count.elementwise])
+            return [sum(saved["layers"].values()), sum(saved["head"].values()),
+                    count.elementwise]
+
+        def kept(batch: int) -> int:
+            """Bytes the layers keep under per-op selective, through its own policy: what it
+            holds as a layer runs forward (the layer's input, its kept ops' outputs)."""
+            saved.update(layers={}, head={})
+            model(torch.zeros(batch, seq, dtype=torch.long, device=device))
+            return sum(saved["layers"].values())
+
+        # one sequence, then two: their difference is what grows with the tokens (RoPE's
+        # tables, for one, are saved once per batch)
+        per_batch = [step(batch) for batch in (1, 2)]
+        apply_recompute(model, "selective", keep=lambda tensors: [pack(t) for t in tensors])
+        selective = [kept(batch) for batch in (1, 2)]
         for h in handles:
             h.remove()
     layer, head, elementwise = ((two - one) / seq for one, two in zip(*per_batch))
     return {"layer": layer / len(layers), "head": head, "elementwise": elementwise,
+            "selective": (selective[1] - selective[0]) / seq / len(layers),
             "gpt": _gpt_like(model, seq)}
 
 

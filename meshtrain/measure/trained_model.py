@@ -63,7 +63,8 @@ def model_of(name: str, seq: int | None) -> ModelSpec:
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         return spec   # a forward fake tensors cannot run: priced by the counts alone
     return replace(spec, traced_layer_bytes=found.layer_bytes, traced_head_bytes=found.head_bytes,
-                   traced_elementwise=found.elementwise_scale)
+                   traced_elementwise=found.elementwise_scale,
+                   traced_selective_bytes=found.selective_bytes)
 
 
 def spec_of(model: dict | TrainedModel) -> ModelSpec:

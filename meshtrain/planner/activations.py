@@ -52,7 +52,8 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
     attn = e * (2 + 2 * spec.kv_dim / h)
     mlp = e * (4 if spec.mlp == "swiglu" else 2) * spec.ffn_hidden / h
     divided = attn + mlp
-    scores = 0.0 if spec.flash_attention else (a * s / h) * (e + (1 + e if spec.dropout else 0))
+    span = spec.attention_span or s   # keys per query: the whole sequence under cp
+    scores = 0.0 if spec.flash_attention else (a * span / h) * (e + (1 + e if spec.dropout else 0))
     traced = spec.traced_bytes_per_token(e)
     if traced is not None:   # the counts above at tp = 1 fall short of the trace by this
         kept += traced / h - (kept + divided + scores)
@@ -73,14 +74,21 @@ def selective_layer_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int =
       + MLP out h
     The two row-parallel outputs are whole on every tensor-parallel rank (the partial sums
     before their all-reduce or reduce-scatter). A GPT's: 11 h (t = 1); a Llama's:
-    5 h + 2 kv + 2 ffn. Dropout masks are not counted (recomputed from the saved RNG)."""
+    5 h + 2 kv + 2 ffn. Dropout masks are not counted (recomputed from the saved RNG).
+    A model traced in this precision (ModelSpec.traced_selective_bytes: what the policy
+    kept, run on the model itself) keeps what the trace finds beyond these counts as well,
+    whole on every tensor-parallel rank, a slice under sequence parallel."""
     s, b, h, a, e = seq, micro_batch, spec.hidden, spec.heads, elem_bytes
     split = tp if sp else 1
     mlp_in = (2 if spec.mlp == "swiglu" else 1) * spec.ffn_hidden
     sliced = e * (h + 2 * spec.kv_dim + h + mlp_in) + 4 * a
     if not spec.flash_attention:
-        sliced += e * a * s
-    return s * b * (e * h / split + sliced / tp + 2 * e * h)
+        sliced += e * a * (spec.attention_span or s)
+    whole = e * h / split + 2 * e * h
+    traced = spec.traced_bytes_per_token(e, selective=True)
+    if traced is not None:   # the counts at tp = 1 fall short of the trace by this
+        whole += (traced - (e * h + sliced + 2 * e * h)) / split
+    return s * b * (whole + sliced / tp)
 
 
 def stage_layers_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, layers: int) -> float:

@@ -4,6 +4,11 @@ Enumeration over (tp, pp, dp, micro-batch, schedule, virtual stages, ZeRO, offlo
 recomputation), pruned so a 64-GPU cluster takes well under a second:
 - tp divides the GPUs of one node and the heads (tp <= gpus per node: Megatron 2021
   Takeaway #1, tensor parallel only over NVLink);
+- cp sits next to tp inside a node (tp x cp divides its GPUs) where 2 cp divides the
+  sequence, as a ring, and as all-to-all where cp x tp divides the (key/value) heads; a cp
+  plan whose micro-batch of b sequences cp divides is skipped: dp x cp replicas of b / cp
+  sequences hold, compute and reduce the same, without cp's exchange;
+- ep divides dp and the experts, where the model has experts;
 - pp divides the layers' count at most, dp = world / (tp pp) divides the global batch;
 - ZeRO-2/3 only without pipelining (their per-micro-batch gradient sharding fights
   pipelined accumulation; DeepSpeed refuses the combination);
@@ -14,8 +19,11 @@ recomputation), pruned so a 64-GPU cluster takes well under a second:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import product
 
 from meshtrain.core.plan import Plan
+from meshtrain.planner.context_parallel import styles as cp_styles
+from meshtrain.planner.experts import ep_sizes
 from meshtrain.planner.flops import model_flops
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import Memory, memory
@@ -68,16 +76,19 @@ def evaluate(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) -
 
 
 def _layouts(spec: ModelSpec, setup: Setup, cluster: Cluster):
-    """(dp, pp, tp) triples covering the world."""
+    """(dp, pp, tp, cp) covering the world."""
     world = cluster.world
     for tp in divisors(cluster.gpus_per_node):
         if spec.heads % tp or world % tp:
             continue
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            if pp > spec.layers or setup.global_batch % dp:
+        for cp in divisors(cluster.gpus_per_node // tp):
+            if world % (tp * cp) or not cp_styles(spec, cp, tp):
                 continue
-            yield dp, pp, tp
+            for pp in divisors(world // (tp * cp)):
+                dp = world // (tp * cp * pp)
+                if pp > spec.layers or setup.global_batch % dp:
+                    continue
+                yield dp, pp, tp, cp
 
 
 def _micro_batches(setup: Setup, dp: int) -> list[int]:
@@ -102,22 +113,27 @@ def _schedules(spec: ModelSpec, pp: int, m: int):
 def candidates_for(spec: ModelSpec, setup: Setup, cluster: Cluster):
     """Yield groups of candidates that differ only in offload/recomputation, cheapest first."""
     recomputes = [setup.recompute] if setup.recompute else list(RECOMPUTE)
-    for dp, pp, tp in _layouts(spec, setup, cluster):
+    for dp, pp, tp, cp in _layouts(spec, setup, cluster):
         for b in _micro_batches(setup, dp):
+            if cp > 1 and not setup.micro_batch and b % cp == 0:
+                continue   # the same as dp x cp replicas of b / cp sequences, less cp's exchange
             m = setup.global_batch // (dp * b)
-            for schedule, v in _schedules(spec, pp, m):
+            for (schedule, v), style, ep in product(_schedules(spec, pp, m),
+                                                    cp_styles(spec, cp, tp), ep_sizes(spec, dp)):
                 zeros = (0, 1) if pp > 1 else (0, 1, 2, 3)
                 for zero in zeros:
-                    if zero and dp == 1 and zero < 3:
+                    # ZeRO shards over dp x cp (the ranks that hold the same parameters)
+                    if zero and dp * cp == 1 and zero < 3:
                         continue  # nothing to shard; ZeRO with dp = 1 only as a host for offload
                     offloads = ("none", "cpu") if zero else ("none",)
-                    if zero == 3 and dp == 1:
+                    if zero == 3 and dp * cp == 1:
                         offloads = ("cpu",)   # one rank: ZeRO-3 shards nothing, only offloads
                     group = []
                     for offload in offloads:
                         for rc in recomputes:
-                            plan = Plan(dp=dp, pp=pp, tp=tp, zero=zero, offload=offload,
-                                        microbatches=m, schedule=schedule, virtual_stages=v,
+                            plan = Plan(dp=dp, pp=pp, tp=tp, cp=cp, cp_style=style, ep=ep,
+                                        zero=zero, offload=offload, microbatches=m,
+                                        schedule=schedule, virtual_stages=v,
                                         precision=setup.precision)
                             group.append(Candidate(plan, b, rc, setup.sequence_parallel))
                     yield group
@@ -144,7 +160,8 @@ def advise(spec: ModelSpec, setup: Setup, cluster: Cluster) -> Advice:
 
 def _rank_key(ev: Evaluated):
     p = ev.cand.plan
-    simplicity = (p.offload != "none", p.pp > 1, p.tp > 1, p.zero, ev.cand.recompute != "none")
+    simplicity = (p.offload != "none", p.pp > 1, p.tp > 1, p.zero, ev.cand.recompute != "none",
+                  p.cp > 1, p.ep > 1)
     return (round(ev.time.total, 12), simplicity, -ev.cand.micro_batch)
 
 

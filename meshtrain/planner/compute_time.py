@@ -26,13 +26,13 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
     elementwise work runs at its own `elementwise_bw`); where the host dispatches while
     the device computes (`async_dispatch`), the slower of the two bounds the micro-batch."""
     p = cand.plan
-    layer_f, scores_f, logits_f = forward_flops_per_token(spec, spec.seq)
+    layer_f, scores_f, logits_f = forward_flops_per_token(spec, spec.span)
     extra = (layer_f / p.recompute_every if cand.recompute == "full"
              else scores_f if cand.recompute == "attention" else 0)
     layers_here = math.ceil(spec.layers / p.pp)
     mb_flops = b * spec.seq * (layers_here * (3 * layer_f + extra) + 3 * logits_f) / p.tp
     dispatch = dispatch_time(spec, cand, cluster)
-    device = mb_flops / cluster.achievable_flops
+    device = mb_flops / cluster.achievable_flops + float8_saving(spec, cand, cluster, b)
     apart = cluster.elementwise_apart
     curves = cluster.efficiency_curves
     if curves and precision == curves["dtype"]:   # one sequence's shapes, times b
@@ -43,6 +43,20 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
                                             element_bytes(precision))
         device += b * spec.seq * moved / (cluster.elementwise_bw or cluster.mem_bw)
     return max(device, dispatch) if cluster.async_dispatch else device + dispatch
+
+
+def float8_saving(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: float) -> float:
+    """Seconds (negative) an fp8 plan's micro-batch saves: its block linears' matmuls
+    (forward, both backward GEMMs, and a fully recomputed layer's forward again) run at the
+    float8 peak, at the same achievable fraction as bf16's; attention and the output layer
+    stay in bf16 (torchao leaves the output layer alone). 0 for other precisions."""
+    p = cand.plan
+    if p.precision != "fp8" or not cluster.fp8_flops:
+        return 0.0
+    linear_f = 2 * spec.layer_matmul_params   # forward FLOPs per token per layer
+    runs = 3 + (1 / p.recompute_every if cand.recompute == "full" else 0)
+    flops = b * spec.seq * math.ceil(spec.layers / p.pp) * runs * linear_f / p.tp
+    return flops / (cluster.fp8_flops * cluster.efficiency) - flops / cluster.achievable_flops
 
 
 def dispatch_time(spec: ModelSpec, cand: Candidate, cluster: Cluster) -> float:

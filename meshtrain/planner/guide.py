@@ -5,7 +5,10 @@ Transformers' performance docs) says: fits on one device -> DDP (or ZeRO); does 
 pipeline, ZeRO or tensor parallel; largest layer does not fit -> tensor parallel, ZeRO-3 or
 offload;
 one device that cannot hold it -> ZeRO with offload; many nodes with fast links -> ZeRO or
-DP+PP+TP; many nodes with slow links -> DP+PP+TP with ZeRO-1. Here each question gets the
+DP+PP+TP; many nodes with slow links -> DP+PP+TP with ZeRO-1; a sequence whose activations
+do not fit a device even split over a node's tensor parallel -> context parallel (torchtitan,
+Megatron-Core); a mixture of experts too big for one device -> expert parallel (its experts
+over the data-parallel ranks, Megatron-Core's and torchtitan's MoE). Here each question gets the
 number that decides it, the guide's family is matched against the top-ranked plan, and any
 disagreement is explained by the time component that differs most.
 """
@@ -57,6 +60,8 @@ FAMILIES = {  # name -> (words, predicate over a candidate's Plan)
     "fast": ("ZeRO, or DP+PP+TP", lambda p: (p.pp == 1 and p.tp == 1 and p.zero >= 1)
              or (p.pp > 1 and p.tp > 1)),
     "slow": ("DP+PP+TP with ZeRO-1", lambda p: p.pp > 1 and p.tp > 1 and p.zero <= 1),
+    "cp": ("context parallel (with tensor parallel and ZeRO)", lambda p: p.cp > 1),
+    "ep": ("expert parallel (with ZeRO)", lambda p: p.ep > 1),
 }
 
 
@@ -95,7 +100,57 @@ def questions(advice: Advice) -> tuple[list[Question], str]:
                            f"data-parallel backward computes for {t_bwd:.3g} s"))
         if not fits:
             family = "fast" if fast else "slow"
+    if spec.experts:
+        q = _experts_question(advice)
+        qs.append(q)
+        if not fits and cluster.world > 1:
+            family = "ep"
+    seq_fits, q = _sequence_question(advice)
+    qs.append(q)
+    if not seq_fits and cluster.world > 1 and family != "big-layer":   # a layer first
+        family = "cp"
     return qs, family
+
+
+def _widest_tp(spec, cluster) -> int:
+    return max(t for t in range(1, cluster.gpus_per_node + 1)
+               if cluster.gpus_per_node % t == 0 and spec.heads % t == 0)
+
+
+def _sequence_question(advice: Advice) -> tuple[bool, Question]:
+    """Does one sequence's activation fit? One sequence (micro-batch 1) under the widest
+    tensor parallel of a node with sequence parallel, attention recomputed (no s x s
+    scores kept), beside the model states that ZeRO-3 spreads over every device (all the
+    device where they must be offloaded anyway): if not,
+    only splitting the sequence (context parallel) or recomputing every layer lets it
+    train."""
+    spec, setup, cluster = advice.spec, advice.setup, advice.cluster
+    tp = _widest_tp(spec, cluster)
+    cand = Candidate(Plan(tp=tp, precision=setup.precision), 1, "attention")
+    acts = memory(spec, cand, setup).activations
+    states = spec.num_params * (setup.param_bytes + setup.grad_bytes + setup.optim_bytes)
+    shard = states / cluster.world
+    room = cluster.usable_mem - (shard if shard < cluster.usable_mem else 0)
+    where = (f"left beside its model states under ZeRO-3 over {cluster.world} devices"
+             if shard < cluster.usable_mem else "usable, its model states offloaded")
+    return acts <= room, Question(
+        "Does one sequence's activation fit?", acts <= room,
+        f"one sequence of {spec.seq:,} tokens keeps {_gb(acts)} of activations on tp {tp} "
+        f"with sequence parallel (attention recomputed), against {_gb(room)} {where}")
+
+
+def _experts_question(advice: Advice) -> Question:
+    """A mixture of experts: how much of the model its experts are, and what expert
+    parallel's all-to-alls carry per layer."""
+    spec, setup = advice.spec, advice.setup
+    share = spec.layers * spec.layer_expert_params / spec.num_params
+    per_token = 2 * spec.top_k * spec.hidden * setup.act_bytes
+    return Question(
+        "Is it a mixture of experts?", True,
+        f"{spec.experts} experts per layer, top {spec.top_k}: the experts hold {share:.0%} of "
+        f"its {spec.num_params / 1e9:.3g}B parameters, which expert parallel splits over ep "
+        f"data-parallel ranks; each token crosses the ep axis as {per_token:,} bytes each "
+        f"way per layer, forward and backward")
 
 
 def _best_in(advice: Advice, family: str) -> Evaluated | None:
@@ -105,6 +160,7 @@ def _best_in(advice: Advice, family: str) -> Evaluated | None:
 
 def _why(a: Evaluated, top: Evaluated) -> str:
     parts = {"pipeline bubble": "bubble", "tensor-parallel communication": "tp_comm",
+             "context-parallel communication": "cp_comm", "expert all-to-alls": "ep_comm",
              "pipeline communication": "pp_comm", "exposed data-parallel communication":
              "dp_exposed", "offload traffic": "offload", "compute": "compute"}
     diffs = {name: getattr(a.time, key) - getattr(top.time, key) for name, key in parts.items()}

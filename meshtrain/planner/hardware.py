@@ -26,9 +26,11 @@ def ring_factor(kind: str, n: int) -> float:
     """Bytes each rank moves per byte of buffer in a ring collective over `n` ranks (Thakur
     et al. 2005): all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n, broadcast and
     point-to-point 1. Calibration turns measured times into bus bandwidth with it, and the
-    time model divides by that bandwidth with it again."""
+    time model divides by that bandwidth with it again. An all-to-all sends (n-1)/n of its
+    buffer, each rank to every other directly (in n-1 steps, as the ring collectives)."""
     return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "all_gather": (n - 1) / n, "broadcast": 1.0, "p2p": 1.0}[kind]
+            "all_gather": (n - 1) / n, "broadcast": 1.0, "p2p": 1.0,
+            "all_to_all": (n - 1) / n}[kind]
 
 
 # Per-GPU bandwidths: NVLink 2/3/4 total per GPU 300/600/900 GB/s (NVIDIA datasheets);
@@ -93,6 +95,9 @@ class Cluster:
     inter_bw: float = 25e9          # bytes/s per GPU across nodes
     inter_latency: float = INTER_LATENCY   # seconds per message step across nodes
     peak_flops: float = 312e12      # dense FLOP/s per device at the training precision
+                                    # (bf16 under fp8: MFU's basis, as torchtitan's)
+    fp8_flops: float = 0.0          # dense float8 FLOP/s, at which an fp8 plan's block
+                                    # linears run (0: the card has none)
     efficiency: float = 0.5         # achievable / peak for transformer matmuls
     mem_bw: float = 2.0e12          # device memory bytes/s (the optimizer step is bound by it)
     host_bw: float = 32e9           # device <-> host (offload) bytes/s per GPU
@@ -293,9 +298,16 @@ def make_cluster(gpu: str | None = None, nodes: int = 1, gpus_per_node: int = 8,
     intra = bandwidth(intra_bw) if isinstance(intra_bw, str) else (intra_bw or LINKS[base.link])
     inter = bandwidth(inter_bw) if isinstance(inter_bw, str) else (inter_bw or LINKS["ib-hdr"])
     # the data sheet's peak at the precision; a part without bf16 tensor cores (a V100)
-    # runs bf16 matmuls at its fp32 rate
-    default_peak = table_peak(base, precision) or base.peak_fp32
+    # runs bf16 matmuls at its fp32 rate. fp8 runs its block linears at the float8 peak,
+    # the rest (attention, the output layer) in bf16, whose peak stays MFU's basis
+    fp8 = precision == "fp8"
+    if fp8 and not base.peak_fp8:
+        raise HardwareError(f"--precision fp8: the {base.name if gpu else 'default ' + base.name}"
+                            " has no float8 tensor cores (H100, H200 and L4 have); plan it in "
+                            "bf16, or name a card with them (--gpu)")
+    default_peak = table_peak(base, "bf16" if fp8 else precision) or base.peak_fp32
     peak = parse_flops(peak_flops) if isinstance(peak_flops, str) else (peak_flops or default_peak)
     return Cluster(nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem=mem, intra_bw=intra,
                    inter_bw=inter, peak_flops=peak, mem_bw=base.mem_bw,
+                   fp8_flops=base.peak_fp8 if fp8 else 0.0,
                    name=base.name if gpu else "custom", **extra)

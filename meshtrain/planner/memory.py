@@ -8,14 +8,15 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from meshtrain.core.plan import LOCAL_STEP_MODES
+from meshtrain.planner import context_parallel, experts
 from meshtrain.planner.activations import (forward_traffic, full_layer_bytes, inflight_microbatches,
                                            output_bytes, selective_layer_bytes,
                                            stage_layers_bytes, transient_bytes)
 from meshtrain.planner.compression import powersgd_traffic
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
-from meshtrain.planner.states import (local_step_states, master_states, model_states,
-                                      server_states, stage_params, staged_buffer_bytes)
+from meshtrain.planner.states import (local_step_states, master_states, server_states,
+                                      stage_params, staged_buffer_bytes)
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,12 @@ def role_memories(spec: ModelSpec, cand: Candidate, setup: Setup,
     """Device memory per role (`rank_role`): one entry per pipeline stage, and per server
     and worker of a parameter server whose shards do not cover every rank.
     `optimizer_step`: bytes per parameter the optimizer's step allocates beside the states
-    (`optimizer_step_bytes`); None leaves the step's moment out (CPU ranks and presets)."""
+    (`optimizer_step_bytes`); None leaves the step's moment out (CPU ranks and presets).
+    A cp rank is priced as its view (context_parallel.rank_view), with the blocks its
+    attention exchanges beside; expert parallel's dispatch buffers are beside too."""
+    exchange = context_parallel.transient_bytes(spec, cand, setup)
+    spec, cand = context_parallel.rank_view(spec, cand)
+    exchange += experts.transient_bytes(spec, cand, setup)
     p = cand.plan
     ps = p.dp_mode.startswith("ps-")
     # one rank of each role (the advisor asks for thousands of plans: never walk the world):
@@ -90,6 +96,8 @@ def role_memories(spec: ModelSpec, cand: Candidate, setup: Setup,
             roles[rank_role(p, rank)] = _stage_memory(
                 spec, cand, setup, stage, bucket_bytes, runtime, host_is_device,
                 ps and dp_rank < p.ps_shards, staging, extra, sp_heap, optimizer_step)
+    if exchange:
+        roles = {role: replace(m, transient=m.transient + exchange) for role, m in roles.items()}
     return roles
 
 
@@ -147,6 +155,20 @@ def _rerun_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, block: float,
     return rerun
 
 
+def float8_casts(spec: ModelSpec, cand: Candidate) -> float:
+    """The float8 casts one block linear's backward holds until it returns, under fp8: its
+    output gradient cast twice (once per GEMM), its weight and its input once each, 1 byte
+    an element (the layout copies the GEMMs may ask for not counted); the largest of the
+    MLP's linears (h in and f / t out, or f / t in and h out). torchao keeps no float8 copy
+    from forward to backward (it saves the bf16 input and weight and casts them again), so
+    an fp8 plan's activations are bf16's."""
+    if cand.plan.precision != "fp8":
+        return 0.0
+    h, f = spec.hidden, spec.ffn_hidden / cand.plan.tp
+    tokens = spec.seq * cand.micro_batch
+    return h * f + tokens * max(2 * f + h, 2 * h + f)
+
+
 def optimizer_step_bytes(optim_states: float, setup: Setup, temporaries: float) -> float:
     """Bytes the optimizer step allocates beside the model states on a rank that holds
     `optim_states` bytes of optimizer states (setup.optim_bytes per parameter it steps):
@@ -174,7 +196,7 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     p = cand.plan
     last = stage == p.pp - 1
     psi = stage_params(spec, p.pp, p.tp, stage)
-    states = model_states(psi, setup, p.zero, p.dp, p.offload, host_is_device)
+    states = experts.rank_states(spec, cand, setup, psi, host_is_device)
     if p.dp_mode.startswith("ps-"):
         states = server_states(psi, setup, p.ps_shards, server)
     elif p.dp_mode == "dp":
@@ -201,6 +223,7 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
     # function overlapping in part)
     absorb = setup.grad_bytes * spec.largest_tensor_params / p.tp
     block = 1.5 * spec.ffn_hidden / p.tp * spec.seq * cand.micro_batch * setup.act_bytes
+    block += float8_casts(spec, cand)
     transient = transient_bytes(spec, cand, setup) if last else absorb + block
     if cand.sp:   # meshtrain's sequence-parallel backward: an all-gather's output and its
         # reshaped copy (the regathered input of a column layer), a reduce-scatter's

@@ -8,6 +8,9 @@ attention 4h^2 + 4h, MLP 8h^2 + 5h, two LayerNorms 4h: 12h^2 + 13h per layer; wi
 (V + s)h the model holds P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)). The general form below
 reduces to that for a GPT and also covers SwiGLU MLPs (3 matrices h x f), grouped-query
 attention (k, v of width kv_heads * h/heads), RMSNorm (h weights) and untied output heads.
+A mixture of experts' layer holds its E experts' matrices and a router (h x E), of which
+one token multiplies by the router and its top-k experts (and any shared ones): its FLOPs
+and saved activations follow k x the expert width (`ffn_hidden`), its weights all E.
 """
 from __future__ import annotations
 
@@ -44,10 +47,20 @@ class ModelSpec:
     # traced from the model itself on fake tensors (measure/traced.py), where it was: per
     # precision, (element bytes, bytes per token saved for backward) by one layer and by
     # the final norm and output layer, and (element bytes, its elementwise work against a
-    # GPT's of its shape)
+    # GPT's of its shape), and what one layer keeps per token under per-op selective
     traced_layer_bytes: tuple[tuple[int, float], ...] = ()
     traced_head_bytes: tuple[tuple[int, float], ...] = ()
     traced_elementwise: tuple[tuple[int, float], ...] = ()
+    traced_selective_bytes: tuple[tuple[int, float], ...] = ()
+    # a mixture of experts in every layer's MLP (0 experts: dense; planner/experts.py)
+    experts: int = 0                # routed experts per layer
+    top_k: int = 0                  # experts each token is routed to
+    expert_ffn: int = 0             # one expert's MLP width (0: ffn)
+    shared_ffn: int = 0             # the always-on shared experts' MLP width, all together
+    # one context-parallel rank's view of a sequence (context_parallel.rank_view): it holds
+    # `seq` tokens of a longer sequence, which its queries attend and its table positions
+    attention_span: int = 0         # keys each query attends (0: seq)
+    positions: int = 0              # rows of a learned position table (0: seq)
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -60,11 +73,39 @@ class ModelSpec:
         if self.mlp not in ("gelu", "swiglu") or self.norm not in ("layernorm", "rmsnorm"):
             raise ModelSpecError(f"model mlp={self.mlp!r}/norm={self.norm!r}: mlp is 'gelu' or "
                                  f"'swiglu', norm is 'layernorm' or 'rmsnorm'")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ModelSpecError(f"model top_k={self.top_k} with {self.experts} experts: each "
+                                 f"token goes to 1 to {self.experts} experts; set top_k so")
 
     # -- shape ------------------------------------------------------------------------------
     @property
     def ffn_hidden(self) -> int:
+        """The MLP width one token passes through: a mixture's top-k experts and its shared
+        ones side by side (what its FLOPs and saved activations scale with)."""
+        if self.experts:
+            return self.top_k * self.expert_width + self.shared_ffn
         return self.ffn or 4 * self.hidden
+
+    @property
+    def expert_width(self) -> int:
+        return self.expert_ffn or self.ffn or 4 * self.hidden
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.mlp == "swiglu" else 2
+
+    @property
+    def layer_expert_params(self) -> int:
+        """One layer's routed experts' weights (what expert parallel splits)."""
+        return self.experts * self.mlp_matrices * self.hidden * self.expert_width
+
+    @property
+    def span(self) -> int:
+        return self.attention_span or self.seq
+
+    @property
+    def position_rows(self) -> int:
+        return self.positions or self.seq
 
     @property
     def kv_dim(self) -> int:
@@ -81,13 +122,15 @@ class ModelSpec:
         h, f = self.hidden, self.ffn_hidden
         attn = 2 * h * h + 2 * h * self.kv_dim                 # q, o and k, v
         mlp = (3 if self.mlp == "swiglu" else 2) * h * f
-        return attn + mlp
+        router = h * self.experts                              # a mixture's router (h x E)
+        return attn + mlp + router
 
     @property
     def layer_params(self) -> int:
         h, f, b = self.hidden, self.ffn_hidden, int(self.bias)
         biases = b * (2 * h + 2 * self.kv_dim + (2 if self.mlp == "swiglu" else 1) * f + h)
-        return self.layer_matmul_params + biases + 2 * self.norm_params
+        idle = (self.experts - self.top_k) * self.mlp_matrices * h * self.expert_width
+        return self.layer_matmul_params + idle + biases + 2 * self.norm_params
 
     @property
     def layer_replicated_params(self) -> int:
@@ -98,11 +141,11 @@ class ModelSpec:
     @property
     def embedding_replicated_params(self) -> int:
         """A learned position embedding: tensor parallel splits only the token embedding."""
-        return self.seq * self.hidden if self.learned_pos else 0
+        return self.position_rows * self.hidden if self.learned_pos else 0
 
     @property
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden + (self.seq * self.hidden if self.learned_pos else 0)
+        return self.vocab * self.hidden + self.embedding_replicated_params
 
     @property
     def head_params(self) -> int:
@@ -138,12 +181,19 @@ class ModelSpec:
         untied output head (V x h), or a square attention matrix. Its gradient is the largest
         one autograd materialises at a time (see activations.transient_bytes)."""
         h = self.hidden
+        if self.experts:   # transformers keeps each projection of all experts in one tensor
+            fused = (self.mlp_matrices - 1) * self.experts * self.expert_width * h   # gate+up
+            return max(fused, self.vocab * h, h * max(h, self.shared_ffn))
         return max(h * self.ffn_hidden, self.vocab * h, h * h)
 
-    def traced_bytes_per_token(self, elem_bytes: int, head: bool = False) -> float | None:
+    def traced_bytes_per_token(self, elem_bytes: int, head: bool = False,
+                               selective: bool = False) -> float | None:
         """What one layer (or the final norm and output layer) saves per token in
-        `elem_bytes` precision, as traced; None where the model was not traced in it."""
-        return dict(self.traced_head_bytes if head else self.traced_layer_bytes).get(elem_bytes)
+        `elem_bytes` precision, as traced (`selective`: what a layer keeps under per-op
+        selective recomputation); None where the model was not traced in it."""
+        table = (self.traced_head_bytes if head else
+                 self.traced_selective_bytes if selective else self.traced_layer_bytes)
+        return dict(table).get(elem_bytes)
 
     def elementwise_scale(self, elem_bytes: int) -> float:
         """This model's elementwise work against a GPT's of its shape, as traced (1: not
@@ -151,14 +201,19 @@ class ModelSpec:
         return dict(self.traced_elementwise).get(elem_bytes, 1.0)
 
     def describe(self) -> str:
+        moe = (f", {self.experts} experts (top {self.top_k}, {self.expert_width} wide)"
+               if self.experts else "")
         return (f"{self.name}: {self.num_params / 1e9:.3g}B parameters, {self.layers} layers, "
-                f"hidden {self.hidden}, {self.heads} heads, vocab {self.vocab}, seq {self.seq}")
+                f"hidden {self.hidden}, {self.heads} heads, vocab {self.vocab}, seq {self.seq}"
+                f"{moe}")
 
 
 # Published shapes. GPT-2 (Radford et al. 2019; HF gpt2 / gpt2-medium configs), "gpt2-1.3b" as
 # GPT-3 XL with 16 heads of 128 (Brown et al. 2020, Table 2.1), GPT-3 175B (ibid.), Llama
 # (Touvron et al. 2023, Table 2: 7B 32 x 4096, 70B 80 x 8192 with 8 kv heads; SwiGLU widths
-# 11008 / 28672 from the released configs; RMSNorm; untied head; rotary positions).
+# 11008 / 28672 from the released configs; RMSNorm; untied head; rotary positions); Llama 3.1
+# 8B from its released config (8 kv heads, SwiGLU 14336, vocabulary 128256), no dropout and
+# a fused attention as torchtitan trains it (its Table 1 at 8192 tokens).
 PRESETS: dict[str, ModelSpec] = {
     "gpt2-124m": ModelSpec("gpt2-124m", 12, 768, 12, 50257, 1024),
     "gpt2-350m": ModelSpec("gpt2-350m", 24, 1024, 16, 50257, 1024),
@@ -169,6 +224,9 @@ PRESETS: dict[str, ModelSpec] = {
     "llama-70b": ModelSpec("llama-70b", 80, 8192, 64, 32000, 4096, ffn=28672, kv_heads=8,
                            mlp="swiglu", bias=False, norm="rmsnorm", tied=False,
                            learned_pos=False),
+    "llama3.1-8b": ModelSpec("llama3.1-8b", 32, 4096, 32, 128256, 8192, ffn=14336, kv_heads=8,
+                             mlp="swiglu", bias=False, norm="rmsnorm", tied=False,
+                             learned_pos=False, dropout=False, flash_attention=True),
 }
 
 
@@ -254,6 +312,10 @@ def from_transformers_config(config, seq: int | None = None, name: str | None = 
     num_key_value_heads, intermediate_size, max_position_embeddings). A SiLU MLP is SwiGLU
     (gate, up and down: Llama, Qwen2, Mistral), RMSNorm where the config has rms_norm_eps,
     positions rotary but GPT-2's (learned), attention fused (transformers' default, sdpa).
+    A mixture of experts (Mixtral's num_local_experts, Qwen-MoE's and OLMoE's num_experts,
+    DeepSeek's n_routed_experts; num_experts_per_tok; each expert moe_intermediate_size wide,
+    else intermediate_size; shared experts as Qwen2-MoE's shared_expert_intermediate_size or
+    DeepSeek's n_shared_experts of moe_intermediate_size) is read as one in every layer.
     `seq`: the training sequence (default: the config's context); `params`, `largest`: the
     exact counts of the built model, where known."""
     def field(*names, default=None):
@@ -276,4 +338,18 @@ def from_transformers_config(config, seq: int | None = None, name: str | None = 
                      norm="rmsnorm" if hasattr(config, "rms_norm_eps") else "layernorm",
                      tied=bool(field("tie_word_embeddings", default=True)), learned_pos=gpt2,
                      dropout=bool(drop), flash_attention=True, measured_params=params,
-                     measured_largest=largest)
+                     measured_largest=largest, **_moe_fields(config))
+
+
+def _moe_fields(config) -> dict:
+    """A transformers MoE config's experts, top-k and widths (nothing for a dense one)."""
+    experts = next((getattr(config, n) for n in ("num_local_experts", "num_experts",
+                                                  "n_routed_experts")
+                    if getattr(config, n, None)), 0)
+    if not experts:
+        return {}
+    width = getattr(config, "moe_intermediate_size", None) or 0
+    shared = (getattr(config, "shared_expert_intermediate_size", None)
+              or (getattr(config, "n_shared_experts", None) or 0) * width)
+    return dict(experts=experts, top_k=getattr(config, "num_experts_per_tok", None) or 1,
+                expert_ffn=width, shared_ffn=shared)

@@ -31,12 +31,21 @@ def table(advice: Advice, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+def _peaks(cl, precision: str) -> str:
+    """The peak the MFU column is against, and under fp8 the float8 one the linears run at."""
+    if precision != "fp8":
+        return f"{fmt_rate(cl.peak_flops, 'FLOP/s')} peak"
+    linears = (f"block linears at the float8 {fmt_rate(cl.fp8_flops, 'FLOP/s')}"
+               if cl.fp8_flops else "no float8 peak known: the linears priced at bf16's")
+    return f"{fmt_rate(cl.peak_flops, 'FLOP/s')} bf16 peak (MFU's basis), {linears}"
+
+
 def words(advice: Advice) -> str:
     spec, setup, cl = advice.spec, advice.setup, advice.cluster
     v = verdict(advice)
     out = [f"Model: {spec.describe()}.",
            f"Cluster: {cl.nodes} x {cl.gpus_per_node} {cl.name} ({cl.gpu_mem / 1e9:.3g} GB, "
-           f"{cl.usable_mem / 1e9:.3g} GB usable; {fmt_rate(cl.peak_flops, 'FLOP/s')} peak, "
+           f"{cl.usable_mem / 1e9:.3g} GB usable; {_peaks(cl, setup.precision)}, "
            f"{cl.efficiency:.0%} achievable; intra {fmt_rate(cl.intra_bw, 'B/s')}, inter "
            f"{fmt_rate(cl.inter_bw, 'B/s')}).",
            *_calibration_line(cl),
@@ -54,7 +63,9 @@ def words(advice: Advice) -> str:
         out.append(f"Fastest plan's step: compute {t.compute:.3g} s, bubble {t.bubble:.3g} s, "
                    f"tensor-parallel {t.tp_comm:.3g} s, pipeline p2p {t.pp_comm:.3g} s, data-"
                    f"parallel {t.dp_comm:.3g} s of which {t.dp_exposed:.3g} s exposed, offload "
-                   f"{t.offload:.3g} s.")
+                   f"{t.offload:.3g} s"
+                   + (f", context-parallel exchange {t.cp_comm:.3g} s exposed" if t.cp_comm else "")
+                   + (f", expert all-to-alls {t.ep_comm:.3g} s" if t.ep_comm else "") + ".")
         note = slow_link_note(advice)
         if note:
             out.append(f"Slow link: {note}.")
@@ -91,10 +102,11 @@ def to_json(advice: Advice, top: int = 10) -> str:
                   "heads": advice.spec.heads, "vocab": advice.spec.vocab, "seq": advice.spec.seq},
         "cluster": {k: getattr(advice.cluster, k) for k in (
             "name", "nodes", "gpus_per_node", "gpu_mem", "intra_bw", "inter_bw", "peak_flops",
-            "efficiency", "reserve", "mem_bw", "block_overhead", "calibration")},
+            "fp8_flops", "efficiency", "reserve", "mem_bw", "block_overhead", "calibration")},
+        "mfu_peak": "bf16" if advice.setup.precision == "fp8" else advice.setup.precision,
         "setup": {k: getattr(advice.setup, k) for k in (
             "global_batch", "micro_batch", "precision", "optimizer", "recompute",
-            "sequence_parallel")},
+            "sequence_parallel", "expert_imbalance")},
         "considered": advice.considered, "fitting": len(advice.ranked),
         "rejected": len(advice.rejected),
         "guide": v.to_dict(),

@@ -16,8 +16,9 @@ OPTIMIZERS = ("adam", "sgd")
 
 
 def element_bytes(precision: str | None) -> int:
-    """Bytes of one compute-precision element: 2 in bf16, else 4."""
-    return 2 if precision == "bf16" else 4
+    """Bytes of one compute-precision element: 2 in bf16 (and fp8, whose linears take bf16
+    inputs and keep them for backward), else 4."""
+    return 2 if precision in ("bf16", "fp8") else 4
 
 
 class SetupError(ValueError):
@@ -31,7 +32,8 @@ class Setup:
     micro_batch: int = 0
     """Sequences per micro-batch per replica; 0 lets the planner choose."""
     precision: str = "bf16"
-    """"bf16" (mixed precision: 16-bit weights, gradients, activations; fp32 master) or "fp32"."""
+    """"bf16" (mixed precision: 16-bit weights, gradients, activations; fp32 master), "fp8"
+    (bf16's, with the block linears' matmuls in float8: torchao's float8 training) or "fp32"."""
     optimizer: str = "adam"
     """"adam" (two fp32 moments) or "sgd" (momentum: one)."""
     recompute: str = ""
@@ -39,6 +41,9 @@ class Setup:
     that fits."""
     sequence_parallel: bool = True
     """Shard LayerNorm/dropout activations along the sequence beside tensor parallelism."""
+    expert_imbalance: float = 1.0
+    """A mixture of experts: the busiest expert-parallel rank's routed tokens against the
+    mean (1.0: routed evenly; planner/experts.py)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
@@ -49,12 +54,15 @@ class Setup:
         if self.micro_batch and self.global_batch % self.micro_batch:
             raise SetupError(f"--global-batch {self.global_batch} is not a multiple of "
                              f"--micro-batch {self.micro_batch}; make it one")
-        if self.precision not in ("bf16", "fp32"):
-            raise SetupError(f"--precision {self.precision!r}: choose 'bf16' or 'fp32'")
+        if self.precision not in ("bf16", "fp8", "fp32"):
+            raise SetupError(f"--precision {self.precision!r}: choose 'bf16', 'fp8' or 'fp32'")
         if self.optimizer not in OPTIMIZERS:
             raise SetupError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
         if self.recompute and self.recompute not in RECOMPUTE:
             raise SetupError(f"--recompute {self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+        if not isinstance(self.expert_imbalance, (int, float)) or self.expert_imbalance < 1:
+            raise SetupError(f"--expert-imbalance {self.expert_imbalance!r}: the busiest rank's "
+                             f"routed tokens over the mean, a number >= 1 (1: even routing)")
 
     # Bytes per parameter (ZeRO, Rajbhandari et al. 2020, §3.1 and Table 1): mixed-precision
     # Adam keeps 2-byte weights, 2-byte gradients and K = 12 bytes of optimizer state (fp32
@@ -71,7 +79,7 @@ class Setup:
     def optim_bytes(self) -> int:
         """K: optimizer-state bytes per parameter."""
         moments = 8 if self.optimizer == "adam" else 4
-        return moments + (4 if self.precision == "bf16" else 0)
+        return moments + (4 if self.precision != "fp32" else 0)
 
     @property
     def act_bytes(self) -> int:
@@ -98,6 +106,10 @@ class Candidate:
             parts.append(f"pp{p.pp}:{sched}")
         if p.tp > 1:
             parts.append(f"tp{p.tp}" + ("+sp" if self.sp else ""))
+        if p.cp > 1:
+            parts.append(f"cp{p.cp}" + (":a2a" if p.cp_style == "all-to-all" else ""))
+        if p.ep > 1:
+            parts.append(f"ep{p.ep}")
         if p.zero:
             parts.append(f"zero{p.zero}")
         if p.offload != "none":

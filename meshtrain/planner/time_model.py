@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from meshtrain.core.plan import LOCAL_STEP_MODES
+from meshtrain.planner import context_parallel, experts
 from meshtrain.planner.compression import powersgd_traffic
 from meshtrain.planner.compute_time import dispatch_time, micro_batch_compute
 from meshtrain.planner.hardware import Cluster, nearest
@@ -36,6 +37,8 @@ class StepTime:
     offload: float          # host transfers and the host optimizer step
     optimizer: float        # the on-device optimizer step
     total: float
+    cp_comm: float = 0.0    # context parallel's exchange not hidden behind attention
+    ep_comm: float = 0.0    # expert parallel's all-to-alls and the busiest rank's skew
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,7 +102,13 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     (bubble included), the data-parallel exchange not hidden behind compute, offload, the
     optimizer step and the Trainer's fixed cost per step: added to the rest where the host
     computes (CPU ranks), the host's side of the slower of the two where it dispatches to a
-    device that runs behind it (GPU ranks of a local profile: `async_dispatch`)."""
+    device that runs behind it (GPU ranks of a local profile: `async_dispatch`). A cp rank
+    is priced as its view (context_parallel.rank_view) plus attention's exchange; expert
+    parallel adds its all-to-alls, on the critical path."""
+    t_cp = context_parallel.exposed_time(spec, cand, setup, cluster)   # per micro-batch
+    ep_span = cand.plan.ep * cand.plan.cp * cand.plan.tp
+    spec, cand = context_parallel.rank_view(spec, cand)
+    t_ep = experts.exposed_time(spec, cand, setup, cluster, ep_span)
     p = cand.plan
     m = p.microbatches
     b = cand.micro_batch / p.dp if p.dp_mode == "dp" else cand.micro_batch
@@ -111,15 +120,20 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
         t_mb += tp_overhead(cluster, p.tp, spec.hidden) * b * spec.seq * (layers_here + 1)
     t_tp = tp_comm_time(spec, cand, setup, cluster, b)
     t_pp = pp_comm_time(spec, cand, setup, cluster, b)
-    slot = t_mb + t_tp + t_pp
+    slot = t_mb + t_tp + t_pp + t_cp + t_ep
     compute = m * t_mb
     pipeline = pipeline_time(cand, cluster, slot)
     bubble = pipeline - m * slot
-    psi = stage_params(spec, p.pp, p.tp)
+    psi, expert_psi, edp = experts.expert_share(spec, cand, stage_params(spec, p.pp, p.tp))
     t_dp, last, stats = dp_comm_time(spec, cand, setup, cluster, psi)
-    exposed = max(0.0, t_dp - dp_hidden(cand, cluster, t_dp - last, compute, t_mb)) + stats
     t_off = offload_time(cand, setup, cluster, psi)
     t_opt = optimizer_time(cand, setup, cluster, psi)
+    if edp is not None:   # each expert's gradients over its expert-data-parallel group
+        t_edp, last_edp, _ = dp_comm_time(spec, edp, setup, cluster, expert_psi)
+        t_dp, last = t_dp + t_edp, last + last_edp
+        t_off += offload_time(edp, setup, cluster, expert_psi)
+        t_opt += optimizer_time(edp, setup, cluster, expert_psi)
+    exposed = max(0.0, t_dp - dp_hidden(cand, cluster, t_dp - last, compute, t_mb)) + stats
     device_work = pipeline + exposed + t_off + t_opt
     if cluster.async_dispatch:
         # the host queues the step ahead of the device: its own work (the Trainer's fixed
@@ -130,7 +144,8 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
         total = max(device_work, host)
     else:
         total = device_work + step_overhead
-    return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, t_opt, total)
+    return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, t_opt, total,
+                    m * t_cp, m * t_ep)
 
 
 def trainer_costs(cand: Candidate, cluster: Cluster) -> tuple[float, float]:
@@ -313,13 +328,16 @@ def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None
     """Bytes one rank sends per step on each mesh axis, as meshtrain's Comm counts them (ring
     shares for collectives, whole messages point to point; a step's few statistics bytes
     left out): the busiest pipeline stage's rank, or `stage`'s; a parameter server's
-    server or worker. Empty for DP's one process (its copies never leave it)."""
+    server or worker. Empty for DP's one process (its copies never leave it). cp and ep
+    send their own (context_parallel.step_bytes, experts.step_bytes)."""
+    out = context_parallel.step_bytes(spec, cand, setup)
+    spec, cand = context_parallel.rank_view(spec, cand)
+    out.update(experts.step_bytes(spec, cand, setup))
     p = cand.plan
     if p.dp_mode == "dp":
         return {}
     b, m, s, h = cand.micro_batch, p.microbatches, spec.seq, spec.hidden
     layers_here = math.ceil(spec.layers / p.pp)
-    out: dict[str, float] = {}
     stages = range(p.pp) if stage is None else [stage]
     if p.tp > 1:   # per micro-batch: 2 all-reduces per block each way (one more forward
         # with full recomputation), the vocab-parallel embedding's on the first stage, the
@@ -352,28 +370,31 @@ def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None
         # model's last, gradients out of every chunk but the model's first
         sends = [(v - (st == p.pp - 1)) + (v - (st == 0)) for st in stages]
         out["pp"] = m * act * max(sends)
-    if p.dp > 1:
-        psi = stage_params(spec, p.pp, p.tp, stage)
+    dense, expert_psi, edp = experts.expert_share(spec, cand, stage_params(spec, p.pp, p.tp, stage))
+    for q, psi in [(p, dense)] + ([(edp.plan, expert_psi)] if edp else []):   # experts: edp
+        if q.dp == 1:
+            continue
         grads, params = psi * setup.grad_bytes, psi * setup.param_bytes
-        share = (p.dp - 1) / p.dp
-        if p.dp_mode.startswith("ps-"):
-            k = p.ps_shards
+        share = (q.dp - 1) / q.dp
+        if q.dp_mode.startswith("ps-"):
+            k = q.ps_shards
             # a worker pushes the shards it does not serve; a server also sends its shard's
             # update to every other worker
-            out["dp"] = (grads * (k - 1) / k + (p.dp - 1) * params / k) if server else grads
-        elif p.dp_mode in LOCAL_STEP_MODES:   # the parameters, every sync_every steps
-            out["dp"] = 2 * share * params / p.sync_every
-        elif p.compression == "powersgd":   # the factors, and what is sent whole
-            t = powersgd_traffic(spec, p.compression_rank, p.compression_min_rate)
-            out["dp"] = 2 * share * (t.whole + t.p + t.q) * setup.grad_bytes
-        elif p.zero == 0:
-            out["dp"] = 2 * share * grads
-        elif p.zero == 1:
-            out["dp"] = share * (grads + params)
-        elif p.zero == 2:   # a reduce-scatter every micro-batch, one all-gather
-            out["dp"] = share * (m * grads + params)
+            sent = (grads * (k - 1) / k + (q.dp - 1) * params / k) if server else grads
+        elif q.dp_mode in LOCAL_STEP_MODES:   # the parameters, every sync_every steps
+            sent = 2 * share * params / q.sync_every
+        elif q.compression == "powersgd":   # the factors, and what is sent whole
+            t = powersgd_traffic(spec, q.compression_rank, q.compression_min_rate)
+            sent = 2 * share * (t.whole + t.p + t.q) * setup.grad_bytes
+        elif q.zero == 0:
+            sent = 2 * share * grads
+        elif q.zero == 1:
+            sent = share * (grads + params)
+        elif q.zero == 2:   # a reduce-scatter every micro-batch, one all-gather
+            sent = share * (m * grads + params)
         else:   # gathered for forward and again for backward (but what is gathered once),
             # scattered, every micro-batch
-            once = spec.gathered_once_params / p.tp * setup.param_bytes if p.pp == 1 else 0.0
-            out["dp"] = m * share * (2 * params - once + grads)
+            once = spec.gathered_once_params / q.tp * setup.param_bytes
+            sent = m * share * (2 * params - (once if q is p and p.pp == 1 else 0.0) + grads)
+        out["dp"] = out.get("dp", 0.0) + sent
     return out

@@ -106,12 +106,14 @@ class _Policy:
 
     def __init__(self, keep: Callable | None) -> None:
         self.keep = keep
-        self.kept: set[int] = set()   # storages of the outputs kept so far
+        # storages of the outputs kept so far (by the storage itself: a fake tensor, as the
+        # planner traces a model on, has no data pointer)
+        self.kept: set[int] = set()
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if op in SAVED_OPS:
             outputs = [t for t in tree_leaves(ctx.op_output) if isinstance(t, torch.Tensor)]
-            self.kept.update(t.untyped_storage().data_ptr() for t in outputs)
+            self.kept.update(t.untyped_storage()._cdata for t in outputs)
             if self.keep is not None:   # held until backward: count it
                 self.keep(outputs)
             return CheckpointPolicy.MUST_SAVE
@@ -126,7 +128,7 @@ class _Policy:
                    if arg.alias_info is not None and arg.alias_info.is_write]
         if op.namespace == "c10d" and args:   # c10d's schemas declare no writes: its
             written.append(args[0])           # collectives write into their first argument
-        return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.kept
+        return any(isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in self.kept
                    for t in tree_leaves(written))
 
 

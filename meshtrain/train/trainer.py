@@ -27,6 +27,7 @@ from meshtrain.core.memory import (ActivationMeter, MemoryReport, optimizer_stat
                                    storage_bytes)
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
+from meshtrain.core.processes import steady_host_heap
 from meshtrain.models import hf, moe
 from meshtrain.models.lean_cross_entropy import lean_cross_entropy
 from meshtrain.models.registry import logits_of
@@ -65,6 +66,8 @@ class Trainer:
         pipeline.check(model, plan, _list(plan.stage_cuts))   # layers: before any group
         self.plan, self.max_grad_norm = plan, plan.max_grad_norm
         self.mesh = Mesh.build(plan)
+        if self.mesh.device.type == "cpu" and (plan.zero == 3 or plan.offload != "none"):
+            steady_host_heap()   # a plan chosen for memory: the peak near what is held
         self.comm = Comm(self.mesh)
         self.watchdog = watch(self.comm)   # names the culprit when a collective fails
         # a model on the meta device is made real only where it is kept, after slots 1-2

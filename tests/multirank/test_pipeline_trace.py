@@ -2,14 +2,18 @@
 
 A model whose layers take a fixed time (models/spin.py: F = B = W = 25 ms per stage, one
 layer per stage or chunk) runs each schedule for 4 steps on P local ranks; the median step's
-measured bubble must lie within 0.05 of the formula's (equal stage costs), and zb-h1's below
-1F1B's on the same run. Theory counts communication as free: with ranks sharing a few cores
-each message costs 0.3-2 ms, which is why a layer takes 25 ms (at 5 ms the measured bubble
-overshoots theory by 0.04-0.06; at 15 ms zb-h1 at P=4 still reached 0.057 once).
+measured bubble must lie within the schedule's own bound of the formula's (equal stage
+costs), and zb-h1's below 1F1B's on the same run. Theory counts communication and the
+host's work between blocks as free. The bound is what the same schedule loses when they are
+not: the simulator run with every message costing MESSAGE_S and every compute block
+followed by HOST_S of host work, minus theory. Local ranks sharing a few cores measured
+0.3-2 ms a message and 0.5-1.2 ms of host work a block; a schedule whose critical path waits
+on more messages (1F1B's steady state, interleaving's 2V hops) gets a wider bound, GPipe's
+stream of forwards a narrow one. A layer takes 25 ms so that those costs stay small beside it.
 The layers sleep rather than spin, so that a loaded machine does not stretch one rank's
 compute against another's; and so P = 2 and P = 4 are measured side by side, in one `alone`
-slot instead of two (their six ranks use a few percent of the cores). Side by side, 10 of 12
-first measurements lay within the bound; a miss is measured again alone, as before."""
+slot instead of two (their six ranks use a few percent of the cores). A miss is measured
+again alone, on fresh ranks."""
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,10 +21,13 @@ import pytest
 
 from meshtrain.bench.pipeline import documents, measure_rank, median_step
 from meshtrain.report.trace import SCHEMA, chrome_trace, save_trace
-from meshtrain.strategies.pipeline.schedules import bubble_formula
+from meshtrain.strategies.pipeline.schedules import bubble_formula, build_schedule
+from meshtrain.strategies.pipeline.simulator import simulate
 from meshtrain.testing import run_ranks
 
 SECONDS = 0.025
+MESSAGE_S = 0.002   # the most a message between local ranks was measured to cost
+HOST_S = 0.002      # host work between two blocks: about 1 ms measured, doubled for a margin
 CASES = [(s, m, 2 if s == "interleaved" else 1)
          for s in ("gpipe", "1f1b", "interleaved", "zb-h1") for m in (4, 8)]
 WORLDS = (2, 4)
@@ -51,20 +58,39 @@ def measured():
     return get
 
 
+def bound(schedule: str, p: int, m: int, v: int) -> float:
+    """How far the schedule's bubble moves from theory's when messages and the host's work
+    between blocks cost what they were measured to (MESSAGE_S, HOST_S)."""
+    costs = dict(forward_cost=SECONDS, backward_cost=2 * SECONDS, weight_cost=SECONDS,
+                 virtual_stages=v)
+    actions = build_schedule(schedule, p, m, v)
+    return (simulate(actions, **costs, message_cost=MESSAGE_S, host_cost=HOST_S).bubble
+            - simulate(actions, **costs).bubble)
+
+
 def _off_theory(docs: dict, p: int) -> list[str]:
-    """The cases whose measured bubble lies 0.05 or more from theory's (F = B = W)."""
+    """The cases whose measured bubble lies outside theory's (F = B = W) give or take the
+    schedule's bound."""
     off = []
     for (schedule, m, v), doc in docs.items():
         theory, formula = bubble_formula(schedule, p, m, v, 1.0, 2.0, 1.0)
-        got = doc["measured"]["bubble"]
-        if abs(got - theory) >= 0.05:
-            off.append(f"{schedule} P={p} M={m}: measured {got:.3f}, {formula} = {theory:.3f}")
+        got, allowed = doc["measured"]["bubble"], bound(schedule, p, m, v)
+        if abs(got - theory) >= allowed:
+            off.append(f"{schedule} P={p} M={m}: measured {got:.3f}, {formula} = {theory:.3f}"
+                       f" (bound {allowed:.3f})")
     return off
+
+
+def test_the_bound_grows_with_the_messages_on_the_critical_path():
+    """GPipe's forwards stream through the ranks and hide most message costs; 1F1B's
+    steady state waits on one message per block; interleaving doubles the hops."""
+    for p, m in ((2, 8), (4, 8)):
+        assert 0 < bound("gpipe", p, m, 1) < bound("1f1b", p, m, 1) < bound("interleaved", p, m, 2)
 
 
 @pytest.mark.alone
 @pytest.mark.parametrize("p", WORLDS)
-def test_measured_bubble_lies_within_005_of_theory(measured, p):
+def test_measured_bubble_lies_within_the_schedules_bound_of_theory(measured, p):
     """A wall-clock timeline: a process outside the suite that wakes while it is measured
     stretches its messages (a case measured 0.06 over theory once in CI, 0.01-0.03 in every
     other run). Where a case misses, the whole world is measured once more on fresh ranks

@@ -141,7 +141,8 @@ def test_microbatches_at_least_four_times_stages():
         if p.schedule != "interleaved":
             assert ev.time.bubble == pytest.approx(
                 (p.pp - 1) / p.microbatches * ev.time.compute
-                + (p.pp - 1) * (ev.time.tp_comm + ev.time.pp_comm) / p.microbatches, rel=1e-9)
+                + (p.pp - 1) * (ev.time.tp_comm + ev.time.pp_comm + ev.time.cp_comm
+                                    + ev.time.ep_comm) / p.microbatches, rel=1e-9)
 
 
 def test_enumeration_covers_64_gpus():
@@ -184,7 +185,9 @@ def test_cli_table_and_json_agree(capsys):
     (["--model", "gpt3-175b", "--gpus-per-node", "2"], "fits no plan.*To fit, try: more devices"),
     (["--layers", "4"], "no model"),
     (["--model", "gpt2-1.3b", "--nodes", "0"], "--nodes 0"),
-    (["--model", "gpt2-1.3b", "--precision", "fp8"], "--precision 'fp8'"),
+    (["--model", "gpt2-1.3b", "--precision", "fp16"], "--precision 'fp16'"),
+    (["--model", "gpt2-1.3b", "--precision", "fp8"], "--precision fp8: the default A100-80GB "
+                                                      "has no float8 tensor cores"),
 ])
 def test_cli_bad_input_is_a_clear_error(capsys, argv, words):
     rc, out, err = _cli(capsys, *argv)

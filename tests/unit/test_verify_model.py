@@ -8,6 +8,7 @@ import pytest
 from meshtrain.cli import plan_cmd
 from meshtrain.cli.main import main
 from meshtrain.core.gpt_shapes import GPT_SHAPES
+from meshtrain.core.plan import Plan
 from meshtrain.core.units import fmt_duration
 from meshtrain.measure import verify, verify_cli
 from tests.synthetic_profile import synthetic_profile
@@ -64,11 +65,16 @@ def _verify_command(capsys, monkeypatch, tmp_path, *argv):
     return (*started.value.args, capsys.readouterr().err)
 
 
+def runnable() -> list:
+    """verify's plans, and those of BUILDING whose strategy has landed (cp's, issue 45)."""
+    return [pb for pb in verify.PLANS + verify.BUILDING if not verify.waits_for_strategy(pb[0])]
+
+
 def test_verify_runs_the_given_model_and_only_the_plans_predicted_to_fit(capsys, monkeypatch,
                                                                          tmp_path):
     plans, model, err = _verify_command(capsys, monkeypatch, tmp_path, "--model", "gpt2-124m")
     assert model == GPT_SHAPES["gpt2-124m"]
-    every = [(verify.run_plan(plan, "cpu"), batch) for plan, batch in verify.PLANS]
+    every = [(verify.run_plan(plan, "cpu"), batch) for plan, batch in runnable()]
     fitting = [pb for pb in every if verify.predict(PROFILE, *pb, model).fits]
     assert 0 < len(fitting) < len(every)   # the host's 48 GB holds some of GPT-2's plans
     assert list(plans) == fitting
@@ -80,7 +86,7 @@ def test_verify_runs_the_given_model_and_only_the_plans_predicted_to_fit(capsys,
 
 def test_verify_without_a_model_runs_its_own_gpt(capsys, monkeypatch, tmp_path):
     plans, model, err = _verify_command(capsys, monkeypatch, tmp_path)
-    assert model == verify.VERIFY_GPTS["cpu"] and len(plans) == len(verify.PLANS)
+    assert model == verify.VERIFY_GPTS["cpu"] and len(plans) == len(runnable())
     assert "predicted not to fit" not in err
 
 
@@ -90,7 +96,7 @@ def test_verify_takes_any_model_train_builds(capsys, monkeypatch, tmp_path):
     plans, model, err = _verify_command(capsys, monkeypatch, tmp_path, "--model", "llama-tiny",
                                         "--seq", "64")
     assert model == TrainedModel("llama-tiny", 64) and "plans of llama-tiny at 64 tokens" in err
-    assert len(plans) == len(verify.PLANS)   # its 2 layers at 64 tokens fit everywhere
+    assert len(plans) == len(runnable())   # its 2 layers at 64 tokens fit everywhere
 
 
 def test_a_wait_reads_in_seconds_minutes_or_hours():
@@ -114,8 +120,11 @@ def test_on_one_gpu_verify_says_what_it_leaves_out_and_why(capsys, monkeypatch, 
     # the two parameter servers, DP, DiLoCo, local SGD and PowerSGD run in fp32 only
     assert model == verify.VERIFY_GPTS["cuda"] and fp32 == 6
     assert all(verify.world_of(p) == 1 for p, _ in plans)
-    more = len(verify.PLANS) - len(plans) - fp32
-    assert f"(AdamW; {more} need more GPUs; {fp32} run in fp32 only)" in err
+    # cp and ep plans wait for their strategies (named with check_plan's refusal)
+    building = sum(bool(verify.waits_for_strategy(p)) for p, _ in verify.BUILDING)
+    more = len(verify.PLANS + verify.BUILDING) - len(plans) - fp32 - building
+    waiting = f"; {building} not built yet" if building else ""
+    assert f"(AdamW; {more} need more GPUs; {fp32} run in fp32 only{waiting})" in err
 
 
 def test_verify_repeats_each_plan_the_rounds_given(capsys, monkeypatch, tmp_path):
@@ -140,3 +149,16 @@ def test_verify_repeats_each_plan_the_rounds_given(capsys, monkeypatch, tmp_path
 def test_rounds_is_refused_where_it_means_nothing(capsys, argv, words):
     assert main(["plan", "--model", "gpt2-124m", *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_verify_names_the_cp_and_ep_plans_that_wait_for_their_strategies(capsys, monkeypatch,
+                                                                         tmp_path):
+    plans, _, err = _verify_command(capsys, monkeypatch, tmp_path)
+    # context parallel is built (issue 45): its plans run as the others; ep's still waits
+    cp_plans = [p for p, _ in verify.BUILDING if Plan(**p).cp > 1]
+    assert cp_plans and all(not verify.waits_for_strategy(p) for p in cp_plans)
+    assert not [p for p, _ in plans if Plan(**p).ep > 1]
+    assert "context parallel is not built yet" not in err
+    waiting = sum(bool(verify.waits_for_strategy(p)) for p, _ in verify.BUILDING)
+    assert "ep=2: expert parallel is not built yet" in err
+    assert f"; {waiting} not built yet" in err

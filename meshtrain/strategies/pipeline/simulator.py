@@ -75,11 +75,14 @@ def check_actions(actions: list[list[Action]]) -> None:
 
 def simulate(actions: list[list[Action]], forward_cost: float = 1.0,
              backward_cost: float = 1.0, virtual_stages: int = 1,
-             weight_cost: float | None = None) -> Timeline:
+             weight_cost: float | None = None, message_cost: float = 0.0,
+             host_cost: float = 0.0) -> Timeline:
     """Execute the lists against each other; raise ScheduleError on a deadlock or a
     message sent twice or never received. `weight_cost` is the part of `backward_cost`
     that is the weight gradient (half of it if not given): a BACKWARD split from its
-    BACKWARD_WEIGHT costs the rest."""
+    BACKWARD_WEIGHT costs the rest. Theory counts communication and the host's work as
+    free; `message_cost` delays each receive after its send, and `host_cost` idles a rank
+    after each compute block (neither counts as busy)."""
     check_actions(actions)
     pp = len(actions)
     weight = backward_cost / 2 if weight_cost is None else weight_cost
@@ -107,7 +110,7 @@ def simulate(actions: list[list[Action]], forward_cost: float = 1.0,
                     msg = message(a, rank, pp)
                     if msg not in sent:
                         break   # blocked until the peer sends it
-                    clock[rank] = max(clock[rank], sent.pop(msg))
+                    clock[rank] = max(clock[rank], sent.pop(msg) + message_cost)
                 elif a.kind in COMPUTE:
                     start, took = clock[rank], cost[a.kind]
                     if a.kind is Kind.BACKWARD and (a.microbatch, a.chunk) in split[rank]:
@@ -115,6 +118,7 @@ def simulate(actions: list[list[Action]], forward_cost: float = 1.0,
                     clock[rank] += took
                     busy[rank] += took
                     blocks.append(Block(rank, a.kind, a.microbatch, a.chunk, start, clock[rank]))
+                    clock[rank] += host_cost
                 pc[rank] += 1
                 progress = True
     blocked = {r: pc[r] for r in range(pp) if pc[r] < len(actions[r])}
@@ -124,7 +128,8 @@ def simulate(actions: list[list[Action]], forward_cost: float = 1.0,
     if sent:
         raise ScheduleError(_grid(actions, {}, "sent but never received: "
                                   + ", ".join(map(str, sent))))
-    return Timeline(blocks, pp, max(clock), busy)
+    # the makespan ends with the last compute, as a measured one does
+    return Timeline(blocks, pp, max((b.end for b in blocks), default=0.0), busy)
 
 
 def _grid(actions: list[list[Action]], marked: dict[int, int], why: str) -> str:

@@ -1,0 +1,126 @@
+"""Expert parallel priced: a mixture of experts' states split over ep ranks, the tokens'
+all-to-alls to their experts and back, and the busiest rank's share of routed work.
+
+Plan(ep=N) splits every MoE layer's E routed experts over N ranks taken from the data-
+parallel ones (ep divides dp, world unchanged; Megatron's and torchtitan's layout). The
+dense weights (attention, norms, embeddings, the router, shared experts) stay data-parallel
+over dp (x cp); each expert is data-parallel over its expert-data-parallel group of
+edp = dp (x cp) / N ranks, and ZeRO shards it there:
+  expert states per rank = (2 + 2 + K) Psi_E / N, divided by edp as ZeRO shards them
+  (Rajbhandari et al. 2020 Table 1, with Psi_E the stage's expert weights).
+A token goes to its top-k experts (Fedus et al. 2021; Mixtral: k = 2 of 8), so each layer
+dispatches b s k tokens of h elements to the experts' ranks and combines them back: per
+layer and micro-batch, 2 all-to-alls of b s k h e bytes forward (dispatch, combine) and 2
+backward (their gradients), one more pair under full recomputation; each rank sends
+(N-1)/N of each buffer (tokens routed evenly).
+Routing is rarely even: `Setup.expert_imbalance` (the busiest rank's routed tokens against
+the mean; 1.0: even, the default) scales what the busiest rank receives and its routed
+experts' work (top-k of E experts per token: the MLP's FLOPs with ModelSpec.ffn_hidden =
+k x expert width + shared width).
+Left out: the busiest rank's extra saved activations under imbalance, the router's own
+logits, and the capacity factor's dropped tokens (dropless routing).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from meshtrain.planner.hardware import Cluster
+from meshtrain.planner.model_spec import ModelSpec
+from meshtrain.planner.setup import Candidate, Setup
+from meshtrain.planner.states import ModelStates, model_states
+
+
+def stage_expert_params(spec: ModelSpec, cand: Candidate) -> float:
+    """Routed experts' weights on one rank of the busiest stage before ep splits them:
+    ceil(l/p) layers' experts, over tp (tensor parallel splits each expert's matrices)."""
+    p = cand.plan
+    return math.ceil(spec.layers / p.pp) * spec.layer_expert_params / p.tp
+
+
+def expert_share(spec: ModelSpec, cand: Candidate, psi: float
+                 ) -> tuple[float, float, Candidate | None]:
+    """(dense parameters, expert parameters this rank holds, the plan its experts are
+    data-parallel under: dp / ep replicas) for a stage of `psi` parameters; without expert
+    parallel everything is dense: (psi, 0, None)."""
+    p = cand.plan
+    if not spec.experts or p.ep == 1:
+        return psi, 0.0, None
+    experts = stage_expert_params(spec, cand)
+    edp = replace(cand, plan=replace(p, dp=p.dp // p.ep, ep=1))
+    return psi - experts, experts / p.ep, edp
+
+
+def rank_states(spec: ModelSpec, cand: Candidate, setup: Setup, psi: float,
+                host_is_device: bool = False) -> ModelStates:
+    """Model states on a rank: the dense part over dp, the experts' share over edp."""
+    p = cand.plan
+    dense, experts, edp = expert_share(spec, cand, psi)
+    states = model_states(dense, setup, p.zero, p.dp, p.offload, host_is_device)
+    if edp is None:
+        return states
+    more = model_states(experts, setup, p.zero, edp.plan.dp, p.offload, host_is_device)
+    return ModelStates(states.params + more.params, states.grads + more.grads,
+                       states.optim + more.optim, states.host + more.host)
+
+
+def dispatch_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
+    """One all-to-all's buffer on a rank: its b s tokens, k copies each, h wide."""
+    return cand.micro_batch * spec.seq * spec.top_k * spec.hidden * setup.act_bytes
+
+
+def alltoalls(cand: Candidate) -> float:
+    """All-to-alls per layer and micro-batch: dispatch and combine, forward and backward,
+    and the forward's pair again under full recomputation."""
+    full = cand.recompute == "full"
+    return 4 + (2 / cand.plan.recompute_every if full else 0)
+
+
+def layer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
+    """Bytes one rank sends across ep per layer and micro-batch, tokens routed evenly."""
+    n = cand.plan.ep
+    if not spec.experts or n == 1:
+        return 0.0
+    return alltoalls(cand) * dispatch_bytes(spec, cand, setup) * (n - 1) / n
+
+
+def step_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> dict[str, float]:
+    """{"ep": bytes a rank sends across ep per step, routed evenly}; empty without ep."""
+    p = cand.plan
+    if not spec.experts or p.ep == 1:
+        return {}
+    return {"ep": p.microbatches * math.ceil(spec.layers / p.pp) * layer_bytes(spec, cand, setup)}
+
+
+def exposed_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster,
+                 span: int) -> float:
+    """Seconds per micro-batch expert parallel adds to the busiest stage: its all-to-alls,
+    the busiest rank receiving `expert_imbalance` x the mean, and that rank's routed work
+    beyond the mean's. `span`: the ranks the ep group spans in the mesh."""
+    p = cand.plan
+    if not spec.experts or p.ep == 1:
+        return 0.0
+    layers = math.ceil(spec.layers / p.pp)
+    skew = setup.expert_imbalance
+    buffer = dispatch_bytes(spec, cand, setup) * skew
+    comm = alltoalls(cand) * cluster.collective_time("all_to_all", buffer, p.ep, span)
+    routed = 2 * spec.top_k * spec.mlp_matrices * spec.hidden * spec.expert_width / p.tp
+    passes = 3 + (1 / p.recompute_every if cand.recompute == "full" else 0)
+    extra = (skew - 1) * passes * cand.micro_batch * spec.seq * routed / cluster.achievable_flops
+    return layers * (comm + extra)
+
+
+def transient_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
+    """The all-to-all's send and receive buffers of one layer's routed tokens, the busiest
+    rank's: 2 b s k h e x imbalance."""
+    if not spec.experts or cand.plan.ep == 1:
+        return 0.0
+    return 2 * dispatch_bytes(spec, cand, setup) * setup.expert_imbalance
+
+
+def ep_sizes(spec: ModelSpec, dp: int) -> list[int]:
+    """The ep widths a layout allows: dividing both dp and the experts (1 for a dense
+    model)."""
+    if not spec.experts:
+        return [1]
+    return [n for n in range(1, dp + 1) if dp % n == 0 and spec.experts % n == 0]
