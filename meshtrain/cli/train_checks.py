@@ -30,6 +30,7 @@ def check_model_plan(config, plan: Plan) -> None:
         raise PlanError(f"--ep {plan.ep} splits the experts of mixture-of-experts layers, and "
                         f"{config.model!r} has none; use --ep 1, or a MoE model "
                         "(--model mixtral-tiny, qwen3-moe-tiny, olmoe-tiny)")
+    check_context(config, plan)
     if kind_of(config.model) == "gpt":
         from meshtrain.strategies.tensor_parallel.gpt import check_tensor_parallel
         gpt = gpt_config(config.model, **config.model_overrides)
@@ -49,6 +50,39 @@ def check_model_plan(config, plan: Plan) -> None:
         raise PlanError(f"--tp {plan.tp}: tensor parallel from the command line shards "
                         f"meshtrain's GPT presets and transformers causal LMs; {config.model!r} "
                         "needs a tp_plan, which the Python API takes (Plan(tp=T, tp_plan={...}))")
+
+
+def add_mesh_axis_options(plan) -> None:
+    """`meshtrain train`'s context- and expert-parallel flags (Plan.cp, cp_style, ep)."""
+    plan.add_argument("--cp", type=int, default=1,
+                      help="context-parallel ranks: each sequence split over them (2 cp chunks, "
+                           "load-balanced), attention across them")
+    plan.add_argument("--cp-style", default="ring", choices=["ring", "all-to-all"],
+                      help="with --cp > 1: K/V passed round a ring, or heads scattered by an "
+                           "all-to-all (the heads must divide by --cp)")
+    plan.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (of the dp "
+                      "ranks): each MoE layer's experts split over them")
+
+
+def check_context(config, plan: Plan) -> None:
+    """Context parallel's refusals of the model and its sequence length, on the model
+    built without memory: attention meshtrain cannot replace, heads all-to-all cannot
+    scatter, a sequence that 2 cp chunks do not cut evenly."""
+    if plan.cp == 1:
+        return
+    if config.link:   # gradients travel over dp x cp, an axis the emulated link does not price
+        raise PlanError(f"--link with --cp {plan.cp} is not built yet: the gradients then "
+                        "travel over dp x cp, which the emulated link does not price; drop "
+                        "--link or --cp")
+    from meshtrain.models.registry import build_model
+    from meshtrain.strategies import context_parallel
+
+    built = build_model(config.model, config.model_overrides, config.seq_len, on_meta=True)
+    context_parallel.check(built.module, plan)
+    context_parallel.check_sequence(built.seq_len, plan.cp)
+    if plan.sequence_parallel:   # tp splits each cp rank's tokens
+        from meshtrain.strategies.tensor_parallel.gpt import check_sequence
+        check_sequence(built.seq_len // plan.cp, plan.tp)
 
 
 def check_transformers_plan(spec: str, plan: Plan) -> None:

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from meshtrain.cli.summary import print_summary
-from meshtrain.cli.train_checks import check_batch_split, check_init_from, check_model_plan
+from meshtrain.cli.train_checks import (add_mesh_axis_options, check_batch_split,
+                                        check_init_from, check_model_plan)
 from meshtrain.cli.train_data import check_resumed_data, settle_data
 from meshtrain.core.plan import COMPILE_BACKENDS, PRECISIONS, RECOMPUTES, Plan, PlanError
 from meshtrain.train.config import DEFAULT_LR, OPTIMIZERS, latest_checkpoint
@@ -120,8 +121,7 @@ def _add_plan_options(plan) -> None:
     plan.add_argument("--pp", type=int, default=1)
     plan.add_argument("--tp", type=int, default=1,
                       help="tensor-parallel ranks: each layer's matrices split over them")
-    plan.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (of the dp "
-                      "ranks): each MoE layer's experts split over them")
+    add_mesh_axis_options(plan)
     plan.add_argument("--sequence-parallel", action="store_true",
                       help="with --tp > 1: split LayerNorm and residual activations along the "
                            "sequence (same bytes, activations of those regions / tp)")
@@ -201,10 +201,10 @@ def build_config(args):
         if world and world != old.world_size and old.dp_mode != "dp":
             # checkpoints load under any plan: keep the run's own, with dp over the new world
             _check_local_steps_resume(config, old, world)
-            if world % (old.pp * old.tp):
-                raise PlanError(f"the run's plan has pp*tp = {old.pp * old.tp}, which does not "
+            if world % (fixed := old.pp * old.cp * old.tp):
+                raise PlanError(f"the run's plan has pp*cp*tp = {fixed}, which does not "
                                 f"divide --nproc {world}; resume on a multiple of it")
-            config.plan = dataclasses.replace(old, dp=world // (old.pp * old.tp)).to_dict()
+            config.plan = dataclasses.replace(old, dp=world // fixed).to_dict()
         plan = Plan.from_dict(config.plan)
         check_plan(plan, world_size=world or plan.world_size)
         if not _under_torchrun():   # under torchrun, each rank checks its LOCAL_RANK
@@ -214,9 +214,9 @@ def build_config(args):
     one_process = args.dp_mode == "dp"   # DP's replicas are threads of one process
     default_world = args.pp * args.tp if one_process else default_ranks(device)
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or default_world)
-    dp = args.dp or (2 if one_process else max(1, world // (args.pp * args.tp)))
-    plan = Plan(dp=dp, pp=args.pp, tp=args.tp, ep=args.ep, staleness=args.staleness,
-                ps_shards=args.ps_shards, sync_every=args.sync_every,
+    dp = args.dp or (2 if one_process else max(1, world // (args.pp * args.cp * args.tp)))
+    plan = Plan(dp=dp, pp=args.pp, tp=args.tp, cp=args.cp, cp_style=args.cp_style, ep=args.ep,
+                staleness=args.staleness, ps_shards=args.ps_shards, sync_every=args.sync_every,
                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                 zero=args.zero, dp_mode=args.dp_mode, microbatches=args.microbatches,
                 schedule=args.schedule, virtual_stages=args.virtual_stages,

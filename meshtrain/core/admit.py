@@ -54,7 +54,6 @@ def _refuse_unbuilt(plan: Plan) -> None:
          f"precision='fp8' with tp={plan.tp}, pp={plan.pp}, zero={plan.zero}, "
          f"compile={plan.compile!r}: float8 training runs under DDP and ZeRO-1/2, eager, "
          "for now"),
-        (plan.cp > 1, f"cp={plan.cp}: context parallel is not built yet"),
         (plan.ep > 1 and (plan.dp_mode != "ddp" or plan.compression != "none"
                           or plan.precision == "fp8"),
          f"ep={plan.ep} with dp_mode={plan.dp_mode!r}, compression={plan.compression!r}, "
@@ -66,6 +65,24 @@ def _refuse_unbuilt(plan: Plan) -> None:
         if applies:
             raise PlanError(f"{message}; use a data-parallel plan such as Plan(dp=N)")
     _check_compile(plan)
+    _check_context_parallel(plan)
+
+
+def _check_context_parallel(plan: Plan) -> None:
+    """Context parallel (strategies/context_parallel) with what it is not built with yet."""
+    if plan.cp == 1:
+        return
+    unbuilt = {"compile": plan.compile is not False,
+               f"dp_mode={plan.dp_mode!r}": plan.dp_mode != "ddp",
+               f"precision={plan.precision!r}": plan.precision == "fp8",
+               f"recompute={plan.recompute!r}": plan.recompute not in ("none", "full"),
+               f"compression={plan.compression!r}": plan.compression != "none",
+               f"ep={plan.ep}": plan.ep > 1}
+    for name, applies in unbuilt.items():
+        if applies:
+            raise PlanError(f"cp with {name} is not built yet: context parallel runs with "
+                            "tp, pp, DDP or ZeRO over dp, fp32 or bf16, eager, recompute "
+                            f"'none' or 'full'; drop {name.split('=')[0]}, or use cp=1")
 
 
 def _check_compile(plan: Plan) -> None:

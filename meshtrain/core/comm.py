@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.core.handles import Done, Gauge, Then
-from meshtrain.core.mesh import AXES, Mesh
+from meshtrain.core.mesh import AXES, GROUP_AXES, Mesh
 from meshtrain.core.watchdog import CollectiveLog
 
 # torch 2.13 names the flat collectives *_single and deprecates the older names, which are all
@@ -199,7 +199,7 @@ class Comm:
 
     def _account(self, axis: str, op: str, tag: str, sent: int, received: int,
                  tensor: torch.Tensor) -> None:
-        if axis in AXES and self.mesh.device_mesh is not None:   # not "world"
+        if axis in GROUP_AXES and self.mesh.device_mesh is not None:   # not "world"
             check_device(tensor, self.group(axis))
         self.stats.record(axis, op, tag, sent, received)
         self.log.enter(op, axis, tag, tensor)
@@ -277,18 +277,23 @@ class Comm:
         handle.wait()
         return None
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
-                   input_splits: list[int], axis: str, tag: str = "") -> None:
-        """Rows of `input` (dim 0) in `input_splits` go to the axis ranks in order; `output`
-        receives `output_splits` rows from each, in rank order (uneven counts allowed).
-        Charged its exact bytes: the rows that leave this rank, and those that arrive."""
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, axis: str, tag: str = "",
+                   output_splits: list[int] | None = None,
+                   input_splits: list[int] | None = None) -> None:
+        """Rows of `input` (dim 0) go to the axis ranks in order, `output` receives each
+        rank's rows in rank order: N equal parts, or `input_splits` rows to each rank and
+        `output_splits` from each (uneven counts allowed). Charged its exact bytes: the rows
+        that leave this rank, and those that arrive."""
         if not self._active(axis):
             output.copy_(input)
             return
-        r = self.mesh.axis_rank(axis)
-        row = math.prod(input.shape[1:]) * input.element_size()   # bytes of one row
-        sent = (sum(input_splits) - input_splits[r]) * row
-        received = (sum(output_splits) - output_splits[r]) * row
+        n, r = self.mesh.size(axis), self.mesh.axis_rank(axis)
+        if input_splits is None:
+            sent = received = ring_half_elements(input.numel(), n, r) * input.element_size()
+        else:
+            row = math.prod(input.shape[1:]) * input.element_size()   # bytes of one row
+            sent = (sum(input_splits) - input_splits[r]) * row
+            received = (sum(output_splits) - output_splits[r]) * row
         self._account(axis, "all_to_all", tag, sent, received, input)
         dist.all_to_all_single(output, input, output_split_sizes=output_splits,
                                input_split_sizes=input_splits, group=self.group(axis))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from meshtrain.core.comm import Comm
-from meshtrain.core.mesh import AXES, Mesh
+from meshtrain.core.mesh import AXES, Mesh, axis_groups, rank_grid
 
 
 class HostComm(Comm):
@@ -21,6 +21,8 @@ class HostComm(Comm):
         super().__init__(comm.mesh, comm.stats)
         self.log = comm.log
         self._groups = {axis: gloo_group(comm.mesh, axis) for axis in AXES}
+        if comm.mesh.size("cp") > 1:   # the replica axis (core/mesh.py) where it is its own
+            self._groups["dp_cp"] = gloo_group(comm.mesh, "dp_cp")
 
     @property
     def link(self):
@@ -45,10 +47,8 @@ def gloo_group(mesh: Mesh, axis: str):
     group = mesh.group(axis)
     if group is None or dist.get_backend(group) == "gloo":
         return group
-    ranks = mesh.device_mesh.mesh   # (pp, dp, tp) global ranks
-    dim = AXES.index(axis)
     mine = None
-    for row in ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist():
+    for row in axis_groups(rank_grid(*(mesh.shape[a] for a in AXES)), axis):
         made = dist.new_group(row, backend="gloo")
         if mesh.rank in row:
             mine = made

@@ -1,4 +1,4 @@
-"""The device mesh: every rank is a coordinate (pp, dp, tp), tp varying fastest.
+"""The device mesh: every rank is a coordinate (pp, dp, cp, tp), tp varying fastest.
 
 The layout is a pure function (`rank_grid`, `axis_groups`) testable with no processes;
 `Mesh` wraps `torch.distributed.device_mesh.DeviceMesh` over that same layout and is passed
@@ -6,7 +6,14 @@ explicitly to every strategy (never a global). An "axis" is a mesh dimension; a 
 tensor dimension.
 
 tp varies fastest so that a tensor-parallel group (the most talkative) is a run of
-consecutive ranks, which torchrun places on one node.
+consecutive ranks, which torchrun places on one node; cp (context parallel, as talkative:
+a ring exchange per attention layer) sits next to it.
+
+[Note: the replica axis]
+Parameters are replicated over dp and over cp (every cp rank holds the whole layer and
+sees other tokens of the same sequences), so gradients are reduced, and ZeRO shards, over
+dp x cp: the flattened axis "dp_cp" (rank dp*cp_size + cp), as Megatron folds cp into data
+parallel. `Mesh.replica_axis` names the one to use: "dp" where cp = 1, else "dp_cp".
 """
 from __future__ import annotations
 
@@ -18,19 +25,26 @@ import torch.distributed as dist
 from meshtrain.core.device import backend_for, rank_device
 from meshtrain.core.plan import Plan
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "cp", "tp")
+FLATTENED = {"dp_cp": ("dp", "cp")}
+"""Axes made of adjacent axes of AXES, ranked in row-major order over them."""
+GROUP_AXES = AXES + tuple(FLATTENED)
 
 
-def rank_grid(pp: int, dp: int, tp: int) -> torch.Tensor:
-    """All ranks as a tensor shaped (pp, dp, tp): grid[i, j, k] is the rank at that coordinate."""
-    return torch.arange(pp * dp * tp).reshape(pp, dp, tp)
+def rank_grid(pp: int, dp: int, cp: int, tp: int) -> torch.Tensor:
+    """All ranks as a tensor shaped (pp, dp, cp, tp): grid[i, j, c, k] is the rank there."""
+    return torch.arange(pp * dp * cp * tp).reshape(pp, dp, cp, tp)
 
 
 def axis_groups(grid: torch.Tensor, axis: str) -> list[list[int]]:
-    """The groups of an axis: each is the ranks that vary along `axis`, the others fixed."""
-    dim = AXES.index(axis)
-    moved = grid.movedim(dim, -1)  # (..., axis)
-    return moved.reshape(-1, grid.shape[dim]).tolist()
+    """The groups of an axis: each is the ranks that vary along `axis` (or along every axis
+    a flattened one joins, the first slowest), the others fixed."""
+    dims = [AXES.index(a) for a in FLATTENED.get(_check_axis(axis), (axis,))]
+    moved = grid.movedim(dims, list(range(-len(dims), 0)))  # (..., *axes)
+    size = 1
+    for d in dims:
+        size *= grid.shape[d]
+    return moved.reshape(-1, size).tolist()
 
 
 def coordinates(grid: torch.Tensor, rank: int) -> dict[str, int]:
@@ -60,10 +74,11 @@ class Mesh:
     rank: int
     device: torch.device
     device_mesh: object | None = None  # torch DeviceMesh, None for a single process
+    flat_meshes: dict | None = None    # flattened axis -> its 1-D DeviceMesh
 
     @classmethod
     def build(cls, plan: Plan) -> "Mesh":
-        shape = {"pp": plan.pp, "dp": plan.mesh_dp, "tp": plan.tp}
+        shape = {"pp": plan.pp, "dp": plan.mesh_dp, "cp": plan.cp, "tp": plan.tp}
         device, _backend = device_for_backend()
         if device.type == "cuda":   # what the mesh's collectives and streams run on
             torch.cuda.set_device(device)
@@ -72,22 +87,38 @@ class Mesh:
             return cls(shape=shape, coords={a: 0 for a in AXES}, rank=0, device=device)
         plan.check_world_size(dist.get_world_size())
         from torch.distributed.device_mesh import init_device_mesh
-        device_mesh = init_device_mesh(device.type, (plan.pp, plan.mesh_dp, plan.tp),
+        device_mesh = init_device_mesh(device.type, tuple(shape[a] for a in AXES),
                                        mesh_dim_names=AXES)
+        # the flattened groups only where they differ from dp's (collective: every rank)
+        flat = ({name: device_mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}
+                if plan.cp > 1 else {})
         rank = dist.get_rank()
-        coords = coordinates(rank_grid(plan.pp, plan.mesh_dp, plan.tp), rank)
-        return cls(shape=shape, coords=coords, rank=rank, device=device, device_mesh=device_mesh)
+        coords = coordinates(rank_grid(*(shape[a] for a in AXES)), rank)
+        return cls(shape=shape, coords=coords, rank=rank, device=device,
+                   device_mesh=device_mesh, flat_meshes=flat)
 
     @property
     def world_size(self) -> int:
-        return self.shape["pp"] * self.shape["dp"] * self.shape["tp"]
+        return self.shape["pp"] * self.shape["dp"] * self.shape["cp"] * self.shape["tp"]
+
+    @property
+    def replica_axis(self) -> str:
+        """The axis parameters are replicated over, which gradients are reduced and ZeRO
+        shards over: see [Note: the replica axis]."""
+        return "dp" if self.shape["cp"] == 1 else "dp_cp"
 
     def size(self, axis: str) -> int:
-        return self.shape[_check_axis(axis)]
+        size = 1
+        for part in FLATTENED.get(_check_axis(axis), (axis,)):
+            size *= self.shape[part]
+        return size
 
     def axis_rank(self, axis: str) -> int:
         """This rank's index inside its group along `axis`."""
-        return self.coords[_check_axis(axis)]
+        index = 0
+        for part in FLATTENED.get(_check_axis(axis), (axis,)):
+            index = index * self.shape[part] + self.coords[part]
+        return index
 
     def group(self, axis: str):
         """The process group of the ranks that share every coordinate but `axis`'s.
@@ -96,12 +127,19 @@ class Mesh:
         _check_axis(axis)
         if self.device_mesh is None:
             return None
+        if axis in FLATTENED:
+            if axis not in self.flat_meshes:   # dp x 1: the dp group itself
+                return self.device_mesh.get_group(FLATTENED[axis][0])
+            return self.flat_meshes[axis].get_group()
         return self.device_mesh.get_group(axis)
 
     def global_rank(self, axis: str, axis_rank: int) -> int:
         """The global rank of the member `axis_rank` of this rank's group along `axis`."""
-        coords = dict(self.coords, **{_check_axis(axis): axis_rank})
-        return rank_grid(**self.shape)[coords["pp"], coords["dp"], coords["tp"]].item()
+        coords = dict(self.coords)
+        for part in reversed(FLATTENED.get(_check_axis(axis), (axis,))):
+            axis_rank, coords[part] = divmod(axis_rank, self.shape[part])
+        grid = rank_grid(*(self.shape[a] for a in AXES))
+        return grid[tuple(coords[a] for a in AXES)].item()
 
     def __repr__(self) -> str:
         where = ", ".join(f"{a}={self.coords[a]}/{self.shape[a]}" for a in AXES)
@@ -109,6 +147,6 @@ class Mesh:
 
 
 def _check_axis(axis: str) -> str:
-    if axis not in AXES:
-        raise ValueError(f"unknown mesh axis {axis!r}; the axes are {AXES}")
+    if axis not in GROUP_AXES:
+        raise ValueError(f"unknown mesh axis {axis!r}; the axes are {GROUP_AXES}")
     return axis

@@ -41,6 +41,8 @@ import time
 from collections import defaultdict, deque
 from collections import Counter
 
+from meshtrain.core.mesh import GROUP_AXES
+
 P2P = {"send", "recv"}
 NCCL_GRACE_S = 60.0   # NCCL's timeout past ours: time to notice a stall, diagnose, report
 
@@ -197,7 +199,7 @@ class Watchdog:
                       if r != self.mesh.rank and (r not in now or
                                                   now[r]["beat"] == first.get(r, {}).get("beat")))
         findings = []
-        for axis in ("pp", "dp", "tp"):
+        for axis in GROUP_AXES:
             if self.mesh.size(axis) > 1:
                 members = [self.mesh.global_rank(axis, i) for i in range(self.mesh.size(axis))]
                 findings += compare(axis, {r: now.get(r, {}).get("axes", {}).get(axis)

@@ -146,8 +146,11 @@ def verify_rank(model: dict | TrainedModel, plan: dict, batch: int, steps: int =
         trainer.comm.stats.reset()   # one more step (round), counted
         one_round()
         sent = {axis: trainer.comm.stats.total(axis=axis).sent / every for axis in AXES}
-        # expert parallel's edp groups are subgroups of dp: their gradients count as dp's
-        sent["dp"] += trainer.comm.stats.total(axis="edp").sent / every
+        # expert parallel's edp groups are subgroups of dp: their gradients count as dp's;
+        # cp's gradients travel over the flattened dp x cp (core/mesh.py), which the planner
+        # prices as the data-parallel axis of a cp rank's view
+        sent["dp"] += sum(trainer.comm.stats.total(axis=axis).sent
+                          for axis in ("edp", "dp_cp")) / every
         peak_alloc = report.model_states + allocated_peak(one_round, device)
     trainer.close()
     role = rank_role(Plan(**plan), dist.get_rank() if dist.is_initialized() else 0)

@@ -224,6 +224,13 @@ class NoSharding:
         return loss_fn
 
 
+class WholeSequences:
+    """Slot 1's split of the batch with cp = 1: every rank takes whole sequences."""
+
+    def split(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
 class WholeModel:
     """Slot 2 with pp = 1: this rank runs every layer."""
 

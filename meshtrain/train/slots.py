@@ -10,7 +10,7 @@ from meshtrain.core.comm import Comm
 from meshtrain.core.memory import ActivationMeter
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.core.state import StateLayout
-from meshtrain.strategies import expert_parallel, pipeline, tensor_parallel
+from meshtrain.strategies import context_parallel, expert_parallel, pipeline, tensor_parallel
 from meshtrain.strategies.compile import graph_step_marker
 from meshtrain.strategies.data_parallel.ddp import DDP
 from meshtrain.strategies.data_parallel.diloco import DiLoCo
@@ -19,7 +19,7 @@ from meshtrain.strategies.data_parallel.parameter_server import ParameterServer
 from meshtrain.strategies.data_parallel.powersgd import PowerSGD
 from meshtrain.strategies.data_parallel.ps_async import AsyncParameterServer
 from meshtrain.strategies.slots import (GradientSync, LayerSharding, MicrobatchLoop, NoSharding,
-                                        Stages, StepDriver, WholeModel)
+                                        Stages, StepDriver, WholeModel, WholeSequences)
 from meshtrain.strategies.shared.replicas import ReplicaGroup
 from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.strategies.zero.zero3 import ZeRO3
@@ -39,6 +39,15 @@ def check_layer_sharding(model: nn.Module, plan: Plan, tp_plan: dict | None) -> 
     the mesh is built; check_plan has refused a tp_plan without tp)."""
     tensor_parallel.check(model, plan, tp_plan)
     expert_parallel.check(model, plan)
+    context_parallel.check(model, plan)
+
+
+def split_context(model: nn.Module, plan: Plan, comm: Comm):
+    """Slot 1 over cp: attention across the cp ranks, and the split that gives each its
+    chunks of every sequence (strategies/context_parallel)."""
+    if plan.cp == 1:
+        return WholeSequences()
+    return context_parallel.apply(model, plan, comm)
 
 
 def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout) -> Stages:
@@ -60,6 +69,7 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
     if fill is not None and not zero3:
         fill(None)
     params, buffers = stages.named_parameters(), [b for _, b in stages.named_buffers()]
+    axis = comm.mesh.replica_axis   # dp, or dp x cp (core/mesh.py [Note: the replica axis])
     if plan.dp_mode == "dp":
         return MasterDP(stages.model, params, comm, replicas=plan.dp)
     if plan.dp_mode == "ps-sync":
@@ -70,16 +80,16 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
         return DiLoCo(params, buffers, comm, plan)
     if zero3:
         return ZeRO3(stages.model, params, buffers, comm, plan,
-                     unit_names=_list(plan.zero3_units), offload_dir=plan.offload_dir,
-                     fill=fill, replicas=replicas)
+                     unit_names=_list(plan.zero3_units), axis=axis,
+                     offload_dir=plan.offload_dir, fill=fill, replicas=replicas)
     if plan.zero in (1, 2):
-        return ZeRO(params, buffers, comm, plan, shared=list(stages.shared),
+        return ZeRO(params, buffers, comm, plan, shared=list(stages.shared), axis=axis,
                     offload_dir=plan.offload_dir, replicas=replicas)
     if plan.compression == "powersgd":
         return PowerSGD(params, buffers, comm, plan.bucket_mb, plan.compression_rank,
                         plan.compression_min_rate, plan.sync_warmup_steps)
     return DDP(params, buffers, comm, bucket_mb=plan.bucket_mb, precision=plan.precision,
-               replicas=replicas)
+               axis=axis, replicas=replicas)
 
 
 def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_fn: Callable,

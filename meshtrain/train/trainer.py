@@ -40,7 +40,7 @@ from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.tensor_parallel.sharding import is_token_cross_entropy
 from meshtrain.train import checkpoint
 from meshtrain.train.slots import (check_layer_sharding, drive_steps, keep_stages, shard_layers,
-                                   sync_gradients)
+                                   split_context, sync_gradients)
 from meshtrain.core.state import StateLayout
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -91,6 +91,7 @@ class Trainer:
         # 1. tensor parallel first: stages and gradient sync then see the shards
         self.sharding = shard_layers(self.model, plan, self.comm, tp_plan)
         self.loss_fn = self.sharding.wrap_loss(self.loss_fn)   # vocab-parallel where split
+        self.context = split_context(self.model, plan, self.comm)   # each cp rank its chunks
         self.activations = (ActivationMeter(self.model.parameters())
                             if plan.measure_activations else None)
         # float8 linears after tensor parallel, before compile and recomputation wrap them
@@ -151,7 +152,8 @@ class Trainer:
     def _step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         sync = self.data_parallel
         sync.zero_grad()
-        local_loss = self.driver.run(inputs, targets, sync)
+        split = self.context.split
+        local_loss = self.driver.run(split(inputs), split(targets), sync)
         loss = self.driver.global_loss(sync.finish_gradient_sync(local_loss))
         if self.router_loss is not None:
             self.last_loss_parts = self._loss_parts()
@@ -205,7 +207,7 @@ class Trainer:
         """`clip_gradients` without reading the norm on the host (the step never waits)."""
         counted = lambda name: self.sharding.counts(name) and self.stages.counts(name)
         square_sum = self.data_parallel.gradient_square_sum(counted)
-        for axis in ("tp", "pp", "dp"):
+        for axis in ("tp", "pp", self.mesh.replica_axis):
             self.comm.all_reduce(square_sum, axis, tag="grad-norm")
         norm = square_sum.sqrt().float()
         self.data_parallel.scale_gradients(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
@@ -229,14 +231,15 @@ class Trainer:
         rounds = -(-len(batches) // self.dp_size) if collective else 0
         self.model.eval()
         try:
-            losses = [self.driver.evaluate(x, y) for x, y in mine]
+            split = self.context.split   # each cp rank's loss: its equal share's mean
+            losses = [self.driver.evaluate(split(x), split(y)) for x, y in mine]
             for _ in range(rounds - len(mine)):
-                self.driver.evaluate(*batches[0])
+                self.driver.evaluate(split(batches[0][0]), split(batches[0][1]))
         finally:
             self.model.train()
         total = torch.tensor([sum(losses), len(mine)], dtype=torch.float64,
                              device=self.mesh.device)
-        self.comm.all_reduce(total, "dp", tag="eval")
+        self.comm.all_reduce(total, self.mesh.replica_axis, tag="eval")
         return (total[0] / total[1].clamp(min=1)).item()
 
     @contextmanager
@@ -304,7 +307,7 @@ class Trainer:
         self.checkpoint_share = max(self.checkpoint_share, storage_bytes(
             [*params.values(), *(v for s in states.values() for v in s.values())]))
         stepped = torch.tensor([float(len(states))], device=self.mesh.device)
-        for axis in ("tp", "pp", "dp"):
+        for axis in ("tp", "pp", self.mesh.replica_axis):
             self.comm.all_reduce(stepped, axis, tag="save")
         optimizer_state = {"state": states, "param_groups": groups} if stepped.item() else None
         checkpoint.save(path, params, optimizer_state, self.plan,
@@ -317,8 +320,9 @@ class Trainer:
         optimizer states by name, param groups). Each tensor goes to the rank of its stage
         holding the fewest bytes so far (every rank makes the same choice: the sizes are
         the same everywhere); tied tensors and buffers appear on every stage that holds them."""
-        mine = self.mesh.axis_rank("dp") * self.mesh.size("tp") + self.mesh.axis_rank("tp")
-        held = [0] * (self.mesh.size("dp") * self.mesh.size("tp"))
+        replicas = self.mesh.replica_axis   # every rank of a stage keeps a share
+        mine = self.mesh.axis_rank(replicas) * self.mesh.size("tp") + self.mesh.axis_rank("tp")
+        held = [0] * (self.mesh.size(replicas) * self.mesh.size("tp"))
         params, states = {}, {}
         for local, local_states in self.data_parallel.local_state_groups():
             for name, value in local.items():

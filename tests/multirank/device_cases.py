@@ -67,6 +67,9 @@ CASES = {
                            model="gpt_pipe"),
     "3d": Case(8, dict(PIPE, dp=2, tp=2, zero=1, sequence_parallel=True),
                clip=0.25),
+    # context parallel: the ring's send/recv and the all-to-all's exchanges
+    "cp-ring": Case(2, dict(cp=2), model="gpt_tp", clip=0.3),
+    "cp-a2a-zero3": Case(4, dict(dp=2, cp=2, zero=3, cp_style="all-to-all"), model="gpt_tp"),
     # compiled blocks (inductor: triton kernels on the GPU)
     "compile-world1": Case(1, dict(dp=1, compile=True), clip=0.3),
     "compile-zero3": Case(2, dict(dp=2, zero=3, compile=True)),

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from meshtrain.core.comm import (Comm, ring_all_reduce_elements,
                                  ring_all_reduce_received_elements, ring_chunk_sizes,
                                  ring_half_elements)
-from meshtrain.core.mesh import AXES, Mesh, axis_groups, coordinates, rank_grid
+from meshtrain.core.mesh import GROUP_AXES, Mesh, axis_groups, coordinates, rank_grid
 from meshtrain.core.plan import Plan
 from meshtrain.core.reference_collectives import parameter_server_all_reduce, ring_all_reduce
 from meshtrain.testing import run_ranks
@@ -147,7 +147,7 @@ def test_dp_collectives_values_and_counters(n):
     check_dp_counters(results, n, sizes_for(n))
     check_collective_counters(results, n)
     if n == 4:
-        check_mesh_axes(run_ranks(4, mesh_axis_cases, 1, 2, 2), (1, 2, 2))
+        check_mesh_axes(run_ranks(4, mesh_axis_cases, 1, 2, 1, 2), (1, 2, 2, 1))
 
 
 def world8_cases(sizes):
@@ -159,16 +159,17 @@ def test_world_8():
     results = run_ranks(8, world8_cases, sizes_for(8), timeout=120)
     check_dp_counters([r[0] for r in results], 8, sizes_for(8))
     check_collective_counters([r[0] for r in results], 8)
-    check_mesh_axes([r[1] for r in results], (2, 2, 2))
+    check_mesh_axes([r[1] for r in results], (2, 2, 1, 2))
 
 
-def mesh_axis_cases(pp: int, dp: int, tp: int) -> dict:
-    """All-reduce 2**rank along each axis (the sum names exactly the members), and broadcast
-    from axis rank 1 (the value names which global rank sent it)."""
-    mesh = Mesh.build(Plan(pp=pp, dp=dp, tp=tp))
+def mesh_axis_cases(pp: int, dp: int, tp: int, cp: int = 1) -> dict:
+    """All-reduce 2**rank along each axis, the flattened dp x cp included (the sum names
+    exactly the members), and broadcast from axis rank 1 (the value names which global rank
+    sent it)."""
+    mesh = Mesh.build(Plan(pp=pp, dp=dp, tp=tp, cp=cp))
     comm = Comm(mesh)
     out = {"coords": dict(mesh.coords)}
-    for axis in AXES:
+    for axis in GROUP_AXES:
         t = torch.full((3,), 2.0 ** mesh.rank, dtype=torch.float64)
         comm.all_reduce(t, axis, tag="sum")
         out[axis] = t[0].item()
@@ -181,11 +182,11 @@ def mesh_axis_cases(pp: int, dp: int, tp: int) -> dict:
 
 
 def check_mesh_axes(results, shape) -> None:
-    grid = rank_grid(*shape)
-    sizes = dict(zip(AXES, shape))
+    grid = rank_grid(*shape)   # (pp, dp, cp, tp)
+    sizes = dict(zip(("pp", "dp", "cp", "tp"), shape), dp_cp=shape[1] * shape[2])
     for rank, res in enumerate(results):
         assert res["coords"] == coordinates(grid, rank)
-        for axis in AXES:
+        for axis in GROUP_AXES:
             (group,) = [g for g in axis_groups(grid, axis) if rank in g]
             assert res[axis] == sum(2.0 ** g for g in group), (rank, axis, group)
             n, axis_rank = sizes[axis], group.index(rank)
@@ -198,7 +199,7 @@ def check_mesh_axes(results, shape) -> None:
             assert res["stats"][key] == {"calls": 1, "sent": nbytes,
                                          "received": ring_received_elements(3, n, axis_rank) * 8}
         # counters are kept per axis: nothing else was recorded
-        expected_keys = {f"{a}/{op}" for a in AXES if sizes[a] > 1
+        expected_keys = {f"{a}/{op}" for a in GROUP_AXES if sizes[a] > 1
                          for op in ("all_reduce[sum]", "broadcast[bc]")}
         assert set(res["stats"]) == expected_keys
 

@@ -56,6 +56,22 @@ CASES = [
      "microbatches=3 must be a multiple of pp=2"),
     ("train --nproc 2 --tp 2 --sequence-parallel --seq 15",
      "use a sequence length that is a multiple of 2"),
+    # context parallel (issue 45)
+    ("train --nproc 2 --cp 2 --seq 14", "cuts each sequence into 2*cp = 4 equal chunks, but the "
+                                        "sequence has 14 tokens"),
+    ("train --nproc 4 --cp 4 --cp-style all-to-all --heads 2 --d-model 32",
+     "scatters the attention heads over cp=4, but the model has 2 heads"),
+    ("train --nproc 2 --cp 2 --model tests.multirank.own_model:build",
+     "Recurrent exposes none meshtrain can replace"),
+    ("train --nproc 4 --cp 2 --pp 2 --model llama-tiny",
+     "cp with pp for a transformers model (LlamaForCausalLM) is not built yet"),
+    ("train --nproc 2 --cp 2 --compile", "cp with compile is not built yet"),
+    ("train --nproc 2 --cp 2 --link dp=1Gb/s", "--link with --cp 2 is not built yet"),
+    ("train --nproc 8 --cp 4 --tp 2 --cp-style all-to-all",
+     "the model has 2 heads and 2 key/value heads on each of tp=2 ranks"),
+    ("train --nproc 8 --cp 2 --tp 4 --sequence-parallel --seq 20",
+     "use a sequence length that is a multiple of 4"),
+    ("train --nproc 2 --cp 2 --cp-style mesh", "invalid choice: 'mesh'"),
     # the data-parallel family
     ("train --dp-mode dp --nproc 2", "runs its 2 replicas as threads of one process"),
     ("train --nproc 2 --dp-mode ps-sync --ps-shards 3",

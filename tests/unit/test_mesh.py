@@ -9,47 +9,75 @@ from meshtrain.strategies.shared.buckets import build_buckets
 
 
 def test_rank_grid_is_row_major_with_tp_fastest():
-    grid = rank_grid(2, 2, 2)
-    assert grid.shape == (2, 2, 2)
-    assert grid.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
-    assert rank_grid(1, 3, 1).flatten().tolist() == [0, 1, 2]
-    assert rank_grid(2, 3, 4)[1, 2, 3].item() == 1 * 12 + 2 * 4 + 3
+    grid = rank_grid(2, 2, 1, 2)
+    assert grid.shape == (2, 2, 1, 2)
+    assert grid.flatten().tolist() == list(range(8))
+    assert grid[:, :, 0].tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert rank_grid(1, 3, 1, 1).flatten().tolist() == [0, 1, 2]
+    assert rank_grid(2, 3, 5, 4)[1, 2, 3, 3].item() == 1 * 60 + 2 * 20 + 3 * 4 + 3
 
 
 def test_axis_groups_of_a_2x2x2_mesh():
-    grid = rank_grid(pp=2, dp=2, tp=2)
+    grid = rank_grid(pp=2, dp=2, cp=1, tp=2)
     assert axis_groups(grid, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert axis_groups(grid, "dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert axis_groups(grid, "pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert axis_groups(grid, "dp_cp") == axis_groups(grid, "dp")   # cp = 1: dp itself
 
 
-@pytest.mark.parametrize("shape", [(1, 4, 1), (2, 3, 4), (3, 1, 2), (4, 2, 1)])
+def test_cp_sits_between_dp_and_tp_and_dp_cp_flattens_them():
+    grid = rank_grid(pp=1, dp=2, cp=2, tp=2)   # rank = 4 dp + 2 cp + tp
+    assert axis_groups(grid, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert axis_groups(grid, "cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert axis_groups(grid, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # dp slowest inside the flattened axis: dp_cp rank = dp * cp_size + cp
+    assert axis_groups(grid, "dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1, 1), (2, 3, 1, 4), (3, 1, 2, 2), (4, 2, 2, 1)])
 def test_axis_groups_partition_the_world(shape):
-    pp, dp, tp = shape
-    grid = rank_grid(pp, dp, tp)
-    for axis, size in zip(("pp", "dp", "tp"), shape):
+    grid = rank_grid(*shape)
+    sizes = dict(zip(("pp", "dp", "cp", "tp"), shape), dp_cp=shape[1] * shape[2])
+    for axis, size in sizes.items():
         groups = axis_groups(grid, axis)
         assert len(groups) == grid.numel() // size
         assert all(len(g) == size for g in groups)
         assert sorted(r for g in groups for r in g) == list(range(grid.numel()))
-        for group in groups:  # members differ in this axis's coordinate only
+        varying = {"dp", "cp"} if axis == "dp_cp" else {axis}
+        for group in groups:  # members differ in this axis's coordinates only
             coords = [coordinates(grid, r) for r in group]
-            assert [c[axis] for c in coords] == list(range(size))
-            for other in {"pp", "dp", "tp"} - {axis}:
+            if axis != "dp_cp":
+                assert [c[axis] for c in coords] == list(range(size))
+            else:
+                assert [c["dp"] * shape[2] + c["cp"] for c in coords] == list(range(size))
+            for other in {"pp", "dp", "cp", "tp"} - varying:
                 assert len({c[other] for c in coords}) == 1
 
 
 def test_coordinates():
-    grid = rank_grid(2, 2, 2)
-    assert coordinates(grid, 0) == {"pp": 0, "dp": 0, "tp": 0}
-    assert coordinates(grid, 5) == {"pp": 1, "dp": 0, "tp": 1}
-    assert coordinates(grid, 6) == {"pp": 1, "dp": 1, "tp": 0}
-    big = rank_grid(2, 3, 4)
-    for rank in range(24):
+    grid = rank_grid(2, 2, 1, 2)
+    assert coordinates(grid, 0) == {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
+    assert coordinates(grid, 5) == {"pp": 1, "dp": 0, "cp": 0, "tp": 1}
+    assert coordinates(grid, 6) == {"pp": 1, "dp": 1, "cp": 0, "tp": 0}
+    big = rank_grid(2, 3, 2, 4)
+    for rank in range(48):
         c = coordinates(big, rank)
-        assert big[c["pp"], c["dp"], c["tp"]].item() == rank
+        assert big[c["pp"], c["dp"], c["cp"], c["tp"]].item() == rank
     with pytest.raises(ValueError, match="rank 8 is not in a mesh of 8 ranks"):
         coordinates(grid, 8)
+
+
+def test_flattened_axis_ranks_and_global_ranks_follow_the_grid():
+    """Mesh's own arithmetic for dp_cp (no process group needed) agrees with axis_groups."""
+    shape = {"pp": 1, "dp": 2, "cp": 3, "tp": 2}
+    grid = rank_grid(**shape)
+    for rank in range(grid.numel()):
+        mesh = Mesh(shape=shape, coords=coordinates(grid, rank), rank=rank,
+                    device=torch.device("cpu"))
+        group = next(g for g in axis_groups(grid, "dp_cp") if rank in g)
+        assert mesh.size("dp_cp") == 6 and group[mesh.axis_rank("dp_cp")] == rank
+        assert [mesh.global_rank("dp_cp", i) for i in range(6)] == group
+        assert mesh.replica_axis == "dp_cp"
 
 
 def test_single_process_mesh():

@@ -20,7 +20,8 @@ CONFIG = GPTConfig(vocab_size=62, seq_len=16, n_layer=2, n_head=4, d_model=32, b
 
 def rank_comm(rank: int, tp: int) -> Comm:
     """Rank `rank`'s Comm on a (1, 1, tp) mesh, with no process group behind it."""
-    mesh = Mesh(shape={"pp": 1, "dp": 1, "tp": tp}, coords={"pp": 0, "dp": 0, "tp": rank},
+    mesh = Mesh(shape={"pp": 1, "dp": 1, "cp": 1, "tp": tp},
+                coords={"pp": 0, "dp": 0, "cp": 0, "tp": rank},
                 rank=rank, device=torch.device("cpu"))
     return Comm(mesh)
 

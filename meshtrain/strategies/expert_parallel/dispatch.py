@@ -36,14 +36,14 @@ class AllToAll(torch.autograd.Function):
                 tag: str) -> torch.Tensor:
         ctx.send, ctx.receive, ctx.comm, ctx.tag = send, receive, comm, tag
         out = x.new_empty((sum(receive), *x.shape[1:]))
-        comm.all_to_all(out, x.contiguous(), receive, send, "ep", tag=tag)
+        comm.all_to_all(out, x.contiguous(), "ep", tag, receive, send)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        ctx.comm.all_to_all(out, grad.contiguous(), ctx.send, ctx.receive, "ep",
-                            tag=ctx.tag + "-grad")
+        ctx.comm.all_to_all(out, grad.contiguous(), "ep", ctx.tag + "-grad", ctx.send,
+                            ctx.receive)
         return out, None, None, None, None
 
 
@@ -78,8 +78,7 @@ class ShardedExperts(nn.Module):
         # (E,) rows per expert; an index E means "no expert" to transformers: sorted last, cut
         counts = torch.bincount(flat, minlength=self.experts + 1)[:self.experts]
         arriving = torch.empty_like(counts)                  # (ep * E/ep,) from each peer
-        self.comm.all_to_all(arriving, counts, [self.local] * ep, [self.local] * ep, "ep",
-                             tag="ep-counts")
+        self.comm.all_to_all(arriving, counts, "ep", tag="ep-counts")   # E/ep to each
         per_peer = arriving.view(ep, self.local)             # (ep, E/ep) rows peer -> expert
         send = counts.view(ep, self.local).sum(dim=1).tolist()
         receive = per_peer.sum(dim=1).tolist()
