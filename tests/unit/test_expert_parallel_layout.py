@@ -15,7 +15,7 @@ from meshtrain.strategies.expert_parallel.groups import edp_groups, ep_groups
 def test_groups_split_each_dp_group_into_contiguous_ep_and_strided_edp(pp, dp, tp, ep):
     """Within each dp group: dp rank r is ep rank r % ep of the run [r - r % ep, ...) and edp
     rank r // ep of the ranks holding the same experts; each partition covers the group."""
-    for ranks in axis_groups(rank_grid(pp, dp, tp), "dp"):
+    for ranks in axis_groups(rank_grid(pp, dp, 1, tp), "dp"):
         eps, edps = ep_groups(ranks, ep), edp_groups(ranks, ep)
         assert sorted(r for g in eps for r in g) == sorted(ranks)
         assert sorted(r for g in edps for r in g) == sorted(ranks)

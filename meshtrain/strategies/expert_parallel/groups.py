@@ -71,7 +71,7 @@ def expert_comm(comm: Comm, ep: int) -> Comm:
     dp, rank = mesh.size("dp"), mesh.rank
     members, groups = {}, {}
     if dist.is_available() and dist.is_initialized():
-        grid = rank_grid(mesh.size("pp"), dp, mesh.size("tp"))
+        grid = rank_grid(mesh.size("pp"), dp, mesh.size("cp"), mesh.size("tp"))
         for dp_ranks in axis_groups(grid, "dp"):
             for axis, layout in (("ep", ep_groups), ("edp", edp_groups)):
                 for ranks in layout(dp_ranks, ep):
