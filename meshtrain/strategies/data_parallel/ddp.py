@@ -33,6 +33,7 @@ from the statistics that ride in the last bucket.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -52,6 +53,8 @@ class DDP(GradientSync):
     """Gradient synchronisation for parameters replicated along the mesh's dp axis, and the
     optimizer over them (slots 3 and 4: see strategies/slots.py, GradientSync)."""
 
+    buckets_when_alone = False   # see [Note: one replica]; PowerSGD reads the buckets
+
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, bucket_mb: float,
                  precision: str = "fp32", axis: str = "dp") -> None:
@@ -64,6 +67,11 @@ class DDP(GradientSync):
         cast_to(precision, self.params, list(buffers))
         n = comm.mesh.size(axis)
         self.mixed = precision != "fp32"
+        self.alone = n == 1 and not self.mixed and not self.buckets_when_alone
+        self.buckets, self.grads = [], None
+        if self.alone:
+            self.zero_grad()
+            return
         # the last bucket's payload: this rank's loss, then one "used" flag per parameter
         # (fp32 payload; in bf16 the statistics travel in their own small all-reduce)
         buckets = build_buckets(self.params[::-1], bucket_mb * 2**20,
@@ -78,16 +86,20 @@ class DDP(GradientSync):
 
     @property
     def events(self) -> list[tuple[str, int, float]]:
-        return self.grads.events
+        return [] if self.alone else self.grads.events
 
     # ---- the step -----------------------------------------------------------------------
     def zero_grad(self) -> None:
         """Start a step: no gradients yet (each lands in its bucket as backward makes it)."""
-        self.grads.start_step()
+        if not self.alone:
+            self.grads.start_step()
+            return
+        for p in self.params:
+            p.grad = None
 
     def no_sync(self):
         """Accumulate gradients locally (earlier micro-batches): no communication."""
-        return self.grads.paused()
+        return nullcontext() if self.alone else self.grads.paused()
 
     def _launch(self, bucket: Bucket):
         if self.comm.mesh.size(self.axis) == 1:   # one replica: its gradients are the mean
@@ -100,6 +112,8 @@ class DDP(GradientSync):
     def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
         """After the last backward: launch every bucket not yet launched (the statistics
         riding in the last), wait for all; return the global mean loss."""
+        if self.alone:
+            return local_loss.item()
         stats = torch.cat([local_loss.reshape(1).float(), self.grads.used_flags()])
         if not self.mixed:
             self.buckets[-1].extra.copy_(stats)
@@ -184,11 +198,14 @@ class DDP(GradientSync):
     @property
     def gradient_bytes(self) -> int:
         """The buckets (with their padding, in bf16), less the statistics' payload."""
+        if self.alone:   # autograd's .grad of each parameter, as backward leaves them
+            return sum(p.numel() * p.element_size() for p in self.params)
         payload = 0 if self.mixed else (1 + len(self.params)) * self.buckets[-1].dtype.itemsize
         return sum(b.nbytes for b in self.buckets) - payload
 
     def remove_hooks(self) -> None:
-        self.grads.remove_hooks()
+        if not self.alone:
+            self.grads.remove_hooks()
 
 
 class _ReduceThenGather:

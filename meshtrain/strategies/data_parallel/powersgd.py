@@ -50,6 +50,8 @@ SEED = 0   # the first Q of every matrix: the same on every rank
 class PowerSGD(DDP):
     """DDP (slots 3 and 4) with its gradient sync compressed to rank `rank` factors."""
 
+    buckets_when_alone = True   # its compression reads the gradients from the buckets
+
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, bucket_mb: float, rank: int,
                  min_rate: float = 2.0, warmup_steps: int = 0, axis: str = "dp") -> None:
