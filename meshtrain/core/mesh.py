@@ -10,7 +10,7 @@ consecutive ranks, which torchrun places on one node.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,9 @@ class Mesh:
     rank: int
     device: torch.device
     device_mesh: object | None = None  # torch DeviceMesh, None for a single process
+    # each axis's group, looked up once: DeviceMesh.get_group searches every process group
+    # on each call, and every collective and message asks for one
+    _groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, plan: Plan) -> "Mesh":
@@ -96,12 +99,15 @@ class Mesh:
         _check_axis(axis)
         if self.device_mesh is None:
             return None
-        return self.device_mesh.get_group(axis)
+        if axis not in self._groups:
+            self._groups[axis] = self.device_mesh.get_group(axis)
+        return self._groups[axis]
 
     def global_rank(self, axis: str, axis_rank: int) -> int:
-        """The global rank of the member `axis_rank` of this rank's group along `axis`."""
-        coords = dict(self.coords, **{_check_axis(axis): axis_rank})
-        return rank_grid(**self.shape)[coords["pp"], coords["dp"], coords["tp"]].item()
+        """The global rank of the member `axis_rank` of this rank's group along `axis`:
+        `rank_grid`'s layout (tp fastest) as arithmetic, no tensor made per message."""
+        c = dict(self.coords, **{_check_axis(axis): axis_rank})
+        return (c["pp"] * self.shape["dp"] + c["dp"]) * self.shape["tp"] + c["tp"]
 
     def __repr__(self) -> str:
         where = ", ".join(f"{a}={self.coords[a]}/{self.shape[a]}" for a in AXES)

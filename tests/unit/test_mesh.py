@@ -52,6 +52,21 @@ def test_coordinates():
         coordinates(grid, 8)
 
 
+def test_global_rank_is_the_grids_entry():
+    """global_rank's arithmetic is rank_grid's layout: for every rank of a 2x3x2 mesh, each
+    axis's member i is the grid's rank at this rank's coordinates with that axis set to i."""
+    shape = {"pp": 2, "dp": 3, "tp": 2}
+    grid = rank_grid(**shape)
+    for rank in range(grid.numel()):
+        coords = coordinates(grid, rank)
+        mesh = Mesh(shape=shape, coords=coords, rank=rank, device=torch.device("cpu"))
+        for axis in shape:
+            for i in range(shape[axis]):
+                where = dict(coords, **{axis: i})
+                assert mesh.global_rank(axis, i) == grid[where["pp"], where["dp"],
+                                                         where["tp"]].item()
+
+
 def test_single_process_mesh():
     mesh = Mesh.build(Plan())
     assert mesh.world_size == 1 and mesh.rank == 0

@@ -141,7 +141,7 @@ class DDP(GradientSync):
         if self.mixed:
             self.masters.set_group_grads([b.buffer[:b.gradient_numel] for b in self.buckets],
                                          [p.grad is not None for p in self.params])
-        else:
+        elif self.masters.separate:   # else the optimizer steps the parameters, .grad set
             self.masters.set_grads([p.grad for p in self.params])
         self.optimizer.step()
         self.masters.write_back()
