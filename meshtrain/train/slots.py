@@ -73,7 +73,8 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
     if plan.compression == "powersgd":
         return PowerSGD(params, buffers, comm, plan.bucket_mb, plan.compression_rank,
                         plan.compression_min_rate, plan.sync_warmup_steps)
-    return DDP(params, buffers, comm, bucket_mb=plan.bucket_mb, precision=plan.precision)
+    return DDP(params, buffers, comm, bucket_mb=plan.bucket_mb, precision=plan.precision,
+               keep_buckets=plan.pp > 1)   # see [Note: one replica] in ddp.py
 
 
 def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_fn: Callable,

@@ -94,6 +94,14 @@ def test_buckets_close_at_the_cap_in_the_order_given():
     assert buckets[1].offsets == [0, 5]
 
 
+def test_the_first_bucket_closes_at_its_own_cap():
+    params = _params((10,), (20,), (5,), (100,), (3,))       # 40, 80, 20, 400, 12 bytes
+    buckets = build_buckets(params, bucket_bytes=100, first_bytes=30)
+    # 40 >= 30 closes the first; then 80+20 >= 100, 400, and 12 left over
+    assert [len(b.params) for b in buckets] == [1, 2, 1, 1]
+    assert build_buckets(params, bucket_bytes=1000, first_bytes=1000)[0].params == params
+
+
 def test_a_parameter_larger_than_the_cap_gets_its_own_bucket():
     params = _params((1000,), (2,), (2,))
     buckets = build_buckets(params, bucket_bytes=64)

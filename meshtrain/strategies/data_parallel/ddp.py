@@ -49,15 +49,22 @@ from meshtrain.strategies.shared.replicas import broadcast_tensors
 from meshtrain.strategies.slots import GradientSync
 
 
+# torch DDP's first bucket: small, so that the last layers' gradients (backward's first) are
+# all-reduced while backward goes on; a model whose gradients fit in one `bucket_mb` would
+# otherwise overlap nothing, its one bucket being the last (docs/history.md)
+FIRST_BUCKET_MB = 1.0
+
+
 class DDP(GradientSync):
     """Gradient synchronisation for parameters replicated along the mesh's dp axis, and the
     optimizer over them (slots 3 and 4: see strategies/slots.py, GradientSync)."""
 
-    buckets_when_alone = False   # see [Note: one replica]; PowerSGD reads the buckets
-
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, bucket_mb: float,
-                 precision: str = "fp32", axis: str = "dp") -> None:
+                 precision: str = "fp32", axis: str = "dp", keep_buckets: bool = False
+                 ) -> None:
+        """`keep_buckets`: gradients go through the buckets even with one replica (see
+        [Note: one replica])."""
         self.comm, self.axis = comm, axis
         broadcast_tensors([p for _, p in named_params] + list(buffers), comm, axis)
         self.named = {n: p for n, p in named_params if p.requires_grad}
@@ -67,7 +74,7 @@ class DDP(GradientSync):
         cast_to(precision, self.params, list(buffers))
         n = comm.mesh.size(axis)
         self.mixed = precision != "fp32"
-        self.alone = n == 1 and not self.mixed and not self.buckets_when_alone
+        self.alone = n == 1 and not self.mixed and not keep_buckets
         self.buckets, self.grads = [], None
         if self.alone:
             self.zero_grad()
@@ -76,7 +83,8 @@ class DDP(GradientSync):
         # (fp32 payload; in bf16 the statistics travel in their own small all-reduce)
         buckets = build_buckets(self.params[::-1], bucket_mb * 2**20,
                                 last_extra=0 if self.mixed else 1 + len(self.params),
-                                pad_to=n if self.mixed else 1)
+                                pad_to=n if self.mixed else 1,
+                                first_bytes=min(FIRST_BUCKET_MB, bucket_mb) * 2**20)
         self.grads = GradientBuckets(self.params, buckets, self._launch, scale=1.0 / n,
                                      hold_last=not self.mixed)
         self.buckets = buckets

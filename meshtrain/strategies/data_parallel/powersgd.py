@@ -50,12 +50,12 @@ SEED = 0   # the first Q of every matrix: the same on every rank
 class PowerSGD(DDP):
     """DDP (slots 3 and 4) with its gradient sync compressed to rank `rank` factors."""
 
-    buckets_when_alone = True   # its compression reads the gradients from the buckets
-
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, bucket_mb: float, rank: int,
                  min_rate: float = 2.0, warmup_steps: int = 0, axis: str = "dp") -> None:
-        super().__init__(named_params, buffers, comm, bucket_mb, precision="fp32", axis=axis)
+        # its compression reads the gradients from the buckets, one replica or more
+        super().__init__(named_params, buffers, comm, bucket_mb, precision="fp32", axis=axis,
+                         keep_buckets=True)
         self.warmup_steps, self.steps = warmup_steps, 0
         generator = None
         self.factors: dict[int, _Factors] = {}   # id(param) -> its compression state
