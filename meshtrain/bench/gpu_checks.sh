@@ -9,12 +9,12 @@
 #     bash meshtrain/bench/gpu_checks.sh env tier        # only these steps
 #
 # Steps: install env default gpt2 offload recompute single train8 compile profile tier calibrate
-# verify verify-gpt2 verify-llama. A step that fails, or outlasts $STEP_TIMEOUT seconds (default 600), is recorded and the
+# verify verify-gpt2 verify-llama recipe recipe-fp8. A step that fails, or outlasts $STEP_TIMEOUT seconds (default 600), is recorded and the
 # next one runs. ROUNDS=N repeats calibrate's and verify's runs N times (their default: 3).
 # TARBALL=PATH packs $OUT into one file after every step (a machine that hands back only a
 # few files, or is taken back mid-way, still returns the steps done). Runs train in a
 # scratch folder (checkpoints stay out of $OUT). The timing steps
-# (single, train8, compile, profile, calibrate, verify*) want the GPU to themselves; the others can
+# (single, train8, compile, profile, calibrate, verify*, recipe*) want the GPU to themselves; the others can
 # share it, e.g. in one call of about four minutes on an H100 (docs/gpu.md was measured this way):
 #
 #     export STEP_TIMEOUT=150; S=meshtrain/bench/gpu_checks.sh
@@ -26,7 +26,7 @@
 set -u
 cd "$(dirname "$0")/../.."   # the repository root (this file is meshtrain/bench/gpu_checks.sh)
 ALL="install env default gpt2 offload recompute single train8 compile profile tier calibrate"
-ALL="$ALL verify verify-gpt2 verify-llama"
+ALL="$ALL verify verify-gpt2 verify-llama recipe recipe-fp8"
 STEPS=${*:-$ALL}
 for s in $STEPS; do
     case " $ALL " in *" $s "*) ;; *) echo "unknown step $s (steps: $ALL)" >&2; exit 2 ;; esac
@@ -101,6 +101,12 @@ torch.cuda.nccl.version() if torch.cuda.is_available() else None)'" ;;
     verify) step verify "$PY" -m meshtrain plan --verify --json $ROUNDS_ARG ;;
     verify-gpt2)   # the same plans on GPT-2 124M, the model bench single and train8 time
         step verify-gpt2 "$PY" -m meshtrain plan --verify --model gpt2-124m --json $ROUNDS_ARG ;;
+    recipe)   # Llama 3.2 1B's shape at 4096 tokens, bf16: meshtrain vs the torchtitan recipe
+        step bench-recipe "$PY" -m meshtrain bench recipe --device cuda --size 1b \
+            --precision bf16 --json "$OUT/bench-recipe.json" ;;
+    recipe-fp8)   # the same in float8 (both sides eager); needs torchao: pip install '.[fp8]'
+        step bench-recipe-fp8 "$PY" -m meshtrain bench recipe --device cuda --size 1b \
+            --precision fp8 --json "$OUT/bench-recipe-fp8.json" ;;
     verify-llama)   # a transformers Llama, priced from its trace (measure/traced.py)
         step verify-llama "$PY" -m meshtrain plan --verify --model llama-tiny --json \
             $ROUNDS_ARG ;;

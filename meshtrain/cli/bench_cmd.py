@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
                                      "implementation, or meshtrain's own machinery")
     p.add_argument("strategy", choices=["ddp", "zero", "tp", "hybrid", "collectives", "dp",
                                         "pp", "harness", "startup", "survival", "slowlink",
-                                        "single", "data", "ep"],
+                                        "single", "data", "ep", "recipe"],
                    help="ddp: our DDP vs torch DDP; zero: our DDP, ZeRO-1/2/3 vs torch's "
                         "ZeroRedundancyOptimizer and FSDP2; tp: vs DTensor tensor parallel; "
                         "hybrid: every 8-rank dp x pp x tp plan vs FSDP2 + DTensor TP; "
@@ -35,16 +35,21 @@ def add_parser(sub) -> None:
                         "compiled (--device); data: windows/s the loader delivers per rank "
                         "against what a training step consumes (--data, --world); ep: "
                         "expert parallel vs replicated experts on a transformers MoE preset "
-                        "(--model, default mixtral-tiny), the all-to-all against its formula")
+                        "(--model, default mixtral-tiny), the all-to-all against its formula; "
+                        "recipe: a Llama-3-shaped model on one device, meshtrain's best plan "
+                        "vs the torchtitan recipe from PyTorch's parts (FSDP2, per-layer "
+                        "compile, selective checkpointing, AdamW; --size, --seq, --precision)")
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8],
                    help="pp: micro-batch counts (4 8)")
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes (2 4)")
     p.add_argument("--model", default=None,
                    help="GPT preset (default small: 4 layers, d_model 256, seq 128; slowlink: "
                         "tiny; single: gpt2-124m on CUDA, tiny on CPU)")
-    p.add_argument("--batch", type=int, default=16, help="global batch")
+    p.add_argument("--batch", type=int, default=None,
+                   help="global batch (16; recipe: 1 sequence)")
     p.add_argument("--seq", type=int, default=None,
-                   help="slowlink: sequence length (default: the preset's)")
+                   help="slowlink: sequence length (default: the preset's); recipe: 4096 "
+                        "for --size 1b, 128 for tiny")
     p.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
     p.add_argument("--reps", type=int, default=10, help="repetitions, alternating")
     p.add_argument("--warmup", type=int, default=3)
@@ -70,10 +75,16 @@ def add_parser(sub) -> None:
                    help="slowlink: folder for the runs and slowlink.png")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
                    help="single: where to run (default auto: CUDA when a GPU is visible)")
-    p.add_argument("--precision", choices=["fp32", "bf16"],
-                   help="single: compute precision (default bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager"],
-                   help="single: torch.compile's backend for the compiled contenders")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp8"],
+                   help="single, recipe: compute precision (default bf16 on CUDA, fp32 on "
+                        "CPU); fp8: recipe only (torchao's float8, emulated on the CPU)")
+    p.add_argument("--compile-backend", default="inductor",
+                   choices=["inductor", "aot_eager", "none"],
+                   help="single, recipe: torch.compile's backend for the compiled contenders "
+                        "(recipe: none runs both sides eagerly)")
+    p.add_argument("--size", choices=["1b", "tiny"],
+                   help="recipe: Llama 3.2 1B's shape (default on CUDA) or a tiny Llama "
+                        "(default on CPU)")
     p.add_argument("--data", help="data: the token dataset to read (default: 2**24 random "
                                   "tokens in a temporary shard)")
     p.add_argument("--json", metavar="FILE", help="also write the full result as JSON")
@@ -87,7 +98,7 @@ def run(args) -> int:
     if problem:
         print(f"meshtrain bench: {problem}", file=sys.stderr)
         return 2
-    for world in ([] if args.strategy in ("hybrid", "startup", "survival", "single")
+    for world in ([] if args.strategy in ("hybrid", "startup", "survival", "single", "recipe")
                   else args.world):
         if world < 2 or (args.strategy not in NO_MODEL and args.batch % world):
             split = ("" if args.strategy in NO_MODEL
@@ -101,11 +112,9 @@ def run(args) -> int:
         result = data.run(args.data, args.model, args.batch, max(args.world), args.steps,
                           args.reps, args.warmup, progress)
         print(data.format_report(result))
-    elif args.strategy == "single":
-        from meshtrain.bench import single
-        result = single.run(args.device, args.model, args.batch, args.precision,
-                            args.compile_backend, args.steps, args.reps, args.warmup, progress)
-        print(single.format_report(result))
+    elif args.strategy in ("single", "recipe"):
+        result, report = run_one_device(args, progress)
+        print(report)
     elif args.strategy == "slowlink":
         from meshtrain.bench import slowlink
         result = slowlink.run(args.out, nproc=max(args.world), link=args.link,
@@ -170,6 +179,20 @@ def _run_ep(args, progress) -> dict:
     return result
 
 
+def run_one_device(args, progress) -> tuple[dict, str]:
+    """The benchmarks on one device: (result, report)."""
+    if args.strategy == "single":
+        from meshtrain.bench import single
+        result = single.run(args.device, args.model, args.batch, args.precision,
+                            args.compile_backend, args.steps, args.reps, args.warmup, progress)
+        return result, single.format_report(result)
+    from meshtrain.bench import recipe
+    result = recipe.run(args.device, args.size, args.batch, args.seq, args.precision,
+                        None if args.compile_backend == "none" else args.compile_backend,
+                        args.steps, args.reps, args.warmup, progress)
+    return result, recipe.format_report(result)
+
+
 def run_machinery(args, progress) -> tuple[object, str, bool]:
     """The benchmarks of meshtrain's own machinery: (result, report, whether all went well)."""
     if args.strategy == "harness":
@@ -197,6 +220,8 @@ def check_bench_args(args) -> str | None:
     """What makes these arguments unusable, in words, or None."""
     from meshtrain.models.gpt import PRESETS
 
+    if args.batch is None:
+        args.batch = 1 if args.strategy == "recipe" else 16
     for flag, value, least in (("--reps", args.reps, 1), ("--steps", args.steps, 1),
                                ("--warmup", args.warmup, 0), ("--batch", args.batch, 1)):
         if value < least:
@@ -242,29 +267,69 @@ def check_bench_args(args) -> str | None:
     if args.against and shutil.which(args.against) is None:
         return (f"--against {args.against}: no such command; give the path of another "
                 f"installation's meshtrain (e.g. OTHER_VENV/bin/meshtrain)")
-    if args.strategy == "single":
-        from meshtrain.bench.single import default_model
+    if args.strategy in ("single", "recipe"):
         from meshtrain.core.device import DeviceError, resolve_device
         try:
             args.device = resolve_device(args.device)
         except DeviceError as e:
             return str(e)
+    if args.strategy == "recipe":
+        return check_recipe_args(args)
+    if args.precision == "fp8":
+        return "--precision fp8: the recipe bench only (single runs fp32 or bf16)"
+    if args.compile_backend == "none" and args.strategy == "single":
+        return ("--compile-backend none: single races compiled contenders; give inductor or "
+                "aot_eager")
+    if args.strategy == "single":
+        from meshtrain.bench.single import default_model
         args.model = args.model or default_model(args.device)
     if args.strategy == "ep":
-        from meshtrain.models.hf_presets import MOE, config_of
-        args.model = args.model or "mixtral-tiny"
-        if args.model not in MOE:
-            return f"--model {args.model!r}: bench ep runs a MoE preset ({', '.join(MOE)})"
-        from meshtrain.models.moe import router_of
-        experts = router_of(type("M", (), {"config": config_of(args.model)})).experts
-        uneven = [w for w in args.world if experts % w]
-        if uneven:
-            return (f"--world {' '.join(map(str, uneven))}: ep = world must divide "
-                    f"{args.model}'s {experts} experts")
-        return None
+        return check_ep_args(args)
     if args.strategy in ("slowlink", "data"):   # the smallest preset: the default GPT's
         args.model = args.model or "tiny"
     args.model = args.model or "small"
     if args.strategy not in NO_MODEL and args.model not in PRESETS:
         return f"--model {args.model!r}: the benchmarks run a GPT preset ({', '.join(PRESETS)})"
+    return None
+
+
+def check_ep_args(args) -> str | None:
+    """bench ep's own refusals (it runs a transformers MoE preset, ep = world)."""
+    from meshtrain.models.hf_presets import MOE, config_of
+    from meshtrain.models.moe import router_of
+
+    args.model = args.model or "mixtral-tiny"
+    if args.model not in MOE:
+        return f"--model {args.model!r}: bench ep runs a MoE preset ({', '.join(MOE)})"
+    experts = router_of(type("M", (), {"config": config_of(args.model)})).experts
+    uneven = [w for w in args.world if experts % w]
+    if uneven:
+        return (f"--world {' '.join(map(str, uneven))}: ep = world must divide "
+                f"{args.model}'s {experts} experts")
+    return None
+
+
+def check_recipe_args(args) -> str | None:
+    """The recipe bench's own refusals (it runs a transformers Llama, not a GPT preset)."""
+    import importlib.util
+
+    if args.model is not None:
+        return (f"--model {args.model}: the recipe bench runs a Llama of --size 1b or tiny "
+                "(transformers' LlamaConfig), not a GPT preset")
+    if args.seq is not None and args.seq < 1:
+        return f"--seq {args.seq}: give a sequence length >= 1"
+    if importlib.util.find_spec("transformers") is None:
+        return ("the recipe bench builds transformers' Llama, which is not installed; "
+                "pip install 'meshtrain[hf]'")
+    if args.precision == "fp8":   # the Trainer's refusals, before the rank starts
+        import torch
+
+        from meshtrain.core.device import device_capability
+        from meshtrain.core.plan import PlanError
+        from meshtrain.strategies.float8 import check_fp8
+        try:
+            check_fp8("fp8", args.device == "cpu", args.device,
+                      *device_capability(torch.device(args.device)))
+        except PlanError as e:
+            return f"--precision fp8: {e}"
     return None

@@ -80,6 +80,20 @@ def test_flattened_axis_ranks_and_global_ranks_follow_the_grid():
         assert mesh.replica_axis == "dp_cp"
 
 
+def test_global_rank_is_the_grids_entry():
+    """global_rank's arithmetic is rank_grid's layout: for every rank of a 2x3x2x2 mesh, each
+    axis's member i is the grid's rank at this rank's coordinates with that axis set to i."""
+    shape = {"pp": 2, "dp": 3, "cp": 2, "tp": 2}
+    grid = rank_grid(**shape)
+    for rank in range(grid.numel()):
+        coords = coordinates(grid, rank)
+        mesh = Mesh(shape=shape, coords=coords, rank=rank, device=torch.device("cpu"))
+        for axis in shape:
+            for i in range(shape[axis]):
+                where = dict(coords, **{axis: i})
+                assert mesh.global_rank(axis, i) == grid[tuple(where[a] for a in shape)].item()
+
+
 def test_single_process_mesh():
     mesh = Mesh.build(Plan())
     assert mesh.world_size == 1 and mesh.rank == 0
@@ -105,6 +119,14 @@ def test_buckets_close_at_the_cap_in_the_order_given():
     assert [b.buffer.numel() for b in buckets] == [30, 105, 3]
     assert [b.nbytes for b in buckets] == [120, 420, 12]
     assert buckets[1].offsets == [0, 5]
+
+
+def test_the_first_bucket_closes_at_its_own_cap():
+    params = _params((10,), (20,), (5,), (100,), (3,))       # 40, 80, 20, 400, 12 bytes
+    buckets = build_buckets(params, bucket_bytes=100, first_bytes=30)
+    # 40 >= 30 closes the first; then 80+20 >= 100, 400, and 12 left over
+    assert [len(b.params) for b in buckets] == [1, 2, 1, 1]
+    assert build_buckets(params, bucket_bytes=1000, first_bytes=1000)[0].params == params
 
 
 def test_a_parameter_larger_than_the_cap_gets_its_own_bucket():

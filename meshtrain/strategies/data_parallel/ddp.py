@@ -49,6 +49,12 @@ from meshtrain.strategies.shared.replicas import (ReplicaGroup, broadcast_tensor
 from meshtrain.strategies.slots import GradientSync
 
 
+# torch DDP's first bucket: small, so that the last layers' gradients (backward's first) are
+# all-reduced while backward goes on; a model whose gradients fit in one `bucket_mb` would
+# otherwise overlap nothing, its one bucket being the last (docs/history.md)
+FIRST_BUCKET_MB = 1.0
+
+
 class DDP(GradientSync):
     """Gradient synchronisation for parameters replicated along the mesh's dp axis, and the
     optimizer over them (slots 3 and 4: see strategies/slots.py, GradientSync)."""
@@ -79,7 +85,8 @@ class DDP(GradientSync):
         buckets = build_buckets(self.params[::-1], bucket_mb * 2**20,
                                 last_extra=0 if self.mixed else 1 + len(self.params),
                                 pad_to=n if self.mixed else 1,
-                                groups=replica_groups(self.named, replicas))
+                                groups=replica_groups(self.named, replicas),
+                                first_bytes=min(FIRST_BUCKET_MB, bucket_mb) * 2**20)
         self._group_of = {b.index: replicas.get(self._name_of[id(b.params[0])])
                           for b in buckets}   # None: the whole dp axis
         self.grads = GradientBuckets(self.params, buckets, self._launch, scale=1.0 / n,
@@ -141,7 +148,7 @@ class DDP(GradientSync):
         if self.mixed:
             self.masters.set_group_grads([b.buffer[:b.gradient_numel] for b in self.buckets],
                                          [p.grad is not None for p in self.params])
-        else:
+        elif self.masters.separate:   # else the optimizer steps the parameters, .grad set
             self.masters.set_grads([p.grad for p in self.params])
         self.optimizer.step()
         self.masters.write_back()

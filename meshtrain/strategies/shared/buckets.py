@@ -99,14 +99,17 @@ class Bucket:
 
 def build_buckets(params: list[nn.Parameter], bucket_bytes: float, last_extra: int = 0,
                   pad_to: int = 1, dtype: torch.dtype | None = None, lazy: bool = False,
-                  groups: list[list[nn.Parameter]] | None = None) -> list[Bucket]:
+                  groups: list[list[nn.Parameter]] | None = None,
+                  first_bytes: float | None = None) -> list[Bucket]:
     """Group `params` (in the order given) into buckets of about `bucket_bytes` each.
 
-    A bucket closes once it reaches the cap; a parameter larger than the cap gets a bucket
-    of its own. Parameters of different dtype or device never share a bucket, nor do
-    parameters of different `groups` (each group's buckets come first, in the order given;
-    `params` are what no group took). Each bucket's length is padded to a multiple of
-    `pad_to`; the last bucket gets `last_extra` payload elements after its padding."""
+    A bucket closes once it reaches the cap (the first one at `first_bytes` where given, as
+    torch DDP's first bucket of 1 MiB: the gradients backward makes first start
+    communicating early); a parameter larger than the cap gets a bucket of its own.
+    Parameters of different dtype or device never share a bucket, nor do parameters of
+    different `groups` (each group's buckets come first, in the order given; `params` are
+    what no group took). Each bucket's length is padded to a multiple of `pad_to`; the last
+    bucket gets `last_extra` payload elements after its padding."""
     taken = {id(p) for g in groups or [] for p in g}
     rest = [p for p in params if id(p) not in taken]
     runs: list[list[nn.Parameter]] = []
@@ -119,7 +122,8 @@ def build_buckets(params: list[nn.Parameter], bucket_bytes: float, last_extra: i
                 current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
+            if size >= (first_bytes if first_bytes is not None and not runs
+                        else bucket_bytes):
                 runs.append(current)
                 current, size = [], 0
         if current:
