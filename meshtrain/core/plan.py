@@ -19,6 +19,7 @@ RECOMPUTES = ("none", "full", "selective", "attention")
 COMPRESSIONS = ("none", "powersgd")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "cudagraphs")   # compile=True is "inductor"
 CP_STYLES = ("ring", "all-to-all")
+DDP_FIRST_BUCKET_MB = 1.0   # DDP's first bucket, as torch DDP's (strategies/data_parallel/ddp.py)
 
 
 class PlanError(ValueError):

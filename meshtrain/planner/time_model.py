@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from meshtrain.core.plan import LOCAL_STEP_MODES
+from meshtrain.core.plan import DDP_FIRST_BUCKET_MB, LOCAL_STEP_MODES
 from meshtrain.planner import context_parallel, experts
 from meshtrain.planner.compression import powersgd_traffic
 from meshtrain.planner.compute_time import dispatch_time, micro_batch_compute
@@ -64,14 +64,11 @@ def pipeline_slots(schedule: str, pp: int, m: int, v: int = 1) -> float:
 
 def bucket_sizes(total: float, bucket: float) -> tuple[int, float, float]:
     """DDP buckets of `total` gradient bytes: (count of full buckets, their size, the last
-    bucket's size). Buckets close at parameter boundaries; ignoring that is a small error."""
-    if total <= 0:
-        return 0, 0.0, 0.0
-    full = int(total // bucket)
-    rest = total - full * bucket
-    if rest <= 0:
-        return full - 1, float(bucket), float(bucket)
-    return full, float(bucket), rest
+    bucket's size; 0 when none). Buckets close at parameter boundaries; ignoring that is a
+    small error."""
+    full, rest = (int(total // bucket), total % bucket) if total > 0 else (0, 0.0)
+    return (full - 1, float(bucket), float(bucket)) if full and not rest else (
+        full, float(bucket), rest)
 
 
 def tp_overhead(cluster: Cluster, tp: int, hidden: int) -> float:
@@ -225,12 +222,14 @@ def dp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluste
     # tensor (~13 per block)
     stats_bytes = 4 * (1 + 13 * math.ceil(spec.layers / p.pp))
     if p.zero == 0:
-        # DDP all-reduces its gradient buckets (Plan.bucket_mb each, filled from the last
-        # layer backwards), each at its own size on the measured curve; the statistics ride
-        # in the last bucket.
-        full, size, last_size = bucket_sizes(grad_bytes, p.bucket_mb * 2**20)
-        last = coll("all_reduce", last_size + stats_bytes)
-        t_dp = full * coll("all_reduce", size) + last
+        # DDP all-reduces its gradient buckets (filled from the last layer backwards: the
+        # first DDP_FIRST_BUCKET_MB, then Plan.bucket_mb each), each at its own size on the
+        # measured curve; the statistics ride in the last bucket.
+        first = min(DDP_FIRST_BUCKET_MB * 2**20, p.bucket_mb * 2**20, grad_bytes)
+        full, size, last_size = bucket_sizes(grad_bytes - first, p.bucket_mb * 2**20)
+        early = full * coll("all_reduce", size) + (coll("all_reduce", first) if last_size else 0)
+        last = coll("all_reduce", (last_size or first) + stats_bytes)
+        t_dp = early + last
     elif p.zero == 1:
         # the same buckets reduce-scattered once per step (overlapped as DDP's), then the
         # updated parameters all-gathered after the optimizer step: nothing left to hide it

@@ -9,12 +9,13 @@ import pytest
 from meshtrain.bench import slowlink, slowlink_crossover as xover
 from meshtrain.core.comm import ring_all_reduce_elements, ring_all_reduce_received_elements
 from meshtrain.core.link import Link, LinkModel
-from meshtrain.core.plan import Plan
+from meshtrain.core.plan import DDP_FIRST_BUCKET_MB, Plan
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.model_spec import preset
 from meshtrain.planner.setup import Candidate, Setup
 from meshtrain.models.gpt import GPT, gpt_config
 from meshtrain.planner.time_model import step_time
+from meshtrain.strategies.shared.buckets import build_buckets
 
 
 def test_reach_sums_the_records_up_to_the_first_evaluation_at_the_target():
@@ -43,9 +44,11 @@ def test_the_planners_ddp_link_time_is_the_ring_formula():
     free = Cluster(nodes=4, gpus_per_node=1, inter_bw=bw, inter_latency=lat,
                    peak_flops=1e30, mem_bw=1e30, overlap=0.0)
     link = step_time(spec, Candidate(Plan(dp=4), 4), setup, free).total
-    # DDP's link time at 1 Gb/s, 5 ms: one bucket, 6 ring steps of latency, 1.5x the bytes
-    # (the gradients and the statistics that ride with them)
-    assert link == pytest.approx(6 * lat + 1.5 * spec.num_params * 4 / bw, rel=1e-4)
+    # DDP's link time at 1 Gb/s, 5 ms: the tiny GPT's 3.3 MiB of gradients in two buckets
+    # (the first closes at 1 MiB, as torch DDP's), 6 ring steps of latency each, 1.5x the
+    # bytes (the gradients and the statistics that ride with them)
+    assert spec.num_params * 4 > DDP_FIRST_BUCKET_MB * 2**20
+    assert link == pytest.approx(2 * 6 * lat + 1.5 * spec.num_params * 4 / bw, rel=1e-4)
 
 
 def test_reach_interpolates_the_step_the_loss_crosses_the_target_at():
@@ -131,19 +134,22 @@ def _charged(link: LinkModel, *numels: int) -> None:
 
 
 def test_the_planners_link_terms_are_what_the_emulated_link_charges():
-    """The emulated link (core/link.py) on a run's dp collectives: DDP's step all-reduces one
-    bucket (the gradients, the loss and one used flag per parameter tensor: ddp.py); a
+    """The emulated link (core/link.py) on a run's dp collectives: DDP's step all-reduces its
+    buckets as ddp.py builds them (the first closing at 1 MiB; the last carrying the loss and
+    one used flag per parameter tensor); a
     DiLoCo round of H steps all-reduces the sync step's loss, then the pseudo-gradient
     (diloco.py). The planner's latency per step is the link's exactly; its bytes are the
     link's but for the used flags, which it counts at 13 per block (the GPT has 15), and the
     loss scalar's ring share (6 bytes for rank 0's 8)."""
     params = [p for p in GPT(gpt_config("tiny")).parameters()]
     numel = sum(p.numel() for p in params)
-    assert numel * 4 < Plan().bucket_mb * 2**20   # DDP's gradients fit one bucket
+    buckets = build_buckets(params[::-1], Plan().bucket_mb * 2**20, last_extra=1 + len(params),
+                            first_bytes=DDP_FIRST_BUCKET_MB * 2**20)
+    assert len(buckets) == 2   # 1 MiB first, then the rest: the tiny GPT's 3.3 MiB
     ddp = LinkModel({"dp": Link(BW, LAT)}, sleep=lambda s: None)
-    _charged(ddp, numel + 1 + len(params))
+    _charged(ddp, *(b.buffer.numel() for b in buckets))
     lat, nbytes = _planner_link(Plan(dp=NPROC))
-    assert lat == pytest.approx(6 * LAT, rel=1e-12)   # 2(N - 1) ring steps
+    assert lat == pytest.approx(2 * 6 * LAT, rel=1e-12)   # 2(N - 1) ring steps a bucket
     assert lat + nbytes / BW == pytest.approx(ddp.charged["dp"], rel=1e-5)
     link_bytes = (ddp.charged["dp"] - lat) * BW
     assert link_bytes - nbytes == pytest.approx(1.5 * 4 * (len(params) - 13 * 4), abs=1e-3)

@@ -41,6 +41,7 @@ from torch import nn
 from meshtrain.core.comm import Comm
 from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
 from meshtrain.core.optim_state import load_state_by_name, param_groups_by_name, state_by_name
+from meshtrain.core.plan import DDP_FIRST_BUCKET_MB
 from meshtrain.strategies.shared.buckets import Bucket, build_buckets
 from meshtrain.strategies.shared.gradient_buckets import GradientBuckets
 from meshtrain.strategies.shared.precision import MasterWeights, cast_to
@@ -49,10 +50,10 @@ from meshtrain.strategies.shared.replicas import (ReplicaGroup, broadcast_tensor
 from meshtrain.strategies.slots import GradientSync
 
 
-# torch DDP's first bucket: small, so that the last layers' gradients (backward's first) are
-# all-reduced while backward goes on; a model whose gradients fit in one `bucket_mb` would
-# otherwise overlap nothing, its one bucket being the last (docs/history.md)
-FIRST_BUCKET_MB = 1.0
+# torch DDP's first bucket (DDP_FIRST_BUCKET_MB): small, so that the last layers' gradients
+# (backward's first) are all-reduced while backward goes on; a model whose gradients fit in
+# one `bucket_mb` would otherwise overlap nothing, its one bucket being the last
+# (docs/history.md). The planner prices the same buckets (planner/time_model.py).
 
 
 class DDP(GradientSync):
@@ -86,7 +87,7 @@ class DDP(GradientSync):
                                 last_extra=0 if self.mixed else 1 + len(self.params),
                                 pad_to=n if self.mixed else 1,
                                 groups=replica_groups(self.named, replicas),
-                                first_bytes=min(FIRST_BUCKET_MB, bucket_mb) * 2**20)
+                                first_bytes=min(DDP_FIRST_BUCKET_MB, bucket_mb) * 2**20)
         self._group_of = {b.index: replicas.get(self._name_of[id(b.params[0])])
                           for b in buckets}   # None: the whole dp axis
         self.grads = GradientBuckets(self.params, buckets, self._launch, scale=1.0 / n,
