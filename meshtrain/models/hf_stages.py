@@ -33,6 +33,12 @@ from torch import nn
 from meshtrain.core.plan import PlanError
 
 
+# A model's own token positions where they are not 0..L-1 for the L tokens a forward sees
+# (context parallel gives each rank chunks of the whole sequence): a function (L, device)
+# -> position_ids, set on the causal LM, read by every stage.
+GLOBAL_POSITIONS = "meshtrain_global_positions"
+
+
 class _Reached(Exception):
     """Stops the base model's forward where an element's work is done, with its result."""
 
@@ -101,6 +107,10 @@ class _Runner:
         a stand-in stops at, or the base model's output where none stops. Given
         `inputs_embeds` (a later stage), the modules before the layers are inert."""
         inert = self.inert if "inputs_embeds" in inputs else {}
+        positions = getattr(self.model, GLOBAL_POSITIONS, None)
+        if positions is not None:
+            given = inputs.get("input_ids", inputs.get("inputs_embeds"))
+            inputs["position_ids"] = positions(given.size(1), given.device)
         proxy = _Proxy(self.base, {**inert, self.layers_name: stand_ins})
         try:
             output = self.base_forward(proxy, use_cache=False, **inputs)

@@ -63,8 +63,6 @@ CASES = [
      "scatters the attention heads over cp=4, but the model has 2 heads"),
     ("train --nproc 2 --cp 2 --model tests.multirank.own_model:build",
      "Recurrent exposes none meshtrain can replace"),
-    ("train --nproc 4 --cp 2 --pp 2 --model llama-tiny",
-     "cp with pp for a transformers model (LlamaForCausalLM) is not built yet"),
     ("train --nproc 2 --cp 2 --compile", "cp with compile is not built yet"),
     ("train --nproc 2 --cp 2 --link dp=1Gb/s", "--link with --cp 2 is not built yet"),
     ("train --nproc 8 --cp 4 --tp 2 --cp-style all-to-all",

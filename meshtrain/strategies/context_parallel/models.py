@@ -21,6 +21,7 @@ from meshtrain.core.comm import Comm
 from meshtrain.core.plan import Plan, PlanError
 from meshtrain.models import hf, moe
 from meshtrain.models.gpt import GPT, AttentionCore
+from meshtrain.models.hf_stages import GLOBAL_POSITIONS
 from meshtrain.strategies.context_parallel.all_to_all import all_to_all_attention
 from meshtrain.strategies.context_parallel.layout import ChunkLayout
 from meshtrain.strategies.context_parallel.ring import ring_attention
@@ -41,10 +42,6 @@ def check_model(model: nn.Module, plan: Plan) -> None:
         heads = kv_heads = model.config.n_head
     elif hf.is_causal_lm(model):
         heads, kv_heads = _check_transformers(model)
-        if plan.pp > 1:   # stages run the base model's forward on a proxy, without our hook
-            raise PlanError(f"cp with pp for a transformers model ({type(model).__name__}) is "
-                            "not built yet: its stages would not see the global positions; "
-                            "use pp=1, or meshtrain's GPT")
     else:
         raise PlanError(f"context parallel replaces attention, but {type(model).__name__} "
                         "exposes none meshtrain can replace: use meshtrain's GPT or a "
@@ -113,6 +110,9 @@ def replace_attention(model: nn.Module, comm: Comm, layout: ChunkLayout, style: 
     AttentionInterface.register(name, attention)
     model.set_attn_implementation(name)
     model.register_forward_pre_hook(_transformers_positions(layout), with_kwargs=True)
+    # pipeline stages run the base model's forward on a proxy, past this hook: they read it
+    setattr(model, GLOBAL_POSITIONS,
+            lambda length, device: layout.positions(length, device).unsqueeze(0))
 
 
 def _gpt_positions(layout: ChunkLayout):
