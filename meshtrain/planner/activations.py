@@ -59,6 +59,8 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
         kept += traced / h - (kept + divided + scores)
     if recompute == "attention":
         scores = 0.0
+    if spec.output_twice:   # context parallel's all-to-all (planner/context_parallel.py)
+        divided += e
     return sbh * (kept / split + (divided + scores) / tp)
 
 

@@ -30,7 +30,10 @@ Full recomputation runs each layer's forward, and its exchange, twice.
 Memory beside the saved activations (which the view divides by N; an unfused attention's
 scores, a s b (s/N) per layer, as its queries attend all s keys): the ring's backward holds
 the current and the next K/V block and the dK/dV pair arriving and leaving, 8B; the
-all-to-all's send buffers beside its gathered q, k and v, b (s/N)(h + 2kv) e / t.
+all-to-all's send buffers beside its gathered q, k and v, b (s/N)(h + 2kv) e / t; and among
+the saved activations, all-to-all keeps attention's output twice: as attention saves it
+(the whole sequence, h/N wide) and as the output projection's input after the exchange back,
+b (s/N) h e / t more per layer (`ModelSpec.output_twice`; recomputed under full or selective).
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ def rank_view(spec: ModelSpec, cand: Candidate) -> tuple[ModelSpec, Candidate]:
     if p.cp == 1:
         return spec, cand
     view = replace(spec, seq=math.ceil(spec.seq / p.cp), attention_span=spec.span,
-                   positions=spec.position_rows)
+                   positions=spec.position_rows, output_twice=p.cp_style == "all-to-all")
     return view, replace(cand, plan=replace(p, dp=p.dp * p.cp, cp=1, cp_style="ring"))
 
 

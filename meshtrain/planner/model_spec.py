@@ -61,6 +61,7 @@ class ModelSpec:
     # `seq` tokens of a longer sequence, which its queries attend and its table positions
     attention_span: int = 0         # keys each query attends (0: seq)
     positions: int = 0              # rows of a learned position table (0: seq)
+    output_twice: bool = False      # all-to-all cp: attention's output kept in both layouts
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "vocab", "seq"):

@@ -76,6 +76,20 @@ def test_a_cp_rank_holds_its_share_of_activations_and_all_its_parameters():
         GQA.num_params * 2 / 8)
 
 
+def test_all_to_all_keeps_attentions_output_twice_unless_recomputed():
+    """All-to-all attention saves its output over the whole sequence (h/N wide) and the
+    output projection saves it again after the exchange back (s/N tokens, h wide): per
+    layer b (s/N) h e / t more than the ring keeps; nothing more under full recomputation."""
+    s, h, layers = 4096, 8192, 2
+    for cp, tp in ((2, 1), (4, 2)):
+        ring = memory(GQA, _cand(cp=cp, tp=tp), BF16).activations
+        a2a = memory(GQA, _cand(cp=cp, tp=tp, cp_style="all-to-all"), BF16).activations
+        assert a2a - ring == layers * (s // cp) * h * 2 / tp
+        full = {style: memory(GQA, _cand("full", cp=cp, tp=tp, cp_style=style),
+                              BF16).activations for style in ("ring", "all-to-all")}
+        assert full["ring"] == full["all-to-all"]
+
+
 def test_a_learned_position_table_stays_whole_on_a_cp_rank():
     gpt = from_description(2, 64, 4, 256, 128)   # learned positions: 128 x 64
     per_rank = memory(gpt, _cand(cp=2), Setup(global_batch=1, precision="fp32")).params
