@@ -33,7 +33,9 @@ WORLD_4 = [(dict(cp=4, **RING), GPT, None),
            (dict(cp=2, tp=2, sequence_parallel=True, **A2A), GPT, None),
            (dict(cp=2, tp=2, sequence_parallel=True, **RING), LLAMA, None),
            (dict(cp=2, pp=2, microbatches=4, schedule="zb-h1", **RING), PIPE, None),
-           (dict(cp=2, pp=2, microbatches=2, **A2A), LLAMA, None)]
+           (dict(cp=2, pp=2, microbatches=2, **A2A), LLAMA, None),
+           (dict(cp=4, **RING), LLAMA, None),   # its 2 K/V heads: no all-to-all over 4
+           (dict(dp=2, cp=2, zero=3, recompute="full", **A2A), LLAMA, None)]
 
 
 @pytest.fixture(scope="module")
