@@ -7,6 +7,9 @@ the suite's largest run, and a step's sync, clipping and momentum are all exerci
 The matrix: each (dp, pp, tp) with dp*pp*tp <= 8 x schedule {gpipe, 1f1b, interleaved V=2,
 zb-h1} where pp > 1 x zero {0, 1, 2} where dp > 1 (and 3 where pp = 1) x sequence parallel
 {off, on} where tp > 1: 63 cells.
+The cp column (issue 45), pairwise rather than as a product: on 4 and 8 ranks, context
+parallel (cp = 2) meets dp, pp and tp, each ZeRO stage, each schedule, sequence parallel and
+both styles at least once (`CP_CELLS`); its own suite (test_context_parallel) covers the rest.
 Each world size starts once and runs all its cells (a start costs more than a cell).
 ZeRO-3 with pp > 1 is refused by the Plan itself, before any process group.
 """
@@ -45,6 +48,16 @@ def cells(world: int) -> list[dict]:
     return out
 
 
+A2A = dict(cp_style="all-to-all")
+CP_CELLS = {4: [dict(dp=2, cp=2, zero=1, **A2A), dict(cp=2, tp=2, sequence_parallel=True),
+                dict(pp=2, cp=2, microbatches=4, schedule="1f1b", **A2A)],
+            8: [dict(dp=2, pp=2, cp=2, zero=2, microbatches=4, schedule="zb-h1"),
+                dict(dp=2, cp=2, tp=2, zero=3, sequence_parallel=True),
+                dict(pp=2, cp=2, tp=2, microbatches=4, schedule="interleaved",
+                     virtual_stages=2),
+                dict(dp=2, pp=2, cp=2, microbatches=4, schedule="gpipe", **A2A)]}
+
+
 @pytest.fixture(scope="module")
 def reference():
     return eq.reference(MODEL, max_grad_norm=CLIP, steps=STEPS)
@@ -75,7 +88,7 @@ def test_the_matrix_covers_every_cell():
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_every_cell_matches_one_process(reference, world):
-    cases = [(plan, MODEL, CLIP) for plan in cells(world)]
+    cases = [(plan, MODEL, CLIP) for plan in cells(world) + CP_CELLS.get(world, [])]
     per_rank = ((eq.train_many(cases, STEPS),) if world == 1
                 else run_ranks(world, eq.train_many, cases, STEPS, timeout=170))
     for rank, results in enumerate(per_rank):
