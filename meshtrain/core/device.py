@@ -132,7 +132,7 @@ def device_capability(device: torch.device) -> tuple[tuple[int, int] | None, str
     """A CUDA device's compute capability and name ((None, "") for a CPU)."""
     if device.type != "cuda":
         return None, ""
-    return torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+    return torch.cuda.get_device_capability(device), device_name(device)
 
 
 def total_memory(device: torch.device) -> int | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshtrain.core.device import device_name
 from meshtrain.core.gpus import GPUS, device_kind, peak_flops
 
 
@@ -118,5 +119,4 @@ def run_peak(device: torch.device, precision: str) -> Peak:
     peak = device_peak(device, PRECISION_DTYPES.get(precision, torch.float32))
     if precision != "fp8":
         return peak
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return Peak(peak.flops, f"{peak.source}; {float8_basis(name)}")
+    return Peak(peak.flops, f"{peak.source}; {float8_basis(device_name(device))}")

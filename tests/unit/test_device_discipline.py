@@ -35,8 +35,6 @@ ALLOWED = {
     ("measure/verify.py", "*"): "plan verification's batches, moved by the step driver",
     ("strategies/expert_parallel/dispatch.py", "__init__"): "routing counters for the "
         "metrics (rows sent, tokens per expert): read on the host every step",
-    ("strategies/expert_parallel/dispatch.py", "forward"): "the split sizes, already host "
-        "integers (the all-to-all needs them there), added to the host counters",
     ("bench/recipe.py", "bench_rank"): "the batch drawn on the host from one generator, "
                                         "the same tokens on every device, then moved",
     ("bench/ep.py", "ep_rank"): "the global batch drawn on the host from one generator, so "

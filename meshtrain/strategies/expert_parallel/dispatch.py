@@ -80,14 +80,15 @@ class ShardedExperts(nn.Module):
         arriving = torch.empty_like(counts)                  # (ep * E/ep,) from each peer
         self.comm.all_to_all(arriving, counts, "ep", tag="ep-counts")   # E/ep to each
         per_peer = arriving.view(ep, self.local)             # (ep, E/ep) rows peer -> expert
-        send = counts.view(ep, self.local).sum(dim=1).tolist()
+        routed = counts.cpu().view(ep, self.local)           # one copy to the host, read twice
+        send = routed.sum(dim=1).tolist()
         receive = per_peer.sum(dim=1).tolist()
         order = order[:sum(send)]
         token = order // k                                   # the token each sorted row copies
         if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             # training forwards only: not evaluation, not recomputation inside backward
-            self.sent += torch.tensor(send)
-            self.per_expert += counts.cpu()
+            self.sent += routed.sum(dim=1)
+            self.per_expert += routed.view(-1)
         rows = AllToAll.apply(hidden[token], send, receive, self.comm, "ep-dispatch")
         out = self._compute(rows, per_peer)                  # (R, H) in arrival order
         back = AllToAll.apply(out, receive, send, self.comm, "ep-combine")   # (T*K, H)
