@@ -18,6 +18,11 @@ is replaced by `_StandIn`s:
 - the head element lets the base model run past its last layer (the final norm, anything
   after it) and then runs the causal LM's own forward on that (output layer, soft-capping).
 
+A mixture of experts whose config asks for the router's loss carries its routing sums
+beside the hidden state (models/moe_stages.py): the elements then pass (hidden, routing)
+pairs, each decoder element adds its layer's sums, and the head gives the logits with the
+totals (`moe_stages.Routed`).
+
 Which modules each element holds comes from the config's `base_model_pp_plan` (the modules
 before the decoder layers go with the embedding, those after with the head), or, without
 one, from the base model's children in order around its decoder-layer list. Modules without
@@ -31,6 +36,7 @@ import torch
 from torch import nn
 
 from meshtrain.core.plan import PlanError
+from meshtrain.models.moe_stages import Routed, router_tap
 
 
 # A model's own token positions where they are not 0..L-1 for the L tokens a forward sees
@@ -98,6 +104,7 @@ class _Runner:
         # on the stages after the first, the modules before the decoder layers (GPT-2's
         # position embedding) only shape what the stand-ins discard: never their weights
         self.inert = {name: _Inert(module) for name, module in before.items()}
+        self.tap = router_tap(model)   # a mixture of experts' routing, where carried
         self.base_forward = inspect.unwrap(type(self.base).forward)
         self.lm_forward = inspect.unwrap(type(model).forward)
         self.tuples = _reads_tuples(self.base_forward)
@@ -218,7 +225,9 @@ class Embedding(_Element):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         def stop(hidden, args, kwargs):
             raise _Reached(hidden)
-        return self.runner.base_until(self.runner.stand_ins({0: stop}), input_ids=ids)
+        hidden = self.runner.base_until(self.runner.stand_ins({0: stop}), input_ids=ids)
+        tap = self.runner.tap
+        return hidden if tap is None else (hidden, tap.start(hidden))
 
 
 class Decoder(_Element):
@@ -229,10 +238,21 @@ class Decoder(_Element):
         super().__init__(runner, {}, helpers)
         self.index, self.layer = index, layer
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden`: the output of layer index-1 (the first layer: its input). It is given
-        back to the base model as that layer's output, so that whatever the base model does
-        between two layers is done to it before layer `index` runs."""
+    def forward(self, x):
+        """`x`: the output of layer index-1 (the first layer: its input), with the routing
+        so far where it is carried."""
+        tap = self.runner.tap
+        if tap is None:
+            return self.run(x)
+        hidden, routing = x
+        with tap.recording() as logits:
+            hidden = self.run(hidden)
+        return hidden, tap.add(routing, logits)
+
+    def run(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden` is given back to the base model as layer index-1's output, so that
+        whatever the base model does between two layers is done to it before layer `index`
+        runs."""
         def run(incoming, args, kwargs):
             out = self.layer(hidden if self.index == 0 else incoming, *args, **kwargs)
             raise _Reached(out[0] if isinstance(out, tuple) else out)
@@ -251,7 +271,13 @@ class Head(_Element):
         super().__init__(runner, modules, helpers)
         self.lm_head = lm_head
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, x):
+        if self.runner.tap is not None:   # the logits with the routing totals
+            hidden, routing = x
+            return Routed(self.logits(hidden), routing)
+        return self.logits(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         runner = self.runner
         last = len(getattr(runner.base, runner.layers_name)) - 1
         stand_ins = runner.stand_ins(

@@ -21,6 +21,14 @@ one process accumulating gradients over the same global micro-batches computes i
 Evaluation gives each rank whole batches: there the counts stay the rank's own.
 No causal MoE family in transformers has a router z-loss (only the encoder-decoder Switch
 Transformers and NLLB-MoE), so none is added.
+
+[Note: routing carried through pipeline stages] Under pp the last stage computes the loss
+but holds only its own layers' router logits. Each stage sums its layers' routing into
+the two vectors the loss needs, [counts (E + 1), prob_sum (E)] (`layer_routing`, the
+same sums in the same order as one process), added to what the previous stage sent and
+sent on beside the hidden state (models/hf_stages.py): 2E + 1 numbers per micro-batch,
+whatever the sequence length. The last stage has the totals and computes aux as above;
+the gradient of prob_sum goes back with the hidden state's, to every stage's routers.
 """
 from __future__ import annotations
 
@@ -63,10 +71,15 @@ def check(model, plan: Plan) -> None:
     if router.top_k > router.experts:
         raise PlanError(f"{name}: num_experts_per_tok={router.top_k} is more than its "
                         f"{router.experts} experts; set num_experts_per_tok <= {router.experts}")
-    if plan.pp > 1:
-        raise PlanError(f"{name} with pp={plan.pp}: pipeline parallel of mixture-of-experts "
-                        "layers is not built yet (the router's loss is not carried between "
-                        "stages); train it data-parallel, Plan(dp=N) (with ZeRO, tp or ep)")
+    if plan.pp > 1 and router.aux_coef is not None and router_recorder(model) is None:
+        raise PlanError(f"{name} with pp={plan.pp}: its router's loss is carried between "
+                        "stages from the router logits transformers records "
+                        "(_can_record_outputs['router_logits']), which this family does not "
+                        "declare; use pp=1, or output_router_logits=False")
+    if plan.pp > 1 and plan.compile is not False:
+        raise PlanError(f"{name} with pp={plan.pp} and compile={plan.compile!r}: compiled "
+                        "mixture-of-experts layers are not built under pipeline stages yet; "
+                        "drop compile, or use pp=1")
     if plan.tp > 1 and plan.sequence_parallel:
         raise PlanError(f"{name} with tp={plan.tp}, sequence_parallel=True: its experts stay "
                         "whole over tp and would route each rank's slice of the sequence "
@@ -76,6 +89,29 @@ def check(model, plan: Plan) -> None:
                         "loss (output_router_logits=True) needs the routing counts of the "
                         "whole batch every step, which only dp_mode='ddp' (DDP, ZeRO) "
                         "gathers; use dp_mode='ddp', or output_router_logits=False")
+
+
+def router_recorder(model) -> tuple[type, int] | None:
+    """(the router's module class, the index of its logits in the router's output), as the
+    model's `_can_record_outputs` declares them for transformers' own recording; None
+    where it declares none."""
+    recorder = getattr(getattr(model, "base_model", None), "_can_record_outputs",
+                       None) or {}
+    recorder = recorder.get("router_logits")
+    if isinstance(recorder, type):
+        return recorder, 0
+    target = getattr(recorder, "target_class", None)
+    return (target, recorder.index or 0) if isinstance(target, type) else None
+
+
+def layer_routing(logits: torch.Tensor, router: Router) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MoE layer's ([top-k choices of each expert..., tokens], each expert's summed
+    probability) from its router logits (tokens, experts); the first carries no gradient."""
+    probs = torch.softmax(logits, dim=-1)     # in the logits' dtype, as transformers
+    chosen = torch.topk(probs, router.top_k, dim=-1).indices.reshape(-1)
+    counts = torch.bincount(chosen, minlength=router.experts).float()
+    counts = torch.cat([counts, counts.new_tensor([probs.shape[0]])])
+    return counts, probs.float().sum(dim=0)
 
 
 def router_loss(model, loss_fn: Callable, reduce_counts: Callable) -> RouterLoss | None:
@@ -98,21 +134,32 @@ class RouterLoss:
 
     def __call__(self, output, targets: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(output, targets)
+        carried = getattr(output, "routing", None)   # pp: the stages' sums (see the note)
         layers = getattr(output, "router_logits", None)
-        if not layers:
+        if carried is None and not layers:
             raise RuntimeError("the model's output carries no router_logits although its "
                                "config sets output_router_logits=True (its router loss is "
                                "added from them); call the model without "
                                "output_router_logits=False, or set it False in the config")
         training = torch.is_grad_enabled()   # evaluation: whole batches, counts its own
-        aux = self.balancing(layers, training)
+        if carried is None:
+            aux = self.balancing(layers, training)
+        else:   # f carries no gradient; prob_sum's goes back through every stage
+            experts = self.router.experts
+            aux = self.aux(carried[:experts + 1].detach().clone(), carried[experts + 1:],
+                           training)
         if training:
             self._parts.append(torch.stack([loss.detach().float(), aux.detach()]))
         return loss + self.router.aux_coef * aux.to(loss.dtype)
 
     def balancing(self, layers, global_counts: bool) -> torch.Tensor:
         """transformers' load_balancing_loss_func, f from the counts summed over dp."""
-        counts, prob_sum = self.routed(layers)
+        return self.aux(*self.routed(layers), global_counts)
+
+    def aux(self, counts: torch.Tensor, prob_sum: torch.Tensor,
+            global_counts: bool) -> torch.Tensor:
+        """E * sum_e f_e * P_e from the routing sums (`routed`'s); `counts` summed in place
+        over dp where `global_counts`."""
         rows = counts[-1].clone()                     # this rank's own, for P
         if global_counts:
             self.reduce_counts(counts)
@@ -122,20 +169,18 @@ class RouterLoss:
     def routed(self, layers) -> tuple[torch.Tensor, torch.Tensor]:
         """([top-k choices of each expert..., tokens], each expert's summed probability)
         over every MoE layer's tokens; the first is what dp sums, the second has gradients."""
-        experts, top_k = self.router.experts, self.router.top_k
-        device = layers[0].device
+        experts, device = self.router.experts, layers[0].device
         counts = torch.zeros(experts + 1, dtype=torch.float32, device=device)
         prob_sum = torch.zeros(experts, dtype=torch.float32, device=device)
         for logits in layers:                         # (tokens, experts) per MoE layer
-            probs = torch.softmax(logits, dim=-1)     # in the logits' dtype, as transformers
-            chosen = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
-            counts[:experts] += torch.bincount(chosen, minlength=experts).float()
-            counts[experts] += probs.shape[0]
-            prob_sum = prob_sum + probs.float().sum(dim=0)
+            layer_counts, layer_probs = layer_routing(logits, self.router)
+            counts = counts + layer_counts
+            prob_sum = prob_sum + layer_probs
         return counts, prob_sum
 
-    def take_parts(self) -> torch.Tensor:
+    def take_parts(self) -> torch.Tensor | None:
         """[loss_fn's, aux] of the step's micro-batches, averaged (equal micro-batches); the
-        kept parts are cleared."""
+        kept parts are cleared. None where this rank computed no loss (a pp stage before
+        the last)."""
         parts, self._parts = self._parts, []
-        return torch.stack(parts).mean(dim=0)
+        return torch.stack(parts).mean(dim=0) if parts else None

@@ -167,9 +167,13 @@ class Trainer:
     def _loss_parts(self) -> dict[str, float]:
         """The step's loss in its parts, global means: the loss function's (cross-entropy)
         and the router's load-balancing loss unscaled (loss = cross_entropy + coef x it)."""
-        parts = self.router_loss.take_parts()
+        parts = self.router_loss.take_parts()   # None on a pp stage before the last
+        if parts is None:
+            parts = torch.zeros(2, device=self.mesh.device)
         self.comm.all_reduce(parts, "dp", tag="loss-parts")
         parts /= self.dp_size
+        if self.plan.pp > 1:   # only the last stage computed them
+            self.comm.broadcast(parts, self.plan.pp - 1, "pp", tag="loss-parts")
         return {"cross_entropy": parts[0].item(), "router_aux": parts[1].item()}
 
     def _settle(self) -> None:

@@ -68,6 +68,7 @@ class ExpertParallel:
         (1.0: perfectly balanced; the slowest expert sets an ep step's pace)."""
         tokens = self.routed()["layer_per_expert"].to(self.comm.mesh.device, torch.float64)
         self.dp_comm.all_reduce(tokens, "dp", tag="expert-load")
+        self.dp_comm.all_reduce(tokens, "pp", tag="expert-load")   # zeros: others' layers
         mean = tokens.mean(dim=1).clamp(min=1)
         return {"expert_tokens": tokens.long().tolist(),
                 "expert_imbalance": (tokens.max(dim=1).values / mean).max().item()}

@@ -27,9 +27,10 @@ rank's last W is where the dp reduction starts.
 [Note: activation shapes]
 A receiver must size its buffer before the data arrives. Every rank is given the same
 batch, so both ends of a boundary know the micro-batch's input shape; the first time an
-input shape meets a boundary, the sender sends the activation's shape and dtype ahead of
-it (tag "shape"), and both ends remember it. A gradient has its activation's shape, which
-its receiver sent itself.
+input shape meets a boundary, the sender sends the activation's shapes and dtypes ahead of
+it (tag "shape"), and both ends remember them. A gradient has its activation's shape, which
+its receiver sent itself. A boundary carries one tensor or a tuple (boundary.py): each
+tensor of a message is its own send and receive, tagged apart.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from meshtrain.core.comm import P2P, Comm
 from meshtrain.core.device import Stopwatch, to_device
 from meshtrain.core.memory import ActivationMeter
 from meshtrain.core.plan import Plan
+from meshtrain.strategies.pipeline import boundary
 from meshtrain.strategies.pipeline.schedules import (COMPUTE, RECVS, Action, Kind,
                                                      build_schedule, evaluation_schedule,
                                                      message, message_tag, stage_of)
@@ -50,9 +52,7 @@ from meshtrain.strategies.pipeline.simulator import Block, Timeline
 from meshtrain.strategies.pipeline.stages import PipelineStages
 from meshtrain.strategies.slots import GradientSync, split_microbatches
 
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
-           torch.int32)
-_HEADER = 8   # dtype, ndim, up to 6 sizes
+_SHAPE, _PART = 1 << 24, 1 << 26   # tag offsets: a shape header, tensor i of a message
 
 
 class PipelineError(RuntimeError):
@@ -73,8 +73,8 @@ class PipelineSchedule:
         self.eval_actions = evaluation_schedule(plan.pp, plan.virtual_stages)[self.rank]
         self.recv_timeout = recv_timeout
         """Seconds a receive may wait (None: the process group's timeout)."""
-        self.shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
-        """(receiving stage, micro-batch input shape) -> the activation's shape and dtype:
+        self.shapes: dict[tuple, boundary.Shapes] = {}
+        """(receiving stage, micro-batch input shape) -> the activation's shapes and dtypes:
         see [Note: activation shapes]."""
         self._marks = None   # the last step's Stopwatch and marks, read by `trace`
         self._trace: Timeline | None = None
@@ -184,7 +184,7 @@ class _Step:
                 x = to_device(self.xs[a.microbatch], self.device)
             else:
                 x = self.inbox.pop((False, *key))
-                x.requires_grad_(x.is_floating_point() and torch.is_grad_enabled())
+                boundary.mark_inputs(x)
             meter = self.d.activations if torch.is_grad_enabled() else None
             chunk, captured = self.d.stages.chunks[a.chunk], None
             with (meter.measure() if meter is not None else nullcontext()):
@@ -197,11 +197,12 @@ class _Step:
                     y = self.d.loss_fn(y, target) / len(self.xs)
             if s == self.last_stage:
                 self.loss_sum += y.detach()
-            elif not isinstance(y, torch.Tensor):
-                raise PipelineError(f"stage {s} returns a {type(y).__name__}: a stage "
-                                    "boundary carries one tensor")
             else:
-                self.outbox[(False, *key)] = y.detach()
+                try:
+                    boundary.check_output(y, s)
+                except ValueError as exc:
+                    raise PipelineError(str(exc)) from None
+                self.outbox[(False, *key)] = boundary.detached(y)
             if torch.is_grad_enabled():
                 self.held[key] = (x, y, captured)
                 self.held_bytes[key] = meter.last_bytes if meter is not None else 0
@@ -224,9 +225,9 @@ class _Step:
         x, y, _ = self.held.pop(key)   # dropped after this backward: see the module docstring
         self.held_bytes.pop(key)
         with (self.sync.no_sync() if self.sync is not None and not final else nullcontext()):
-            torch.autograd.backward(y, grad)
+            boundary.backward(y, grad)
         if s > 0:
-            self.outbox[(True, *key)] = x.grad
+            self.outbox[(True, *key)] = boundary.input_gradients(x)
 
     # ---- communication -------------------------------------------------------------------------
     def communicate(self, actions: list[Action]) -> None:
@@ -235,7 +236,7 @@ class _Step:
         first step only) posts its sends before it waits for that header, as the peer may
         wait for one of these sends before it sends the header."""
         self._reap_sends()
-        sends, recvs = [], []   # (action, key, match[, tensor])
+        sends, recvs = [], []   # (action, key, match, value)
         for a in actions:
             grad = a.kind in (Kind.SEND_GRAD, Kind.RECV_GRAD)
             key = (grad, a.microbatch, a.chunk)
@@ -243,57 +244,50 @@ class _Step:
             if a.kind in RECVS:
                 recvs.append((a, key, match))
             else:
-                tensor = self.outbox.pop(key).contiguous()
+                value = self.outbox.pop(key)
                 if not grad:
-                    self._send_shape(a, tensor, match)
-                sends.append((a, key, match, tensor))
-        ops = [P2P(t, a.peer, send=True, match=m, tag="grad" if key[0] else "act")
-               for a, key, m, t in sends]
+                    self._send_shape(a, value, match)
+                sends.append((a, key, match, value))
+        ops = _parts(sends, send=True)
         learns_shape = any(not key[0] and self._shape_key(a, self.stage(a)) not in self.d.shapes
                            for a, key, _ in recvs)
         works = self.d.comm.batch_isend_irecv(ops, "pp") if learns_shape else []
-        received = [P2P(self._receive_buffer(a, key, m), a.peer, send=False, match=m,
-                        tag="grad" if key[0] else "act") for a, key, m in recvs]
+        recvs = [(a, key, m, self._receive_buffer(a, key, m)) for a, key, m in recvs]
+        received = _parts(recvs, send=False)
         works += self.d.comm.batch_isend_irecv(received if learns_shape else ops + received,
                                                "pp")
         for op, work in zip(ops, works):
             self.sending.append((work, op.tensor))
-        for op, work, (a, key, _) in zip(received, works[len(ops):], recvs):
-            self._wait(work, a)
-            self.inbox[key] = op.tensor
+        waits = iter(works[len(ops):])
+        for a, key, _, value in recvs:
+            for _ in boundary.tensors(value):
+                self._wait(next(waits), a)
+            self.inbox[key] = value
 
     def _shape_key(self, a: Action, stage: int) -> tuple:
         return (stage, tuple(self.xs[a.microbatch].shape))
 
-    def _send_shape(self, a: Action, tensor: torch.Tensor, match: int) -> None:
+    def _send_shape(self, a: Action, value, match: int) -> None:
         key = self._shape_key(a, self.stage(a) + 1)
         if key in self.d.shapes:
             return
-        if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
-            raise PipelineError(f"stage {self.stage(a)} outputs a {tensor.dim()}-dim "
-                                f"{tensor.dtype} tensor; a stage boundary carries at most "
-                                f"{_HEADER - 2} dims of {', '.join(map(str, _DTYPES))}")
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, device=self.device)
-        work, = self.d.comm.batch_isend_irecv([P2P(header, a.peer, True, match + (1 << 24))],
+        header = boundary.header(value, self.device)
+        work, = self.d.comm.batch_isend_irecv([P2P(header, a.peer, True, match + _SHAPE)],
                                               "pp", tag="shape")
         self.sending.append((work, header))
-        self.d.shapes[key] = (tensor.shape, tensor.dtype)
+        self.d.shapes[key] = boundary.shapes_of(value)
 
-    def _receive_buffer(self, a: Action, key, match: int) -> torch.Tensor:
+    def _receive_buffer(self, a: Action, key, match: int):
         if key[0]:   # a gradient: shaped as the output it belongs to
-            return torch.empty_like(self.held[key[1:]][1])
+            return boundary.empty_like(self.held[key[1:]][1])
         shape_key = self._shape_key(a, self.stage(a))
         if shape_key not in self.d.shapes:
-            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-            work, = self.d.comm.batch_isend_irecv([P2P(header, a.peer, False, match + (1 << 24))],
+            header = boundary.empty_header(self.device)
+            work, = self.d.comm.batch_isend_irecv([P2P(header, a.peer, False, match + _SHAPE)],
                                                   "pp", tag="shape")
             self._wait(work, a)
-            dims = header[2:2 + int(header[1])].tolist()
-            self.d.shapes[shape_key] = (torch.Size(dims), _DTYPES[int(header[0])])
-        shape, dtype = self.d.shapes[shape_key]
-        return torch.empty(shape, dtype=dtype, device=self.device)
+            self.d.shapes[shape_key] = boundary.read_header(header)
+        return boundary.empty(self.d.shapes[shape_key], self.device)
 
     def _wait(self, work, a: Action) -> None:
         try:
@@ -319,11 +313,19 @@ class _Step:
                                 f"unsent {sorted(self.outbox)})")
 
 
+def _parts(messages: list, send: bool) -> list[P2P]:
+    """One P2P per tensor of each (action, key, match, value): tensor i of a message is
+    tagged match + i * _PART."""
+    return [P2P(t.contiguous() if send else t, a.peer, send=send, match=m + i * _PART,
+                tag="grad" if key[0] else "act")
+            for a, key, m, value in messages for i, t in enumerate(boundary.tensors(value))]
+
+
 # ---- zero bubble: a backward split into B (input gradient) and W (weight gradient) ---------
-def _forward_split(chunk: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+def _forward_split(chunk: torch.nn.Module, x) -> tuple[object, list]:
     """Run the chunk, recording the output of each module that owns parameters (directly):
     B captures the gradient there, and W goes from there to those parameters only, so that
-    it costs the weight gradients alone. Returns the output and [(parameters, output)].
+    it costs the weight gradients alone. Returns the output and [(parameters, outputs)].
 
     A module called twice, or a parameter owned by two modules (tied), would count some
     gradient twice that way: the chunk is then one owner, its output the chunk's (correct,
@@ -343,29 +345,42 @@ def _forward_split(chunk: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tenso
     if (len({id(p) for p in params}) < len(params)
             or any(len(o) > 1 or (o and not isinstance(o[0], torch.Tensor))
                    for o in outputs.values())):
-        return y, [([p for p in chunk.parameters() if p.requires_grad], y)]
-    return y, [(owners[m], o[0]) for m, o in outputs.items() if o and o[0].requires_grad]
+        return y, [([p for p in chunk.parameters() if p.requires_grad],
+                    [t for t in boundary.tensors(y) if t.requires_grad])]
+    return y, [(owners[m], [o[0]]) for m, o in outputs.items() if o and o[0].requires_grad]
 
 
-def _input_gradients(y: torch.Tensor, x: torch.Tensor, captured: list,
-                     grad: torch.Tensor | None):
+def _input_gradients(y, x, captured: list, grad):
     """B: one pass from the chunk's output (or loss) to its input and to each captured
-    output, the graph kept for W. Returns the input's gradient and [(parameters, output,
-    its gradient)] for W."""
-    wanted = ([x] if x.requires_grad else []) + [out for _, out in captured]
+    output, the graph kept for W. Returns the input's gradient (None where no tensor of
+    the input takes one) and [(parameters, outputs, their gradients)] for W."""
+    inputs = [t for t in boundary.tensors(x) if t.requires_grad]
+    wanted = inputs + [out for _, outs in captured for out in outs]
     if not wanted:
         return None, []
-    grads = torch.autograd.grad(y, wanted, grad, retain_graph=True, allow_unused=True)
+    ys = boundary.tensors(y)
+    gs = boundary.tensors(grad) if grad is not None else (None,) * len(ys)
+    ys, gs = zip(*[(t, g) for t, g in zip(ys, gs) if t.requires_grad])
+    grads = torch.autograd.grad(ys, wanted, None if grad is None else gs, retain_graph=True,
+                                allow_unused=True)
     grad_x = None
-    if x.requires_grad:
-        grad_x, grads = grads[0], grads[1:]
-        if grad_x is None:   # a chunk that ignores its input
-            grad_x = torch.zeros_like(x)
-    return grad_x, [(ps, out, g) for (ps, out), g in zip(captured, grads) if g is not None]
+    if inputs:   # zeros where the chunk ignores a tensor of its input
+        it = iter(grads)
+        mine = [next(it) if t.requires_grad else None for t in boundary.tensors(x)]
+        grad_x = boundary.rebuild([torch.zeros_like(t) if g is None else g
+                                   for t, g in zip(boundary.tensors(x), mine)],
+                                  isinstance(x, tuple))
+    grads, done = list(grads[len(inputs):]), []
+    for params, outs in captured:
+        mine, grads = grads[:len(outs)], grads[len(outs):]
+        kept = [(o, g) for o, g in zip(outs, mine) if g is not None]
+        if kept:
+            done.append((params, [o for o, _ in kept], [g for _, g in kept]))
+    return grad_x, done
 
 
 def _weight_gradients(done: list) -> None:
-    """W: each owner's parameters from its output's gradient. Each parameter is in one
+    """W: each owner's parameters from its outputs' gradients. Each parameter is in one
     call, so its gradient hook (the dp sync) fires once, as after a plain backward."""
-    for params, out, grad in done:
-        torch.autograd.backward(out, grad, inputs=params, retain_graph=True)
+    for params, outs, grads in done:
+        torch.autograd.backward(outs, grads, inputs=params, retain_graph=True)

@@ -118,6 +118,8 @@ class GatheredLogitsLoss:
 
     def __call__(self, output, targets: torch.Tensor) -> torch.Tensor:
         logits = gather_from_tp(logits_of(output), self.comm, -1, "loss")[..., :self.vocab]
+        if hasattr(output, "_replace"):   # a named tuple (models/moe_stages.Routed)
+            return self.loss_fn(output._replace(logits=logits), targets)
         if hasattr(output, "logits"):
             output.logits = logits
             return self.loss_fn(output, targets)
