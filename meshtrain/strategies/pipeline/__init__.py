@@ -7,6 +7,7 @@ driven by a schedule that is data.
                    action lists
     simulator.py   runs all ranks' lists in one process: deadlocks, timeline, bubble
     runtime.py     PipelineSchedule: the StepDriver slot, one executor for every list
+    boundary.py    what crosses a stage boundary (a tensor or a tuple) and its shape header
 (report/timeline.py draws a simulated timeline; `meshtrain schedule` prints it;
 report/trace.py saves and draws a measured one beside it.)
 """
