@@ -3,7 +3,7 @@ OLMoE, 4 experts, top-2) with their router's load-balancing loss on, under the p
 today, equal to one process computing what transformers computes on the global batch: the
 cross-entropy + router_aux_loss_coef x its own load-balancing loss (tests/multirank/hf_cases.py).
 Mixtral takes every plan the dense families take (dp, ZeRO-1/2/3, recompute, bf16, pp); the
-other two dp and ZeRO-3. The step's loss is reported in its parts."""
+other two dp and ZeRO-3, OLMoE pp under zero bubble too. The step's loss is reported in its parts."""
 from __future__ import annotations
 
 import pytest
@@ -29,9 +29,9 @@ PLANS = {
         (dict(dp=2), "qwen3-moe-tiny"), (dict(dp=2, zero=3), "qwen3-moe-tiny"),
         (dict(dp=2), "olmoe-tiny"), (dict(dp=2, zero=3), "olmoe-tiny"),
         (dict(dp=2, zero=1, microbatches=2, recompute="full"), "mixtral-tiny"),
-        (dict(pp=2), "mixtral-tiny")],
-}   # micro-batches: against one process accumulating (reference_accumulating); pp=2 (1F1B):
-#     the router's loss carried through the stages (models/moe.py)
+        (dict(pp=2), "mixtral-tiny"), (dict(pp=2, schedule="zb-h1"), "olmoe-tiny")],
+}   # micro-batches: against one process accumulating (reference_accumulating); pp=2 (1F1B,
+#     zero bubble): the router's loss carried through the stages (models/moe.py)
 
 
 def train_with_parts(cases: list[tuple[dict, str]]) -> list[dict]:

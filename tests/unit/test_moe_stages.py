@@ -2,11 +2,11 @@
 one process: the transformers Mixtral cut into its stage elements, each one a stage (a
 boundary after every element, crossed as the pipeline's runtime crosses it:
 strategies/pipeline/boundary.py), gives the loss and every gradient that the model's own
-forward and transformers' load-balancing loss give. Layer 0's router gets the aux loss's
-gradient only through the prob_sum carried over three boundaries, so a carried gradient
-lost on the way changes its gradient (checked by hand: detaching the routing in
-`RouterTap.add` or dropping the second tensor's gradient in `boundary.input_gradients`
-fails this test)."""
+forward and transformers' load-balancing loss give. The aux loss's gradient enters only
+through the prob_sum carried to the head (over three boundaries from layer 0's router), so
+a carried gradient lost on the way changes the routers' gradients (checked by hand:
+detaching the routing in `RouterTap.add`, or dropping the second tensor's gradient in
+`boundary.input_gradients`, fails the first test)."""
 from __future__ import annotations
 
 import pytest
@@ -71,9 +71,9 @@ def test_the_carried_routing_gives_one_process_loss_and_gradients():
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_the_aux_loss_reaches_the_first_layers_router_only_through_the_carried_sums():
+def test_the_router_loss_moves_the_first_routers_gradient_beyond_the_tolerance():
     """The case above proves something: without the router's loss (coefficient 0), layer
-    0's router gradient differs from the one with it by more than the tolerance."""
+    0's router gradient differs from the one with it by far more than the tolerance."""
     torch.manual_seed(0)
     model = build("mixtral-tiny")
     x, y = batch(model.config.vocab_size)
