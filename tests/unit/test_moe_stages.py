@@ -83,3 +83,17 @@ def test_the_router_loss_moves_the_first_routers_gradient_beyond_the_tolerance()
     _, without = one_process(model, x, y)
     router = "model.layers.0.mlp.gate.weight"
     assert (with_aux[router] - without[router]).abs().max() > 1e-4
+
+
+def test_a_family_whose_router_logits_are_not_recorded_is_refused_under_pp(monkeypatch):
+    """The routing is read where transformers records it; a family that declares no
+    recorder is refused by name under pp (and still runs at pp=1)."""
+    from meshtrain.core.plan import Plan, PlanError
+
+    with torch.device("meta"):
+        model = build("mixtral-tiny")
+    assert moe.router_recorder(model)[1] == 0
+    monkeypatch.setattr(type(model.base_model), "_can_record_outputs", {})
+    moe.check(model, Plan(dp=2))
+    with pytest.raises(PlanError, match="_can_record_outputs\\['router_logits'\\]"):
+        moe.check(model, Plan(pp=2))
