@@ -64,7 +64,7 @@ def train_observed(cases: list[tuple[dict, str]], save_dir: str | None = None) -
         results.append(eq.on_host({
             "losses": losses, "parts": parts, "traffic": traffic, "routed": routed,
             "numel": (experts, dense), "params": len(trainer.stages.named_parameters()),
-            "dp_rank": trainer.dp_rank, "held": [any(n.startswith(f"{layer}.") for n in numel)
+            "dp_rank": trainer.dp_rank, "pp_rank": trainer.mesh.axis_rank("pp"), "held": [any(n.startswith(f"{layer}.") for n in numel)
                                                  for layer in trainer.sharding.layers],
             "state": trainer.full_state_dict(), "norms": [],
             "optimizer": trainer.full_optimizer_state()["state"]}))
@@ -180,6 +180,22 @@ def check_traffic(result: dict, plan: dict, model: str, rank: int, what: str) ->
                                 ("ep-combine-grad", "sent", 1)):
             assert traffic[f"ep/all_to_all[{key}]"][way] == times * leaving, f"{at} {key}"
         assert routed["per_expert"].sum().item() == rows * sum(held), at
+        if plan.get("pp", 1) > 1:
+            check_stage_messages(traffic, plan, config, result["pp_rank"], at)
+
+
+def check_stage_messages(traffic: dict, plan: dict, config, pp_rank: int, at: str) -> None:
+    """Each activation or gradient between stages: a micro-batch's hidden state and the
+    routing sums beside it, 2 x experts + 1 fp32 numbers whatever the sequence length
+    (models/moe.py). A rank sends an activation from each of its stages but the last and a
+    gradient from each but the first."""
+    pp, chunks, m = plan["pp"], plan.get("virtual_stages", 1), plan.get("microbatches", 1)
+    sends = 2 * chunks - (pp_rank == 0) - (pp_rank == pp - 1)
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    tokens = eq.GLOBAL_BATCH // plan["dp"] // m * hf.SEQ
+    message = 4 * (tokens * config.hidden_size + 2 * experts + 1)
+    moved = sum(traffic[f"pp/send[{tag}]"]["sent"] for tag in ("act", "grad"))
+    assert moved == m * sends * message, at
 
 
 def check_run_reports_expert_load(run_dir) -> None:
