@@ -29,19 +29,21 @@ def rebuild(parts, like_tuple: bool):
     return parts if like_tuple else parts[0]
 
 
-def check_output(value, stage: int) -> None:
-    """A stage's output before the last: a tensor, or a tuple of 2 to MAX_TENSORS tensors."""
+def problem(value, stage: int) -> str | None:
+    """Why a stage's output (before the last) cannot cross a boundary, None where it can:
+    it must be a tensor, or a tuple of 2 to MAX_TENSORS tensors, of DTYPES and 6 dims at most."""
     ok = isinstance(value, torch.Tensor) or (
         isinstance(value, tuple) and 2 <= len(value) <= MAX_TENSORS
         and all(isinstance(t, torch.Tensor) for t in value))
     if not ok:
-        raise ValueError(f"stage {stage} returns a {type(value).__name__}: a stage boundary "
-                         f"carries a tensor or a tuple of 2 to {MAX_TENSORS} tensors")
+        return (f"stage {stage} returns a {type(value).__name__}: a stage boundary carries a "
+                f"tensor or a tuple of 2 to {MAX_TENSORS} tensors")
     for t in tensors(value):
         if t.dim() > ROW - 2 or t.dtype not in DTYPES:
-            raise ValueError(f"stage {stage} outputs a {t.dim()}-dim {t.dtype} tensor; a "
-                             f"stage boundary carries at most {ROW - 2} dims of "
-                             f"{', '.join(map(str, DTYPES))}")
+            return (f"stage {stage} outputs a {t.dim()}-dim {t.dtype} tensor; a stage "
+                    f"boundary carries at most {ROW - 2} dims of "
+                    f"{', '.join(map(str, DTYPES))}")
+    return None
 
 
 def detached(value):

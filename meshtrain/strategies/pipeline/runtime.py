@@ -197,11 +197,9 @@ class _Step:
                     y = self.d.loss_fn(y, target) / len(self.xs)
             if s == self.last_stage:
                 self.loss_sum += y.detach()
+            elif (problem := boundary.problem(y, s)) is not None:
+                raise PipelineError(problem)
             else:
-                try:
-                    boundary.check_output(y, s)
-                except ValueError as exc:
-                    raise PipelineError(str(exc)) from None
                 self.outbox[(False, *key)] = boundary.detached(y)
             if torch.is_grad_enabled():
                 self.held[key] = (x, y, captured)
