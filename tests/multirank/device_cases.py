@@ -82,6 +82,8 @@ CASES = {
     # expert parallel: a mixture of experts' tokens over all-to-all (its router loss on)
     "ep": Case(2, dict(dp=2, ep=2), model="mixtral-tiny", clip=0.3),
     "ep-edp-zero1": Case(4, dict(dp=4, ep=2, zero=1), model="qwen3-moe-tiny"),
+    # ... in pipeline stages: the routing sums sent beside the hidden state over NCCL
+    "ep-pp": Case(4, dict(dp=2, pp=2, ep=2), model="mixtral-tiny"),
 }
 MIXTURES = ("mixtral-tiny", "qwen3-moe-tiny")   # their one-process reference: hf_cases'
 

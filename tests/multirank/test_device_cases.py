@@ -20,6 +20,7 @@ def test_the_cases_cover_every_strategy():
     assert any(p.dp > 1 and p.pp > 1 and p.tp > 1 for p in plans)   # 3D
     assert {p.zero for p in plans if p.ep > 1} >= {0, 1}
     assert any(p.ep < p.dp for p in plans)   # experts data-parallel over their edp group
+    assert any(p.ep > 1 and p.pp > 1 for p in plans)   # the router's loss across stages
     assert {p.cp_style for p in plans if p.cp > 1} == {"ring", "all-to-all"}
     assert all(case.world == mt.Plan(**case.plan).world_size for case in dc.CASES.values())
     assert {p.compile for p in plans} == {False, True, "cudagraphs"}
