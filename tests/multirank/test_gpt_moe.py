@@ -9,8 +9,10 @@ Cases pairwise, each composition once: dp=2; ep=2 (with full recomputation); ep=
 dp=4 with ZeRO-1 and with ZeRO-3 (each expert sharded over its edp group); tp=2 (attention
 split, router and experts whole); dp x tp x ep; bf16 within bf16's round-off
 (test_hf_models.check_bf16). A `meshtrain train --model gpt-moe-tiny --ep 2` run's metrics
-give the tokens per expert (test_expert_parallel's check)."""
+give the tokens per expert (test_expert_parallel's check) and the loss in its parts."""
 from __future__ import annotations
+
+import json
 
 import torch
 import torch.nn.functional as F
@@ -123,3 +125,7 @@ def test_gpt_moe_equals_one_process(tmp_path, capsys):
                         assert abs(mine[key] - value) <= 1e-5, (what, key, mine, theirs)
     check_run_reports_expert_load(tmp_path)
     assert "imbalance max/mean" in capsys.readouterr().out
+    # each step's loss in its parts: the cross-entropy and the router's loss, unscaled
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for m in [m for m in steps if "loss" in m]:
+        assert abs(m["loss"] - m["cross_entropy"] - 0.02 * m["router_aux"]) < 1e-5, m
