@@ -62,11 +62,11 @@ class GPTConfig:
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                     raise ValueError(f"GPTConfig.router_aux_coef={value!r}: must be a number "
                                      ">= 0")
-            elif not isinstance(value, int) or isinstance(value, bool) or value < (
-                    0 if f.name == "experts" else 1):
+            else:
                 least = 0 if f.name == "experts" else 1
-                raise ValueError(f"GPTConfig.{f.name}={value!r}: must be a whole number >= "
-                                 f"{least}")
+                if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                    raise ValueError(f"GPTConfig.{f.name}={value!r}: must be a whole number "
+                                     f">= {least}")
         if self.experts and self.top_k > self.experts:
             raise ValueError(f"GPTConfig: top_k={self.top_k} routes each token to more experts "
                              f"than the {self.experts} each block has; choose top_k <= "
@@ -242,7 +242,8 @@ class GPT(nn.Module):
                 nn.init.normal_(module.down_proj, mean=0.0, std=residual_std)
 
     def layers(self) -> list[nn.Module]:
-        """[embed, *blocks, head]: run in order, they compute exactly `forward`."""
+        """[embed, *blocks, head]: run in order, they compute exactly `forward` (with
+        experts, its logits without the router's: pipeline stages refuse a mixture)."""
         return [self.embed, *self.blocks, self.head]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor | MoEOutput:
