@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from meshtrain.core.plan import Plan, PlanError
+from meshtrain.models.gpt import GPTConfig
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,13 @@ class Router:
 
 
 def router_of(model) -> Router | None:
-    """The routing of a transformers mixture-of-experts causal LM, None for any other model."""
+    """The routing of a transformers mixture-of-experts causal LM or of meshtrain's GPT with
+    experts (its loss always asked for, where its coefficient is not 0), None for any other
+    model."""
     config = getattr(model, "config", None)
+    if isinstance(config, GPTConfig):
+        coef = config.router_aux_coef or None
+        return Router(config.experts, config.top_k, coef) if config.experts else None
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None)
     if not isinstance(experts, int) or not isinstance(top_k, int) or experts < 1:

@@ -41,7 +41,7 @@ def check(model: nn.Module, plan: Plan) -> None:
     if router is None or not found:
         raise PlanError(f"Plan(ep={plan.ep}) splits the experts of mixture-of-experts layers, "
                         f"and this {type(model).__name__} has none; use ep=1, or a MoE model "
-                        "(e.g. --model mixtral-tiny)")
+                        "(e.g. --model gpt-moe-tiny or mixtral-tiny, or a GPT's --experts)")
     if router.experts % plan.ep:
         raise PlanError(f"Plan(ep={plan.ep}): {type(model).__name__}'s {router.experts} "
                         f"experts do not split over {plan.ep} ranks; use an ep that divides "
