@@ -10,6 +10,7 @@ from meshtrain.core.comm import Comm
 from meshtrain.core.memory import ActivationMeter
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.core.state import StateLayout
+from meshtrain.models.experts import check_capacity
 from meshtrain.strategies import context_parallel, expert_parallel, pipeline, tensor_parallel
 from meshtrain.strategies.compile import graph_step_marker
 from meshtrain.strategies.data_parallel.ddp import DDP
@@ -39,6 +40,7 @@ def check_layer_sharding(model: nn.Module, plan: Plan, tp_plan: dict | None) -> 
     the mesh is built; check_plan has refused a tp_plan without tp)."""
     tensor_parallel.check(model, plan, tp_plan)
     expert_parallel.check(model, plan)
+    check_capacity(model, plan)   # installed by the Trainer after ep (models/experts.py)
     context_parallel.check(model, plan)
 
 

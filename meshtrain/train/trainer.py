@@ -28,7 +28,7 @@ from meshtrain.core.memory import (ActivationMeter, MemoryReport, optimizer_stat
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.core.processes import steady_host_heap
-from meshtrain.models import hf, moe
+from meshtrain.models import experts, hf, moe
 from meshtrain.models.lean_cross_entropy import lean_cross_entropy
 from meshtrain.models.registry import logits_of
 from meshtrain.strategies import pipeline
@@ -90,6 +90,7 @@ class Trainer:
         self.layout = StateLayout.of(self.model)   # names and shapes, before any slot
         # 1. tensor parallel first: stages and gradient sync then see the shards
         self.sharding = shard_layers(self.model, plan, self.comm, tp_plan)
+        self.capacity = experts.limit_capacity(self.model, plan.capacity_factor)   # after ep
         self.loss_fn = self.sharding.wrap_loss(self.loss_fn)   # vocab-parallel where split
         self.context = split_context(self.model, plan, self.comm)   # each cp rank its chunks
         self.activations = (ActivationMeter(self.model.parameters())
@@ -123,9 +124,8 @@ class Trainer:
                                   self.activations, self.data_parallel)
         self._held = {name for name, _ in self.stages.named_parameters()}   # this rank's
         self.build_peak = peak_process_bytes()   # the training peak is told apart from it
-        self.train_peak = self.checkpoint_peak = self.checkpoint_share = 0
+        self.train_peak = self.checkpoint_peak = self.checkpoint_share = self.steps_done = 0
         reset_process_peak()
-        self.steps_done = 0
         self._grad_norm: torch.Tensor | None = None   # read by `last_grad_norm`
 
     # ---- who am I -----------------------------------------------------------------------

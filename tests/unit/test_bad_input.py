@@ -167,6 +167,11 @@ CASES = [
     ("train --nproc 2 --ep 2", "'tiny' has none; use --ep 1"),
     ("train --nproc 2 --ep 2 --model llama-tiny", "LlamaForCausalLM has none; use ep=1"),
     ("train --nproc 2 --model topk5.json", "num_experts_per_tok=5 is more than its 4 experts"),
+    ("train --nproc 2 --model mixtral-tiny --capacity-factor 0",
+     "Plan.capacity_factor=0.0: must be a number > 0"),
+    ("train --nproc 2 --capacity-factor 1", "'tiny' has none; drop --capacity-factor"),
+    ("train --nproc 2 --model llama-tiny --capacity-factor 1.25",
+     "LlamaForCausalLM has none; drop capacity_factor"),
     # export, generate, report
     ("export nowhere out.safetensors", "nowhere is not a meshtrain run folder"),
     ("export notarun out.txt", "out.txt: give a file name ending in .safetensors"),
