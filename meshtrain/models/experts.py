@@ -2,8 +2,7 @@
 
 Each MoE layer's experts module (transformers' packed layout: gate_up_proj (E, 2I, H),
 down_proj (E, H, I)) is called as experts(hidden (T, H), top_k_index (T, K), top_k_weights
-(T, K)) after the model's own router has chosen; index E means "no expert" (transformers'
-experts modules skip it, and so does expert parallel's dispatch).
+(T, K)) after the model's own router has chosen.
 
 [Note: capacity per sequence] Plan.capacity_factor = C limits each expert of each MoE layer
 to at most
@@ -13,11 +12,15 @@ to at most
 of the top-k choices routed to it from each sequence of S tokens (Switch Transformer's and
 GShard's capacity, counted per sequence). Within a sequence the choices are kept in order of
 token position, then choice rank (flat order t * K + j: Megatron-Core's "position" drop
-policy); the rest are dropped: the choice's index becomes E and its weight 0, so it adds
-nothing to the token's output (the others' weights are not renormalised) and the residual
-stream carries the token on. Counted per sequence, the kept choices depend on nothing a dp,
-ep or tp split changes, so every plan drops exactly what one process drops. The router's
-load-balancing loss reads the router's logits, before any drop (as Switch's).
+policy); the rest are dropped: the choice's weight becomes 0, so it adds nothing to the
+token's output (the others' weights are not renormalised) and the residual stream carries
+the token on. A whole experts module still computes the dropped row (times 0: exactly
+nothing, forward and backward; transformers' grouped_mm leaves "no expert" rows
+uninitialised outside its own expert parallel); one that skips "no expert" rows
+(`skips_no_expert`: expert parallel's dispatch) gets index E as well, so the row is not
+sent. Counted per sequence, the kept choices depend on nothing a dp, ep or tp split
+changes, so every plan drops exactly what one process drops. The router's load-balancing
+loss reads the router's logits, before any drop (as Switch's).
 """
 from __future__ import annotations
 
@@ -101,8 +104,9 @@ class CapacityLimit:
             routed = (index < self.experts).sum()
             step = torch.stack([routed, routed - kept.sum()])
             self.counts[i] = step if self.counts[i] is None else self.counts[i] + step
-        return (hidden, torch.where(kept, index, self.experts),
-                weights * kept.to(weights.dtype))
+        if getattr(module, "skips_no_expert", False):   # not sent: fewer all-to-all bytes
+            index = torch.where(kept, index, self.experts)
+        return hidden, index, weights * kept.to(weights.dtype)
 
     def take(self) -> torch.Tensor:
         """(layers, 2): each layer's [choices routed, choices dropped] on this rank since

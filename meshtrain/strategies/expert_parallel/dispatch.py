@@ -54,6 +54,8 @@ class ShardedExperts(nn.Module):
     """This ep rank's experts of one MoE layer, under the packed parameters' own names
     (gate_up_proj, down_proj: their first E/ep rows), called as the module it replaces."""
 
+    skips_no_expert = True   # index E rows: neither sent nor computed (models/experts.py)
+
     def __init__(self, whole: nn.Module, comm: Comm) -> None:
         super().__init__()
         ep, k = comm.mesh.size("ep"), comm.mesh.axis_rank("ep")
