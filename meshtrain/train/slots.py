@@ -52,6 +52,21 @@ def split_context(model: nn.Module, plan: Plan, comm: Comm):
     return context_parallel.apply(model, plan, comm)
 
 
+def routing_sums(comm: Comm) -> tuple[Callable, Callable | None]:
+    """How a mixture of experts' routing counts are summed (models/moe.py): in training
+    over every rank of the global batch, dp x cp (each cp rank routes its chunks of each
+    sequence); in evaluation, where each dp rank has whole batches, over the cp ranks
+    sharing its sequences (none where cp = 1)."""
+    mesh = comm.mesh
+
+    def over_batch(t):
+        comm.all_reduce(t, mesh.replica_axis, tag="router-counts")
+
+    def over_chunks(t):
+        comm.all_reduce(t, "cp", tag="router-counts-eval")
+    return over_batch, (over_chunks if mesh.size("cp") > 1 else None)
+
+
 def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout) -> Stages:
     """Slot 2: keep only this rank's pipeline stages (chunks) of the model."""
     if plan.pp == 1:

@@ -39,8 +39,8 @@ from meshtrain.strategies.float8 import check_fp8, convert_to_fp8
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.tensor_parallel.sharding import is_token_cross_entropy
 from meshtrain.train import checkpoint
-from meshtrain.train.slots import (check_layer_sharding, drive_steps, keep_stages, shard_layers,
-                                   split_context, sync_gradients)
+from meshtrain.train.slots import (check_layer_sharding, drive_steps, keep_stages, routing_sums,
+                                   shard_layers, split_context, sync_gradients)
 from meshtrain.core.state import StateLayout
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -83,8 +83,7 @@ class Trainer:
         elif plan.precision != "fp32":   # the loss in fp32 whatever the compute precision
             self.loss_fn = _loss_in_fp32(self.loss_fn)
         # a mixture of experts' router loss over the global batch's routing (models/moe.py)
-        self.router_loss = moe.router_loss(
-            model, self.loss_fn, lambda t: self.comm.all_reduce(t, "dp", tag="router-counts"))
+        self.router_loss = moe.router_loss(model, self.loss_fn, *routing_sums(self.comm))
         self.loss_fn = self.router_loss or self.loss_fn
         self.last_loss_parts: dict[str, float] | None = None   # the last step's, by name
         self.layout = StateLayout.of(self.model)   # names and shapes, before any slot
@@ -167,9 +166,9 @@ class Trainer:
     def _loss_parts(self) -> dict[str, float]:
         """The step's loss in its parts, global means: the loss function's (cross-entropy)
         and the router's load-balancing loss unscaled (loss = cross_entropy + coef x it)."""
-        parts = self.router_loss.take_parts()
-        self.comm.all_reduce(parts, "dp", tag="loss-parts")
-        parts /= self.dp_size
+        parts, axis = self.router_loss.take_parts(), self.mesh.replica_axis   # dp (x cp)
+        self.comm.all_reduce(parts, axis, tag="loss-parts")
+        parts /= self.mesh.size(axis)
         return {"cross_entropy": parts[0].item(), "router_aux": parts[1].item()}
 
     def _settle(self) -> None:
