@@ -33,6 +33,12 @@ def check_model_plan(config, plan: Plan) -> None:
                         f"{config.model!r} has none; use --ep 1, or a MoE model (--model "
                         "gpt-moe-tiny, mixtral-tiny, qwen3-moe-tiny, olmoe-tiny; a GPT preset "
                         "with --experts N)")
+    if plan.capacity_factor is not None and (kind == "callable"
+                                             or gpt is not None and not gpt.experts):
+        raise PlanError(f"--capacity-factor {plan.capacity_factor} limits the tokens each "
+                        f"expert of a mixture-of-experts layer takes, and {config.model!r} has "
+                        "none; drop --capacity-factor, or use a MoE model (--model "
+                        "gpt-moe-tiny, mixtral-tiny, qwen3-moe-tiny, olmoe-tiny)")
     check_context(config, plan)
     if gpt is not None:
         from meshtrain.strategies.tensor_parallel.gpt import check_tensor_parallel
@@ -73,7 +79,8 @@ def check_gpt_experts(gpt, plan: Plan) -> None:
 
 
 def add_mesh_axis_options(plan) -> None:
-    """`meshtrain train`'s context- and expert-parallel flags (Plan.cp, cp_style, ep)."""
+    """`meshtrain train`'s context- and expert-parallel flags (Plan.cp, cp_style, ep,
+    capacity_factor)."""
     plan.add_argument("--cp", type=int, default=1,
                       help="context-parallel ranks: each sequence split over them (2 cp chunks, "
                            "load-balanced), attention across them")
@@ -82,6 +89,10 @@ def add_mesh_axis_options(plan) -> None:
                            "all-to-all (the heads must divide by --cp)")
     plan.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (of the dp "
                       "ranks): each MoE layer's experts split over them")
+    plan.add_argument("--capacity-factor", type=float, default=None, metavar="C",
+                      help="a mixture of experts: each expert takes at most ceil(C x seq x "
+                           "top-k / experts) choices of each sequence, the rest dropped and "
+                           "counted (default: dropless)")
 
 
 def add_shape_options(p) -> None:

@@ -215,16 +215,16 @@ def build_config(args):
     default_world = args.pp * args.tp if one_process else default_ranks(device)
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or default_world)
     dp = args.dp or (2 if one_process else max(1, world // (args.pp * args.cp * args.tp)))
-    plan = Plan(dp=dp, pp=args.pp, tp=args.tp, cp=args.cp, cp_style=args.cp_style, ep=args.ep,
-                staleness=args.staleness, ps_shards=args.ps_shards, sync_every=args.sync_every,
-                outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                zero=args.zero, dp_mode=args.dp_mode, microbatches=args.microbatches,
-                schedule=args.schedule, virtual_stages=args.virtual_stages,
+    plan = Plan(dp=dp, pp=args.pp, tp=args.tp, cp=args.cp, cp_style=args.cp_style,
+                ep=args.ep, capacity_factor=args.capacity_factor, staleness=args.staleness,
+                ps_shards=args.ps_shards, sync_every=args.sync_every, outer_lr=args.outer_lr,
+                outer_momentum=args.outer_momentum, zero=args.zero, dp_mode=args.dp_mode,
+                microbatches=args.microbatches, virtual_stages=args.virtual_stages,
                 bucket_mb=args.bucket_mb, precision=args.precision.removesuffix("-emulated"),
                 fp8_emulate=args.precision == "fp8-emulated", offload=args.offload,
                 recompute=args.recompute, recompute_every=args.recompute_every,
                 sequence_parallel=args.sequence_parallel, max_grad_norm=args.max_grad_norm,
-                offload_dir=args.offload_dir, measure_activations=True,
+                offload_dir=args.offload_dir, measure_activations=True, schedule=args.schedule,
                 compression=args.compression, compression_rank=args.compression_rank,
                 compile=args.compile, sync_warmup_steps=args.sync_warmup_steps)
     if not _under_torchrun():   # one GPU per rank: refused here, before any rank starts

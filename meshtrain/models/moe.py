@@ -18,7 +18,9 @@ shard). The mean of that over equal shards is the global aux exactly, and so are
 gradients: one process on the global batch gets the same loss and the same step. With
 micro-batches, f is taken over micro-batch m of every rank (the global micro-batch m), as
 one process accumulating gradients over the same global micro-batches computes it.
-Evaluation gives each rank whole batches: there the counts stay the rank's own.
+Under context parallel each cp rank routes its own chunks of every sequence, so the counts
+are summed over dp x cp (the replica axis) in training, and over cp in evaluation, where
+each dp rank has whole batches of its own (then the counts are otherwise the rank's own).
 No causal MoE family in transformers has a router z-loss (only the encoder-decoder Switch
 Transformers and NLLB-MoE), so none is added.
 """
@@ -84,22 +86,26 @@ def check(model, plan: Plan) -> None:
                         "gathers; use dp_mode='ddp', or output_router_logits=False")
 
 
-def router_loss(model, loss_fn: Callable, reduce_counts: Callable) -> RouterLoss | None:
+def router_loss(model, loss_fn: Callable, reduce_counts: Callable,
+                reduce_chunks: Callable | None = None) -> RouterLoss | None:
     """`loss_fn` plus the router's auxiliary loss where the model's config asks for it
     (see the module docstring); None where it does not. `reduce_counts(t)` sums a tensor
-    in place over the data-parallel ranks."""
+    in place over the data-parallel ranks (x cp); `reduce_chunks(t)` over the cp ranks
+    holding chunks of the same sequences (evaluation; None without cp)."""
     router = router_of(model)
     if router is None or router.aux_coef is None:
         return None
-    return RouterLoss(loss_fn, router, reduce_counts)
+    return RouterLoss(loss_fn, router, reduce_counts, reduce_chunks)
 
 
 class RouterLoss:
     """loss = loss_fn(output, targets) + aux_coef * aux, aux over the global batch; each
     training call's parts (the loss_fn's, aux unscaled) kept until `take_parts`."""
 
-    def __init__(self, loss_fn: Callable, router: Router, reduce_counts: Callable) -> None:
+    def __init__(self, loss_fn: Callable, router: Router, reduce_counts: Callable,
+                 reduce_chunks: Callable | None = None) -> None:
         self.loss_fn, self.router, self.reduce_counts = loss_fn, router, reduce_counts
+        self.reduce_chunks = reduce_chunks
         self._parts: list[torch.Tensor] = []
 
     def __call__(self, output, targets: torch.Tensor) -> torch.Tensor:
@@ -122,6 +128,8 @@ class RouterLoss:
         rows = counts[-1].clone()                     # this rank's own, for P
         if global_counts:
             self.reduce_counts(counts)
+        elif self.reduce_chunks is not None:   # evaluation under cp: the whole sequences
+            self.reduce_chunks(counts)
         f = counts[:-1] / counts[-1]
         return self.router.experts * (f * (prob_sum / rows)).sum()
 

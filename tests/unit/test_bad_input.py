@@ -177,6 +177,11 @@ CASES = [
     ("train --nproc 2 --pp 2 --model gpt-moe-tiny", "pipeline parallel of mixture-of-experts"),
     ("train --nproc 2 --tp 2 --sequence-parallel --model gpt-moe-tiny", "drop sequence_parallel"),
     ("train --model mixtral-tiny --experts 8", "whose config says 4 experts per layer, top-2"),
+    ("train --nproc 2 --model mixtral-tiny --capacity-factor 0",
+     "Plan.capacity_factor=0.0: must be a number > 0"),
+    ("train --nproc 2 --capacity-factor 1", "'tiny' has none; drop --capacity-factor"),
+    ("train --nproc 2 --model llama-tiny --capacity-factor 1.25",
+     "LlamaForCausalLM has none; drop capacity_factor"),
     # export, generate, report
     ("export nowhere out.safetensors", "nowhere is not a meshtrain run folder"),
     ("export notarun out.txt", "out.txt: give a file name ending in .safetensors"),
