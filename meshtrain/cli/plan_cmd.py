@@ -21,7 +21,8 @@ def add_parser(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (a preset, or a raw description)")
     m.add_argument("--model", help="preset: gpt2-124m, gpt2-350m, gpt2-1.3b, gpt3-175b, "
-                   "llama-7b, llama-70b, llama3.1-8b, or a meshtrain GPT preset (tiny, small); or any "
+                   "llama-7b, llama-70b, llama3.1-8b, or a meshtrain GPT preset (tiny, small, "
+                   "gpt-moe-tiny); or any "
                    "model `meshtrain train --model` takes (a transformers preset or "
                    "config.json, package.module:function)")
     for flag in ("layers", "hidden", "heads", "vocab"):

@@ -25,12 +25,18 @@ def _loss_parts(parts: dict | None) -> list[str]:
 
 
 def _expert_load(load: dict | None) -> list[str]:
-    """The last step's tokens per expert (expert parallel): each layer's, and the imbalance."""
-    if not load:
-        return []
-    layers = "; ".join(" ".join(str(n) for n in layer) for layer in load["expert_tokens"])
-    return [f"experts       tokens per expert, last step, by layer: {layers} (imbalance "
-            f"max/mean {load['expert_imbalance']:.2f})"]
+    """The last step's tokens per expert (expert parallel): each layer's, and the imbalance;
+    the choices a capacity factor dropped."""
+    lines = []
+    if load and "expert_tokens" in load:
+        layers = "; ".join(" ".join(str(n) for n in layer) for layer in load["expert_tokens"])
+        lines.append(f"experts       tokens per expert, last step, by layer: {layers} "
+                     f"(imbalance max/mean {load['expert_imbalance']:.2f})")
+    if load and "expert_dropped" in load:
+        lines.append(f"dropped       choices over capacity, last step, by layer: "
+                     f"{' '.join(map(str, load['expert_dropped']))} "
+                     f"({load['expert_drop_fraction']:.2%} of the top-k choices)")
+    return lines
 
 
 def print_summary(s: dict) -> None:

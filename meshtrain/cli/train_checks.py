@@ -26,14 +26,23 @@ def check_model_plan(config, plan: Plan) -> None:
     from meshtrain.strategies.float8 import check_fp8
 
     check_fp8(plan.precision, plan.fp8_emulate, config.device)
-    if plan.ep > 1 and kind_of(config.model) not in ("transformers", "hf-preset"):
+    kind = kind_of(config.model)
+    gpt = gpt_config(config.model, **config.model_overrides) if kind == "gpt" else None
+    if plan.ep > 1 and (kind == "callable" or gpt is not None and not gpt.experts):
         raise PlanError(f"--ep {plan.ep} splits the experts of mixture-of-experts layers, and "
-                        f"{config.model!r} has none; use --ep 1, or a MoE model "
-                        "(--model mixtral-tiny, qwen3-moe-tiny, olmoe-tiny)")
+                        f"{config.model!r} has none; use --ep 1, or a MoE model (--model "
+                        "gpt-moe-tiny, mixtral-tiny, qwen3-moe-tiny, olmoe-tiny; a GPT preset "
+                        "with --experts N)")
+    if plan.capacity_factor is not None and (kind == "callable"
+                                             or gpt is not None and not gpt.experts):
+        raise PlanError(f"--capacity-factor {plan.capacity_factor} limits the tokens each "
+                        f"expert of a mixture-of-experts layer takes, and {config.model!r} has "
+                        "none; drop --capacity-factor, or use a MoE model (--model "
+                        "gpt-moe-tiny, mixtral-tiny, qwen3-moe-tiny, olmoe-tiny)")
     check_context(config, plan)
-    if kind_of(config.model) == "gpt":
+    if gpt is not None:
         from meshtrain.strategies.tensor_parallel.gpt import check_tensor_parallel
-        gpt = gpt_config(config.model, **config.model_overrides)
+        check_gpt_experts(gpt, plan)
         check_tensor_parallel(gpt, plan)
         stages = plan.pp * plan.virtual_stages
         if plan.pp > 1 and stages > gpt.n_layer + 2:
@@ -41,7 +50,7 @@ def check_model_plan(config, plan: Plan) -> None:
                             f"{stages} stages, but {config.model!r} has {gpt.n_layer + 2} layers "
                             f"(embedding, {gpt.n_layer} blocks, head); use fewer stages or "
                             "--layers")
-    elif kind_of(config.model) in ("transformers", "hf-preset"):
+    elif kind in ("transformers", "hf-preset"):
         check_transformers_plan(config.model, plan)
         if plan.sequence_parallel and config.seq_len:
             from meshtrain.strategies.tensor_parallel.gpt import check_sequence
@@ -52,8 +61,26 @@ def check_model_plan(config, plan: Plan) -> None:
                         "needs a tp_plan, which the Python API takes (Plan(tp=T, tp_plan={...}))")
 
 
+def check_gpt_experts(gpt, plan: Plan) -> None:
+    """The Trainer's refusals of a GPT's experts under this plan (ep not dividing them,
+    pipeline stages, sequence parallel...), on the GPT built on the meta device."""
+    import torch
+
+    from meshtrain.models import moe
+    from meshtrain.models.gpt import GPT
+    from meshtrain.strategies import expert_parallel
+
+    if not gpt.experts:
+        return
+    with torch.device("meta"):
+        model = GPT(gpt)
+    moe.check(model, plan)
+    expert_parallel.check(model, plan)
+
+
 def add_mesh_axis_options(plan) -> None:
-    """`meshtrain train`'s context- and expert-parallel flags (Plan.cp, cp_style, ep)."""
+    """`meshtrain train`'s context- and expert-parallel flags (Plan.cp, cp_style, ep,
+    capacity_factor)."""
     plan.add_argument("--cp", type=int, default=1,
                       help="context-parallel ranks: each sequence split over them (2 cp chunks, "
                            "load-balanced), attention across them")
@@ -62,6 +89,33 @@ def add_mesh_axis_options(plan) -> None:
                            "all-to-all (the heads must divide by --cp)")
     plan.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (of the dp "
                       "ranks): each MoE layer's experts split over them")
+    plan.add_argument("--capacity-factor", type=float, default=None, metavar="C",
+                      help="a mixture of experts: each expert takes at most ceil(C x seq x "
+                           "top-k / experts) choices of each sequence, the rest dropped and "
+                           "counted (default: dropless)")
+
+
+def add_shape_options(p) -> None:
+    """A GPT preset's shape overrides (GPTConfig's fields)."""
+    p.add_argument("--layers", type=int, help="override the preset's number of layers")
+    p.add_argument("--d-model", type=int, help="override the preset's width")
+    p.add_argument("--heads", type=int, help="override the preset's attention heads")
+    p.add_argument("--experts", type=int, help="a GPT preset's experts per block (0: dense "
+                   "MLPs; gpt-moe-tiny has 4): each MLP a mixture of SwiGLU experts")
+    p.add_argument("--top-k", type=int, help="with --experts (or gpt-moe-tiny): the experts "
+                   "each token is routed to (default 2)")
+
+
+SHAPE_FLAGS = {"n_layer": "layers", "d_model": "d_model", "n_head": "heads",
+               "experts": "experts", "top_k": "top_k"}
+
+
+def shape_overrides(args, is_gpt: bool) -> dict:
+    """GPTConfig's fields the command line overrides (--seq only for a GPT preset: another
+    model takes it as its context)."""
+    shape = {field: getattr(args, flag) for field, flag in SHAPE_FLAGS.items()}
+    shape["seq_len"] = args.seq if is_gpt else None
+    return {k: v for k, v in shape.items() if v is not None}
 
 
 def check_context(config, plan: Plan) -> None:

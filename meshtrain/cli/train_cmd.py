@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 from meshtrain.cli.summary import print_summary
-from meshtrain.cli.train_checks import (add_mesh_axis_options, check_batch_split,
-                                        check_init_from, check_model_plan)
+from meshtrain.cli.train_checks import (add_mesh_axis_options, add_shape_options,
+                                        check_batch_split, check_init_from, check_model_plan,
+                                        shape_overrides)
 from meshtrain.cli.train_data import check_resumed_data, settle_data
 from meshtrain.core.plan import COMPILE_BACKENDS, PRECISIONS, RECOMPUTES, Plan, PlanError
 from meshtrain.train.config import DEFAULT_LR, OPTIMIZERS, latest_checkpoint
@@ -59,13 +60,12 @@ def _add_run_options(p) -> None:
                         "package.module:function (returns an nn.Module reading token ids), or "
                         "a transformers causal-LM config.json (random weights; needs .[hf]), "
                         "or a tiny transformers preset (llama-tiny, llama-tiny-tied, qwen2-tiny, "
-                        "mistral-tiny, hf-gpt2-tiny)")
+                        "mistral-tiny, hf-gpt2-tiny, mixtral-tiny...); gpt-moe-tiny: the GPT "
+                        "with 4 experts, top-2")
     p.add_argument("--loss", default="auto", choices=["auto", "cross-entropy"],
                    help="auto: the model's own .loss(logits, targets), else cross-entropy "
                         "over every token")
-    p.add_argument("--layers", type=int, help="override the preset's number of layers")
-    p.add_argument("--d-model", type=int, help="override the preset's width")
-    p.add_argument("--heads", type=int, help="override the preset's attention heads")
+    add_shape_options(p)
     p.add_argument("--seq", type=int, help="sequence length (a GPT preset's override; for "
                                            "another model, its context, default 128 or its "
                                            "config's)")
@@ -215,16 +215,16 @@ def build_config(args):
     default_world = args.pp * args.tp if one_process else default_ranks(device)
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or default_world)
     dp = args.dp or (2 if one_process else max(1, world // (args.pp * args.cp * args.tp)))
-    plan = Plan(dp=dp, pp=args.pp, tp=args.tp, cp=args.cp, cp_style=args.cp_style, ep=args.ep,
-                staleness=args.staleness, ps_shards=args.ps_shards, sync_every=args.sync_every,
-                outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                zero=args.zero, dp_mode=args.dp_mode, microbatches=args.microbatches,
-                schedule=args.schedule, virtual_stages=args.virtual_stages,
+    plan = Plan(dp=dp, pp=args.pp, tp=args.tp, cp=args.cp, cp_style=args.cp_style,
+                ep=args.ep, capacity_factor=args.capacity_factor, staleness=args.staleness,
+                ps_shards=args.ps_shards, sync_every=args.sync_every, outer_lr=args.outer_lr,
+                outer_momentum=args.outer_momentum, zero=args.zero, dp_mode=args.dp_mode,
+                microbatches=args.microbatches, virtual_stages=args.virtual_stages,
                 bucket_mb=args.bucket_mb, precision=args.precision.removesuffix("-emulated"),
                 fp8_emulate=args.precision == "fp8-emulated", offload=args.offload,
                 recompute=args.recompute, recompute_every=args.recompute_every,
                 sequence_parallel=args.sequence_parallel, max_grad_norm=args.max_grad_norm,
-                offload_dir=args.offload_dir, measure_activations=True,
+                offload_dir=args.offload_dir, measure_activations=True, schedule=args.schedule,
                 compression=args.compression, compression_rank=args.compression_rank,
                 compile=args.compile, sync_warmup_steps=args.sync_warmup_steps)
     if not _under_torchrun():   # one GPU per rank: refused here, before any rank starts
@@ -242,9 +242,7 @@ def build_config(args):
     from meshtrain.models.registry import kind_of
     _default_model(args)
     is_gpt = kind_of(args.model) == "gpt"
-    shape = {"n_layer": args.layers, "d_model": args.d_model, "n_head": args.heads,
-             "seq_len": args.seq if is_gpt else None}
-    overrides = {k: v for k, v in shape.items() if v is not None}
+    overrides = shape_overrides(args, is_gpt)
     run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return RunConfig(run_dir=run_dir, plan=plan.to_dict(), model=args.model, device=device,
                      model_overrides=overrides, seq_len=None if is_gpt else args.seq,

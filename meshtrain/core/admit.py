@@ -60,6 +60,9 @@ def _refuse_unbuilt(plan: Plan) -> None:
          f"precision={plan.precision!r}: expert parallel runs with DDP and ZeRO, in fp32 or "
          "bf16, for now; use dp_mode='ddp', compression='none' and precision 'fp32' or "
          "'bf16'"),
+        (plan.capacity_factor is not None and plan.dp_mode == "dp",
+         f"capacity_factor={plan.capacity_factor} with dp_mode='dp': the replicas, threads of "
+         "one process, would share each MoE layer's capacity counters; use dp_mode='ddp'"),
     ]
     for applies, message in unbuilt:
         if applies:
@@ -77,7 +80,9 @@ def _check_context_parallel(plan: Plan) -> None:
                f"precision={plan.precision!r}": plan.precision == "fp8",
                f"recompute={plan.recompute!r}": plan.recompute not in ("none", "full"),
                f"compression={plan.compression!r}": plan.compression != "none",
-               f"ep={plan.ep}": plan.ep > 1}
+               f"ep={plan.ep}": plan.ep > 1,
+               # capacity counts per whole sequence (models/experts.py), which cp splits
+               f"capacity_factor={plan.capacity_factor}": plan.capacity_factor is not None}
     for name, applies in unbuilt.items():
         if applies:
             raise PlanError(f"cp with {name} is not built yet: context parallel runs with "

@@ -15,8 +15,12 @@ from __future__ import annotations
 # 8 x 1024 tokens; `python -m meshtrain.bench.profile_step`). E.g. gpt2-124m: 124,439,808 tied
 # + 38,633,472 untied lm_head + 47 * 768 padded embedding rows - 12 * 768 key biases.
 GPT2_VOCAB = 50304   # 50257 tokens, padded to a multiple of 64 (the extra rows are never targets)
+# "gpt-moe-tiny" is tiny's shape with a mixture of 4 experts (each token to 2) in every block
+# and no biases, as Mixtral has none (models/gpt_moe.py).
 GPT_SHAPES: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128),
+    "gpt-moe-tiny": dict(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128,
+                         bias=False, experts=4, top_k=2),
     "small": dict(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256),
     "gpt2-124m": dict(vocab_size=GPT2_VOCAB, seq_len=1024, n_layer=12, n_head=12, d_model=768),
     "gpt2-350m": dict(vocab_size=GPT2_VOCAB, seq_len=1024, n_layer=24, n_head=16, d_model=1024),
@@ -25,13 +29,15 @@ GPT_SHAPES: dict[str, dict[str, int]] = {
 
 
 def gpt_num_params(vocab_size: int, seq_len: int, n_layer: int, d_model: int,
-                   mlp_ratio: int = 4, bias: bool = True) -> int:
+                   mlp_ratio: int = 4, bias: bool = True, experts: int = 0) -> int:
     """Exact parameter count of meshtrain's GPT of this shape, without building it."""
     d, b, h = d_model, int(bias), mlp_ratio * d_model
     layer_norm = d * (1 + b)
     embed = (vocab_size + seq_len) * d
     attn = 4 * d * d + 3 * d * b                # q, k, v, proj (k has no bias)
     mlp = d * h + h * b + h * d + d * b         # fc, proj
+    if experts:   # the router (d x E) and E SwiGLU experts (gate and up, down), no biases
+        mlp = d * experts + experts * 3 * d * h
     block = 2 * layer_norm + attn + mlp
     head = layer_norm + d * vocab_size          # ln_f, lm_head (no bias)
     return embed + n_layer * block + head

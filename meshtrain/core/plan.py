@@ -6,6 +6,7 @@ and how to fix it, so a bad plan fails before any process group exists.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 
@@ -44,6 +45,10 @@ class Plan:
     ep: int = 1
     """Expert-parallel width: each MoE layer's experts split over this many ranks, taken from
     the data-parallel ranks (ep divides dp; each expert is data-parallel over dp / ep)."""
+    capacity_factor: float | None = None
+    """A mixture of experts: None routes every top-k choice (dropless); C > 0 lets each
+    expert of each MoE layer take at most ceil(C x S x top_k / experts) choices of each
+    sequence of S tokens, dropping the rest (models/experts.py, [Note: capacity per sequence])."""
     dp_mode: str = "ddp"
     """How data-parallel gradients are combined: "ddp" | "dp" | "ps-sync" | "ps-async" |
     "diloco" | "local-sgd" (workers step alone; see sync_every)."""
@@ -282,6 +287,12 @@ def _check_cp_ep(plan: Plan) -> None:
     if plan.cp_style != "ring" and plan.cp == 1:
         raise PlanError(f"Plan.cp_style={plan.cp_style!r} shapes context parallel and needs "
                         "cp > 1 (got cp=1); set cp=2 or more, or drop cp_style")
+    c = plan.capacity_factor
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                          or not 0 < c < math.inf):
+        raise PlanError(f"Plan.capacity_factor={c!r}: must be a number > 0 (e.g. 1.25: each "
+                        "expert takes at most 1.25x its even share of a sequence's choices), "
+                        "or None for dropless routing")
     if plan.ep > 1 and plan.dp % plan.ep:
         raise PlanError(f"Plan(ep={plan.ep}, dp={plan.dp}): expert parallel takes its ranks "
                         f"from the data-parallel ones, so ep must divide dp; use dp="

@@ -10,6 +10,10 @@ Built for the strategies without knowing about any of them:
   attention with no change here (see `CausalSelfAttention`).
 - No dropout, and initialisation draws only from torch's global RNG: the same seed gives the
   same parameters and the same training numbers in every plan.
+- `GPTConfig(experts=E, top_k=K)`: each block's MLP is a mixture of E SwiGLU experts, each
+  token routed to K of them (models/gpt_moe.py), and the model returns its logits with every
+  block's router logits (`MoEOutput`) for the load-balancing loss; experts=0 (the default)
+  is the dense GPT, unchanged.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.core.gpt_shapes import GPT_SHAPES, gpt_num_params
+from meshtrain.models.gpt_moe import MoEFeedForward, MoEOutput
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,14 @@ class GPTConfig:
     mlp_ratio: int = 4
     """MLP hidden width as a multiple of d_model."""
     bias: bool = True
-    """Biases in Linear and LayerNorm layers (lm_head never has one)."""
+    """Biases in Linear and LayerNorm layers (lm_head, the router and experts never have one)."""
+    experts: int = 0
+    """Experts of each block's mixture-of-experts MLP; 0: the dense MLP."""
+    top_k: int = 2
+    """Experts each token is routed to (with experts > 0), Mixtral's 2 by default."""
+    router_aux_coef: float = 0.02
+    """Weight of the router's load-balancing loss in the training loss (Mixtral presets' 0.02
+    here; 0: none added)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -46,8 +58,19 @@ class GPTConfig:
             if f.name == "bias":
                 if not isinstance(value, bool):
                     raise ValueError(f"GPTConfig.bias={value!r}: must be True or False")
-            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPTConfig.{f.name}={value!r}: must be a whole number >= 1")
+            elif f.name == "router_aux_coef":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                    raise ValueError(f"GPTConfig.router_aux_coef={value!r}: must be a number "
+                                     ">= 0")
+            else:
+                least = 0 if f.name == "experts" else 1
+                if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                    raise ValueError(f"GPTConfig.{f.name}={value!r}: must be a whole number "
+                                     f">= {least}")
+        if self.experts and self.top_k > self.experts:
+            raise ValueError(f"GPTConfig: top_k={self.top_k} routes each token to more experts "
+                             f"than the {self.experts} each block has; choose top_k <= "
+                             f"{self.experts} (--top-k) or more experts (--experts)")
         if self.d_model % self.n_head:
             raise ValueError(
                 f"GPTConfig: d_model={self.d_model} is not divisible by n_head={self.n_head}; "
@@ -61,7 +84,7 @@ class GPTConfig:
     def num_params(self) -> int:
         """Exact parameter count of `GPT(self)`, without building it (the planner's count)."""
         return gpt_num_params(self.vocab_size, self.seq_len, self.n_layer, self.d_model,
-                              self.mlp_ratio, self.bias)
+                              self.mlp_ratio, self.bias, self.experts)
 
 
 # The presets' shapes live with the planner, which sizes them without torch (model_spec.py)
@@ -164,7 +187,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = (MoEFeedForward(config.d_model, config.mlp_ratio * config.d_model,
+                                   config.experts, config.top_k)
+                    if config.experts else MLP(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -188,7 +213,9 @@ class GPT(nn.Module):
 
     Initialisation (GPT-2): Linear and Embedding weights ~ N(0, 0.02), biases zero, LayerNorm
     ones/zeros; the residual projections attn.proj and mlp.proj use std 0.02/sqrt(2*n_layer) so
-    the residual stream's variance does not grow with depth. Weights are not tied.
+    the residual stream's variance does not grow with depth. Weights are not tied. With
+    experts, the router as a Linear and each expert as the MLP: gate_up_proj ~ N(0, 0.02),
+    down_proj (a residual projection) the residual std.
     """
 
     def __init__(self, config: GPTConfig):
@@ -210,19 +237,29 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
+            elif name.endswith("mlp.experts"):
+                nn.init.normal_(module.gate_up_proj, mean=0.0, std=0.02)
+                nn.init.normal_(module.down_proj, mean=0.0, std=residual_std)
 
     def layers(self) -> list[nn.Module]:
-        """[embed, *blocks, head]: run in order, they compute exactly `forward`."""
+        """[embed, *blocks, head]: run in order, they compute exactly `forward` (with
+        experts, its logits without the router's: pipeline stages refuse a mixture)."""
         return [self.embed, *self.blocks, self.head]
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor) -> torch.Tensor | MoEOutput:
         x = self.embed(idx)                        # (B, T, d)
         for block in self.blocks:
             x = block(x)                           # (B, T, d)
-        return self.head(x)                        # (B, T, V)
+        logits = self.head(x)                      # (B, T, V)
+        if not self.config.experts:
+            return logits
+        return MoEOutput(logits, tuple(m.take_router_logits() for m in self.modules()
+                                       if isinstance(m, MoEFeedForward)))
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over all B*T tokens: logits (B, T, V), targets (B, T) int64."""
+    def loss(self, output: torch.Tensor | MoEOutput, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over all B*T tokens: logits (B, T, V) (or an MoEOutput's),
+        targets (B, T) int64. The router's loss is added by models/moe.RouterLoss."""
+        logits = output.logits if isinstance(output, MoEOutput) else output
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     def num_params(self) -> int:

@@ -18,7 +18,9 @@ shard). The mean of that over equal shards is the global aux exactly, and so are
 gradients: one process on the global batch gets the same loss and the same step. With
 micro-batches, f is taken over micro-batch m of every rank (the global micro-batch m), as
 one process accumulating gradients over the same global micro-batches computes it.
-Evaluation gives each rank whole batches: there the counts stay the rank's own.
+Under context parallel each cp rank routes its own chunks of every sequence, so the counts
+are summed over dp x cp (the replica axis) in training, and over cp in evaluation, where
+each dp rank has whole batches of its own (then the counts are otherwise the rank's own).
 No causal MoE family in transformers has a router z-loss (only the encoder-decoder Switch
 Transformers and NLLB-MoE), so none is added.
 
@@ -38,6 +40,7 @@ from typing import Callable
 import torch
 
 from meshtrain.core.plan import Plan, PlanError
+from meshtrain.models.gpt import GPTConfig
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,13 @@ class Router:
 
 
 def router_of(model) -> Router | None:
-    """The routing of a transformers mixture-of-experts causal LM, None for any other model."""
+    """The routing of a transformers mixture-of-experts causal LM or of meshtrain's GPT with
+    experts (its loss always asked for, where its coefficient is not 0), None for any other
+    model."""
     config = getattr(model, "config", None)
+    if isinstance(config, GPTConfig):
+        coef = config.router_aux_coef or None
+        return Router(config.experts, config.top_k, coef) if config.experts else None
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None)
     if not isinstance(experts, int) or not isinstance(top_k, int) or experts < 1:
@@ -71,6 +79,11 @@ def check(model, plan: Plan) -> None:
     if router.top_k > router.experts:
         raise PlanError(f"{name}: num_experts_per_tok={router.top_k} is more than its "
                         f"{router.experts} experts; set num_experts_per_tok <= {router.experts}")
+    if plan.pp > 1 and isinstance(getattr(model, "config", None), GPTConfig):
+        raise PlanError(f"{name} with pp={plan.pp}: pipeline parallel of mixture-of-experts "
+                        "layers is not built yet for meshtrain's GPT (the router's loss is "
+                        "not carried between its stages); train it data-parallel, "
+                        "Plan(dp=N) (with ZeRO, tp or ep)")
     if plan.pp > 1 and router.aux_coef is not None and router_recorder(model) is None:
         raise PlanError(f"{name} with pp={plan.pp}: its router's loss is carried between "
                         "stages from the router logits transformers records "
@@ -114,22 +127,26 @@ def layer_routing(logits: torch.Tensor, router: Router) -> tuple[torch.Tensor, t
     return counts, probs.float().sum(dim=0)
 
 
-def router_loss(model, loss_fn: Callable, reduce_counts: Callable) -> RouterLoss | None:
+def router_loss(model, loss_fn: Callable, reduce_counts: Callable,
+                reduce_chunks: Callable | None = None) -> RouterLoss | None:
     """`loss_fn` plus the router's auxiliary loss where the model's config asks for it
     (see the module docstring); None where it does not. `reduce_counts(t)` sums a tensor
-    in place over the data-parallel ranks."""
+    in place over the data-parallel ranks (x cp); `reduce_chunks(t)` over the cp ranks
+    holding chunks of the same sequences (evaluation; None without cp)."""
     router = router_of(model)
     if router is None or router.aux_coef is None:
         return None
-    return RouterLoss(loss_fn, router, reduce_counts)
+    return RouterLoss(loss_fn, router, reduce_counts, reduce_chunks)
 
 
 class RouterLoss:
     """loss = loss_fn(output, targets) + aux_coef * aux, aux over the global batch; each
     training call's parts (the loss_fn's, aux unscaled) kept until `take_parts`."""
 
-    def __init__(self, loss_fn: Callable, router: Router, reduce_counts: Callable) -> None:
+    def __init__(self, loss_fn: Callable, router: Router, reduce_counts: Callable,
+                 reduce_chunks: Callable | None = None) -> None:
         self.loss_fn, self.router, self.reduce_counts = loss_fn, router, reduce_counts
+        self.reduce_chunks = reduce_chunks
         self._parts: list[torch.Tensor] = []
 
     def __call__(self, output, targets: torch.Tensor) -> torch.Tensor:
@@ -159,10 +176,12 @@ class RouterLoss:
     def aux(self, counts: torch.Tensor, prob_sum: torch.Tensor,
             global_counts: bool) -> torch.Tensor:
         """E * sum_e f_e * P_e from the routing sums (`routed`'s); `counts` summed in place
-        over dp where `global_counts`."""
+        over dp (x cp) where `global_counts`, else over cp's chunks (evaluation)."""
         rows = counts[-1].clone()                     # this rank's own, for P
         if global_counts:
             self.reduce_counts(counts)
+        elif self.reduce_chunks is not None:   # evaluation under cp: the whole sequences
+            self.reduce_chunks(counts)
         f = counts[:-1] / counts[-1]
         return self.router.experts * (f * (prob_sum / rows)).sum()
 

@@ -77,10 +77,24 @@ def check_model_spec(spec: str, overrides: dict) -> None:
     it starts any rank)."""
     kind = kind_of(spec)
     if kind == "gpt":
-        gpt_config(spec, **overrides)
+        config = gpt_config(spec, **overrides)
+        if "top_k" in overrides and not config.experts:
+            raise ModelSpecError(f"--top-k {overrides['top_k']} routes each token among "
+                                 f"experts, and {spec!r} has none (dense MLPs); add --experts "
+                                 "N, or use --model gpt-moe-tiny")
+    elif {"experts", "top_k"} & set(overrides) and kind != "callable":
+        from meshtrain.models.moe import router_of
+
+        router = router_of(type("Built", (), {"config": transformers_config(spec)}))
+        has = (f"{router.experts} experts per layer, top-{router.top_k}" if router else
+               "no experts (dense MLPs)")
+        raise ModelSpecError(f"--experts/--top-k shape meshtrain's GPT presets only; {spec!r} "
+                             f"is a transformers model whose config says {has}: drop them, or "
+                             "give a config.json with the experts you want (num_local_experts "
+                             "or num_experts, num_experts_per_tok)")
     elif overrides:
-        raise ModelSpecError(f"--layers/--d-model/--heads shape meshtrain's GPT presets only; "
-                             f"{spec!r} builds its own model: drop them")
+        raise ModelSpecError(f"--layers/--d-model/--heads/--experts/--top-k shape meshtrain's "
+                             f"GPT presets only; {spec!r} builds its own model: drop them")
     elif kind == "callable":
         _resolve(spec)
     else:

@@ -17,8 +17,11 @@ Routing is rarely even: `Setup.expert_imbalance` (the busiest rank's routed toke
 the mean; 1.0: even, the default) scales what the busiest rank receives and its routed
 experts' work (top-k of E experts per token: the MLP's FLOPs with ModelSpec.ffn_hidden =
 k x expert width + shared width).
+A capacity factor C (Plan.capacity_factor: no expert takes more than C x its even share of
+a sequence's choices) caps both: at most min(1, C) of the b s k copies are sent, and the
+busiest rank receives at most C x the even share. The advisor prices dropless plans.
 Left out: the busiest rank's extra saved activations under imbalance, the router's own
-logits, and the capacity factor's dropped tokens (dropless routing).
+logits, and the compute a capacity saves (every choice's expert work is priced).
 """
 from __future__ import annotations
 
@@ -65,8 +68,20 @@ def rank_states(spec: ModelSpec, cand: Candidate, setup: Setup, psi: float,
 
 
 def dispatch_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
-    """One all-to-all's buffer on a rank: its b s tokens, k copies each, h wide."""
-    return cand.micro_batch * spec.seq * spec.top_k * spec.hidden * setup.act_bytes
+    """One all-to-all's buffer on a rank: its b s tokens, k copies each, h wide; under a
+    capacity factor C < 1, at most C of the copies."""
+    c = cand.plan.capacity_factor
+    kept = 1.0 if c is None else min(1.0, c)
+    return kept * cand.micro_batch * spec.seq * spec.top_k * spec.hidden * setup.act_bytes
+
+
+def imbalance(cand: Candidate, setup: Setup) -> float:
+    """The busiest rank's received rows over the buffer's mean: the stated imbalance, which
+    a capacity factor C caps at C x the dropless even share."""
+    c = cand.plan.capacity_factor
+    if c is None:
+        return setup.expert_imbalance
+    return min(setup.expert_imbalance, c) / min(1.0, c)
 
 
 def alltoalls(cand: Candidate) -> float:
@@ -95,13 +110,13 @@ def step_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> dict[str, floa
 def exposed_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster,
                  span: int) -> float:
     """Seconds per micro-batch expert parallel adds to the busiest stage: its all-to-alls,
-    the busiest rank receiving `expert_imbalance` x the mean, and that rank's routed work
+    the busiest rank receiving `imbalance` x the mean, and that rank's routed work
     beyond the mean's. `span`: the ranks the ep group spans in the mesh."""
     p = cand.plan
     if not spec.experts or p.ep == 1:
         return 0.0
     layers = math.ceil(spec.layers / p.pp)
-    skew = setup.expert_imbalance
+    skew = imbalance(cand, setup)
     buffer = dispatch_bytes(spec, cand, setup) * skew
     comm = alltoalls(cand) * cluster.collective_time("all_to_all", buffer, p.ep, span)
     routed = 2 * spec.top_k * spec.mlp_matrices * spec.hidden * spec.expert_width / p.tp
@@ -115,7 +130,7 @@ def transient_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     rank's: 2 b s k h e x imbalance."""
     if not spec.experts or cand.plan.ep == 1:
         return 0.0
-    return 2 * dispatch_bytes(spec, cand, setup) * setup.expert_imbalance
+    return 2 * dispatch_bytes(spec, cand, setup) * imbalance(cand, setup)
 
 
 def ep_sizes(spec: ModelSpec, dp: int) -> list[int]:

@@ -150,7 +150,8 @@ def _experts_question(advice: Advice) -> Question:
         f"{spec.experts} experts per layer, top {spec.top_k}: the experts hold {share:.0%} of "
         f"its {spec.num_params / 1e9:.3g}B parameters, which expert parallel splits over ep "
         f"data-parallel ranks; each token crosses the ep axis as {per_token:,} bytes each "
-        f"way per layer, forward and backward")
+        f"way per layer, forward and backward (priced dropless: every top-k choice sent; "
+        f"a capacity factor C, train --capacity-factor, sends at most C x the even share)")
 
 
 def _best_in(advice: Advice, family: str) -> Evaluated | None:

@@ -245,7 +245,8 @@ def preset(name: str, seq: int | None = None) -> ModelSpec:
         # a sequence override resizes the GPT's learned position table (seq x d_model)
         shape = dict(GPT_SHAPES[key], seq_len=seq or GPT_SHAPES[key]["seq_len"])
         spec = replace(from_gpt_shape(**shape, name=key), measured_params=gpt_num_params(
-            shape["vocab_size"], shape["seq_len"], shape["n_layer"], shape["d_model"]))
+            shape["vocab_size"], shape["seq_len"], shape["n_layer"], shape["d_model"],
+            bias=shape.get("bias", True), experts=shape.get("experts", 0)))
     return replace(spec, seq=seq) if seq else spec
 
 
@@ -256,19 +257,23 @@ def from_description(layers: int, hidden: int, heads: int, vocab: int, seq: int,
 
 
 def from_gpt_shape(vocab_size: int, seq_len: int, n_layer: int, n_head: int, d_model: int,
-                   mlp_ratio: int = 4, bias: bool = True, name: str = "gpt") -> ModelSpec:
+                   mlp_ratio: int = 4, bias: bool = True, name: str = "gpt", experts: int = 0,
+                   top_k: int = 2) -> ModelSpec:
     """meshtrain's reference GPT from its config's fields (GPTConfig's names and defaults):
     untied lm_head without bias, learned positions, GELU MLP, no dropout, and
-    `scaled_dot_product_attention` (fused: no s x s scores kept)."""
+    `scaled_dot_product_attention` (fused: no s x s scores kept). With experts, every MLP a
+    mixture of SwiGLU experts mlp_ratio x d_model wide (models/gpt_moe.py)."""
+    moe = dict(experts=experts, top_k=top_k, mlp="swiglu") if experts else {}
     return ModelSpec(name, n_layer, d_model, n_head, vocab_size, seq_len, ffn=mlp_ratio * d_model,
-                     bias=bias, tied=False, dropout=False, flash_attention=True)
+                     bias=bias, tied=False, dropout=False, flash_attention=True, **moe)
 
 
 def from_gpt_config(config, name: str = "gpt") -> ModelSpec:
     """meshtrain's reference GPT from its GPTConfig (`from_gpt_shape`), with the exact
     parameter count the config gives."""
     spec = from_gpt_shape(config.vocab_size, config.seq_len, config.n_layer, config.n_head,
-                          config.d_model, config.mlp_ratio, config.bias, name)
+                          config.d_model, config.mlp_ratio, config.bias, name,
+                          getattr(config, "experts", 0), getattr(config, "top_k", 2))
     if hasattr(config, "num_params"):  # the config knows its exact count; trust it
         spec = replace(spec, measured_params=config.num_params())
     return spec

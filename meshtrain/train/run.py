@@ -104,7 +104,7 @@ def train_rank(config: RunConfig) -> dict:
         "data": corpus.source,
         "train_loss_start": first.get("train_loss"), "train_loss_end": loss,
         "train_loss_parts_end": trainer.last_loss_parts,   # a mixture of experts' router loss
-        "expert_load_end": load or None,   # its tokens per expert under expert parallel
+        "expert_load_end": load or None,   # its tokens per expert (ep), choices dropped
         "val_loss_start": first["val_loss"], "val_loss_end": final_val,
         "median_step_s": median, "tokens_per_s": tokens_per_step / median,
         "mfu": util(tokens_per_step / median), "flops_per_token": flops_tok,
@@ -176,10 +176,15 @@ def _train_steps(trainer: Trainer, config: RunConfig, sampler: BatchSampler, val
 
 
 def expert_load(trainer: Trainer) -> dict:
-    """The step's tokens per expert and their imbalance (strategies/expert_parallel), {}
-    where experts are not split."""
-    return (trainer.sharding.expert_load() if isinstance(trainer.sharding, ExpertParallel)
+    """The step's tokens per expert and their imbalance where experts are split
+    (strategies/expert_parallel: the choices kept), and the choices dropped where a capacity
+    factor limits them (models/experts.py); {} for neither."""
+    load = (trainer.sharding.expert_load() if isinstance(trainer.sharding, ExpertParallel)
             else {})
+    if trainer.capacity is not None:
+        load |= trainer.capacity.drops(
+            lambda t: trainer.comm.all_reduce(t, "dp", tag="expert-drops"), trainer.mesh.device)
+    return load
 
 
 def _build_trainer(config: RunConfig, plan: Plan, built) -> tuple[Trainer, str | None]:

@@ -10,6 +10,7 @@ from meshtrain.core.comm import Comm
 from meshtrain.core.memory import ActivationMeter
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.core.state import StateLayout
+from meshtrain.models.experts import check_capacity
 from meshtrain.strategies import context_parallel, expert_parallel, pipeline, tensor_parallel
 from meshtrain.strategies.compile import graph_step_marker
 from meshtrain.strategies.data_parallel.ddp import DDP
@@ -39,6 +40,7 @@ def check_layer_sharding(model: nn.Module, plan: Plan, tp_plan: dict | None) -> 
     the mesh is built; check_plan has refused a tp_plan without tp)."""
     tensor_parallel.check(model, plan, tp_plan)
     expert_parallel.check(model, plan)
+    check_capacity(model, plan)   # installed by the Trainer after ep (models/experts.py)
     context_parallel.check(model, plan)
 
 
@@ -48,6 +50,21 @@ def split_context(model: nn.Module, plan: Plan, comm: Comm):
     if plan.cp == 1:
         return WholeSequences()
     return context_parallel.apply(model, plan, comm)
+
+
+def routing_sums(comm: Comm) -> tuple[Callable, Callable | None]:
+    """How a mixture of experts' routing counts are summed (models/moe.py): in training
+    over every rank of the global batch, dp x cp (each cp rank routes its chunks of each
+    sequence); in evaluation, where each dp rank has whole batches, over the cp ranks
+    sharing its sequences (none where cp = 1)."""
+    mesh = comm.mesh
+
+    def over_batch(t):
+        comm.all_reduce(t, mesh.replica_axis, tag="router-counts")
+
+    def over_chunks(t):
+        comm.all_reduce(t, "cp", tag="router-counts-eval")
+    return over_batch, (over_chunks if mesh.size("cp") > 1 else None)
 
 
 def keep_stages(model: nn.Module, plan: Plan, comm: Comm, layout: StateLayout) -> Stages:

@@ -28,7 +28,7 @@ from meshtrain.core.memory import (ActivationMeter, MemoryReport, optimizer_stat
 from meshtrain.core.mesh import Mesh
 from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
 from meshtrain.core.processes import steady_host_heap
-from meshtrain.models import hf, moe
+from meshtrain.models import experts, hf, moe
 from meshtrain.models.lean_cross_entropy import lean_cross_entropy
 from meshtrain.models.registry import logits_of
 from meshtrain.strategies import pipeline
@@ -39,8 +39,8 @@ from meshtrain.strategies.float8 import check_fp8, convert_to_fp8
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.tensor_parallel.sharding import is_token_cross_entropy
 from meshtrain.train import checkpoint
-from meshtrain.train.slots import (check_layer_sharding, drive_steps, keep_stages, shard_layers,
-                                   split_context, sync_gradients)
+from meshtrain.train.slots import (check_layer_sharding, drive_steps, keep_stages, routing_sums,
+                                   shard_layers, split_context, sync_gradients)
 from meshtrain.core.state import StateLayout
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -83,13 +83,13 @@ class Trainer:
         elif plan.precision != "fp32":   # the loss in fp32 whatever the compute precision
             self.loss_fn = _loss_in_fp32(self.loss_fn)
         # a mixture of experts' router loss over the global batch's routing (models/moe.py)
-        self.router_loss = moe.router_loss(
-            model, self.loss_fn, lambda t: self.comm.all_reduce(t, "dp", tag="router-counts"))
+        self.router_loss = moe.router_loss(model, self.loss_fn, *routing_sums(self.comm))
         self.loss_fn = self.router_loss or self.loss_fn
         self.last_loss_parts: dict[str, float] | None = None   # the last step's, by name
         self.layout = StateLayout.of(self.model)   # names and shapes, before any slot
         # 1. tensor parallel first: stages and gradient sync then see the shards
         self.sharding = shard_layers(self.model, plan, self.comm, tp_plan)
+        self.capacity = experts.limit_capacity(self.model, plan.capacity_factor)   # after ep
         self.loss_fn = self.sharding.wrap_loss(self.loss_fn)   # vocab-parallel where split
         self.context = split_context(self.model, plan, self.comm)   # each cp rank its chunks
         self.activations = (ActivationMeter(self.model.parameters())
@@ -123,9 +123,8 @@ class Trainer:
                                   self.activations, self.data_parallel)
         self._held = {name for name, _ in self.stages.named_parameters()}   # this rank's
         self.build_peak = peak_process_bytes()   # the training peak is told apart from it
-        self.train_peak = self.checkpoint_peak = self.checkpoint_share = 0
+        self.train_peak = self.checkpoint_peak = self.checkpoint_share = self.steps_done = 0
         reset_process_peak()
-        self.steps_done = 0
         self._grad_norm: torch.Tensor | None = None   # read by `last_grad_norm`
 
     # ---- who am I -----------------------------------------------------------------------
@@ -170,8 +169,9 @@ class Trainer:
         parts = self.router_loss.take_parts()   # None on a pp stage before the last
         if parts is None:
             parts = torch.zeros(2, device=self.mesh.device)
-        self.comm.all_reduce(parts, "dp", tag="loss-parts")
-        parts /= self.dp_size
+        axis = self.mesh.replica_axis   # dp (x cp)
+        self.comm.all_reduce(parts, axis, tag="loss-parts")
+        parts /= self.mesh.size(axis)
         if self.plan.pp > 1:   # only the last stage computed them
             self.comm.broadcast(parts, self.plan.pp - 1, "pp", tag="loss-parts")
         return {"cross_entropy": parts[0].item(), "router_aux": parts[1].item()}

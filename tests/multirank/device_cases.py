@@ -82,6 +82,9 @@ CASES = {
     # expert parallel: a mixture of experts' tokens over all-to-all (its router loss on)
     "ep": Case(2, dict(dp=2, ep=2), model="mixtral-tiny", clip=0.3),
     "ep-edp-zero1": Case(4, dict(dp=4, ep=2, zero=1), model="qwen3-moe-tiny"),
+    # ... with a capacity factor (its kept mask on the device), and under context parallel
+    "ep-capacity": Case(2, dict(dp=2, ep=2, capacity_factor=1.0), model="mixtral-tiny"),
+    "cp-moe": Case(2, dict(cp=2), model="mixtral-tiny"),
     # ... in pipeline stages: the routing sums sent beside the hidden state over NCCL
     "ep-pp": Case(4, dict(dp=2, pp=2, ep=2), model="mixtral-tiny"),
 }
@@ -110,7 +113,8 @@ def deterministic(device: str):
 def reference_of(case: Case, device: str) -> dict:
     with deterministic(device):
         if case.model in MIXTURES:   # transformers' loss: cross-entropy + its router's
-            return hf_cases.reference(case.model, STEPS, case.clip, device)
+            return hf_cases.reference(case.model, STEPS, case.clip, device,
+                                      case.plan.get("capacity_factor"))
         if case.bf16:
             return eq.reference_bf16(case.model, case.optimizer, device=device)
         return eq.reference(case.model, case.optimizer, max_grad_norm=case.clip, device=device)

@@ -40,9 +40,14 @@ def transformers_loss(net: nn.Module):
 
 
 def reference(model: str, steps: int = STEPS, max_grad_norm: float | None = None,
-              device: str = "cpu") -> dict:
+              device: str = "cpu", capacity_factor: float | None = None) -> dict:
+    """One process; `capacity_factor`: a mixture of experts' experts limited as every plan
+    limits them (models/experts.py)."""
+    from meshtrain.models.experts import limit_capacity
+
     torch.manual_seed(0)
     net = eq.MODELS[model][0]().to(device)
+    limit_capacity(net, capacity_factor)
     opt = eq.sgd(net.parameters())
     names = {id(p): n for n, p in net.named_parameters()}
     losses, norms, loss_fn = [], [], transformers_loss(net)

@@ -3,7 +3,10 @@ parameters and optimizer states), for each style at cp = 2 and cp = 4, alone and
 ZeRO, recompute, clipping, tp with sequence parallel and pp (covered pairwise, not as a product:
 the suite's budget; bf16 within the suite's bf16 bound), for meshtrain's GPT and a transformers Llama with grouped-query
 attention (4 heads, 2 K/V heads); the ring's and the all-to-all's bytes per step equal their
-formulas, and a rank keeps one process's activations / cp.
+formulas, and a rank keeps one process's activations / cp. A mixture of experts (Mixtral,
+its router's load-balancing loss on) at cp = 2 and dp x cp = 2 x 2: its routing counts
+summed over dp x cp in training (over cp in evaluation), its losses, loss parts and
+evaluation those of one process.
 
 Each world starts once and runs all its cases; each one-process reference is computed once.
 The GPT is `gpt_tp` (4 heads, so all-to-all divides them by 4; 16 tokens, cut into 8 chunks
@@ -18,12 +21,14 @@ from tests.multirank import equivalence as eq
 from tests.multirank.test_zero import check_within_bf16_round_off
 
 GPT, LLAMA, PIPE = "gpt_tp", "llama-tiny", "gpt_pipe"   # gpt_pipe: 8 layers for stages
+MOE = "mixtral-tiny"   # 4 experts, top-2, output_router_logits with coefficient 0.02
 STEPS, CLIP = 3, 0.25
 RING, A2A = dict(cp_style="ring"), dict(cp_style="all-to-all")
 
 # (plan fields, model, max_grad_norm) per world size
 WORLD_2 = [(dict(cp=2, **RING), GPT, None), (dict(cp=2, **A2A), GPT, None),
-           (dict(cp=2, **RING), LLAMA, None), (dict(cp=2, **A2A), LLAMA, None)]
+           (dict(cp=2, **RING), LLAMA, None), (dict(cp=2, **A2A), LLAMA, None),
+           (dict(cp=2, **RING), MOE, None)]
 WORLD_4 = [(dict(cp=4, **RING), GPT, None),
            (dict(cp=4, recompute="full", **A2A), GPT, None),
            (dict(dp=2, cp=2, **RING), GPT, CLIP),
@@ -35,7 +40,8 @@ WORLD_4 = [(dict(cp=4, **RING), GPT, None),
            (dict(cp=2, pp=2, microbatches=4, schedule="zb-h1", **RING), PIPE, None),
            (dict(cp=2, pp=2, microbatches=2, **A2A), LLAMA, None),
            (dict(cp=4, **RING), LLAMA, None),   # its 2 K/V heads: no all-to-all over 4
-           (dict(dp=2, cp=2, zero=3, recompute="full", **A2A), LLAMA, None)]
+           (dict(dp=2, cp=2, zero=3, recompute="full", **A2A), LLAMA, None),
+           (dict(dp=2, cp=2, **A2A), MOE, None)]
 
 
 @pytest.fixture(scope="module")
@@ -45,21 +51,52 @@ def references():
            (GPT, CLIP): eq.reference(GPT, steps=STEPS, max_grad_norm=CLIP),
            (PIPE, None): eq.reference(PIPE, steps=STEPS),
            "bf16": eq.reference_bf16(GPT, steps=STEPS)}
-    if any(model == LLAMA for _, model, _ in WORLD_2 + WORLD_4):
+    if any(model in (LLAMA, MOE) for _, model, _ in WORLD_2 + WORLD_4):
         hf = pytest.importorskip("tests.multirank.hf_cases")
         out[(LLAMA, None)] = hf.reference(LLAMA, steps=STEPS)
+        out[(MOE, None)] = hf.reference(MOE, steps=STEPS)
+        out["moe"] = mixture_one_process()
     return out
 
 
 def run_cases(cases: list, counted: list, bf16: list) -> tuple[list, list, list]:
     """On each rank: every case's training, what one step of each plan in `counted` sends
     and keeps, and the GPT trained under each plan of `bf16`."""
-    if any(model == LLAMA for _, model, _ in cases):
+    if any(model in (LLAMA, MOE) for _, model, _ in cases):
         import tests.multirank.hf_cases  # noqa: F401  (registers the transformers models)
     trained = eq.train_many(cases, STEPS)
     return (trained, [one_step(plan) for plan in counted],
             [eq.train(mt.Plan(**plan), GPT, steps=STEPS) for plan in bf16],
-            ring_against_sdpa() if bf16 else None)
+            ring_against_sdpa() if bf16 else None,
+            [mixture_evaluated(plan) for plan, model, _ in cases if model == MOE])
+
+
+def mixture_evaluated(plan: dict) -> dict:
+    """The Mixtral's evaluation of two whole global batches, then the parts of its first
+    step's loss (cross-entropy, router load-balancing), under `plan`."""
+    from meshtrain.models.hf_presets import build
+
+    torch.manual_seed(0)
+    trainer = mt.Trainer(build(MOE), mt.Plan(**plan), optimizer=eq.sgd)
+    evaluated = trainer.evaluate(eq.batches(MOE, 2))
+    trainer.step(*next(iter(eq.batches(MOE, 1, trainer.dp_rank, trainer.dp_size))))
+    return {"evaluated": evaluated, **trainer.last_loss_parts}
+
+
+def mixture_one_process() -> dict:
+    """What transformers computes in one process: the mean loss (cross-entropy + coefficient
+    x the load-balancing loss of each batch) over the same two batches, and the first
+    global batch's parts."""
+    from meshtrain.models.hf_presets import build
+    from tests.multirank import hf_cases as hf
+    from tests.multirank.test_hf_moe import first_step_parts
+
+    torch.manual_seed(0)
+    net = build(MOE)
+    with torch.no_grad():
+        losses = [hf.transformers_loss(net)(net(x, use_cache=False), y).item()
+                  for x, y in eq.batches(MOE, 2)]
+    return {"evaluated": sum(losses) / len(losses), **first_step_parts(MOE)}
 
 
 def ring_against_sdpa(rows: int = 3) -> float:
@@ -147,7 +184,9 @@ def test_context_parallel_matches_one_process(references, world, cases):
     counted, bf16 = (COUNTED, []) if world == 4 else ([], BF16)
     alone = one_step(dict(cp=1)) if counted else {}
     per_rank = run_ranks(world, run_cases, cases, counted, bf16, timeout=170)
-    for rank, (trained, measured, mixed, tiled) in enumerate(per_rank):
+    for rank, (trained, measured, mixed, tiled, mixture) in enumerate(per_rank):
+        for got in mixture:   # routing counts over dp x cp (training) and cp (evaluation)
+            assert got == pytest.approx(references["moe"], abs=1e-5, rel=0), f"rank {rank}"
         assert tiled is None or tiled < 1e-5, f"rank {rank}: ring off SDPA by {tiled}"
         for plan, result in zip(bf16, mixed):   # the suite's bf16 bound (test_zero.py)
             check_within_bf16_round_off(result, references["bf16"])

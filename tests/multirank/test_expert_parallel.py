@@ -31,12 +31,15 @@ from tests.multirank.test_hf_moe import first_step_parts, reference_accumulating
 pytest.importorskip("transformers")
 
 STEPS = 3
+CAPACITY = 1.0   # drops some choices of the tiny Mixtral's random routing (asserted)
 CASES = {2: [(dict(dp=2, ep=2), "mixtral-tiny"), (dict(dp=2, ep=2), "qwen3-moe-tiny"),
+             (dict(dp=2, ep=2, capacity_factor=CAPACITY), "mixtral-tiny"),
              (dict(dp=2, ep=2, recompute="full", microbatches=2), "mixtral-tiny"),
              (dict(dp=2, ep=2, precision="bf16"), "mixtral-tiny")],
          4: [(dict(dp=4, ep=4), "mixtral-tiny"), (dict(dp=4, ep=2), "qwen3-moe-tiny"),
              (dict(dp=4, ep=2, zero=1), "mixtral-tiny"),
              (dict(dp=4, ep=2, zero=3), "qwen3-moe-tiny"),
+             (dict(dp=4, ep=2, zero=3, capacity_factor=CAPACITY), "mixtral-tiny"),
              (dict(dp=2, tp=2, ep=2, zero=1), "olmoe-tiny"),
              (dict(dp=2, pp=2, ep=2, zero=1, schedule="interleaved", virtual_stages=2,
                    microbatches=2, recompute="full"), "qwen3-moe-tiny")]}
@@ -56,6 +59,8 @@ def train_observed(cases: list[tuple[dict, str]], save_dir: str | None = None) -
             parts.append(trainer.last_loss_parts)
             traffic.append(trainer.comm.stats.snapshot())
             routed.append(trainer.sharding.routed())
+            if trainer.capacity is not None:   # this rank's [routed, dropped] per layer
+                routed[-1]["capacity"] = trainer.capacity.take()
         # elements this rank holds whole before any ZeRO sharding: its experts, the rest
         numel = {n: math.prod(trainer.layout.shapes[n]) for n, _ in
                  trainer.stages.named_parameters()}
@@ -92,6 +97,7 @@ def references():
     refs["accumulating"] = {m: reference_accumulating(m, dp=2, microbatches=2)
                             for m in ("mixtral-tiny", "qwen3-moe-tiny")}
     refs["bf16"] = hf.reference_bf16("mixtral-tiny", steps=STEPS)
+    refs["capacity"] = hf.reference("mixtral-tiny", STEPS, capacity_factor=CAPACITY)
     return refs
 
 
@@ -103,7 +109,8 @@ def train_then_run(cases: list[tuple[dict, str]], run_dir: str | None) -> list[d
 
     results = train_observed(cases, None if run_dir is None else f"{run_dir}/saved")
     if run_dir is not None:
-        config = RunConfig(run_dir=run_dir, plan=mt.Plan(dp=2, ep=2).to_dict(),
+        config = RunConfig(run_dir=run_dir, plan=mt.Plan(
+                           dp=2, ep=2, capacity_factor=CAPACITY).to_dict(),
                            model="mixtral-tiny", steps=2, batch_size=4, seq_len=16,
                            optimizer="sgd", lr=0.1, warmup=0, eval_every=1, eval_batches=1,
                            ckpt_every=100, progress=False)
@@ -118,7 +125,8 @@ def test_expert_parallel_equals_one_process(references, world, tmp_path, capsys)
     per_rank = run_ranks(world, train_then_run, cases, run_dir, timeout=170)
     if run_dir is not None:
         check_run_reports_expert_load(tmp_path)
-        assert "imbalance max/mean" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "imbalance max/mean" in out and "of the top-k choices" in out
         # saved under ep, loaded whole: the same state, the same optimizer state, exactly
         assert [r[0]["reloaded"] for r in per_rank] == [0.0] * world
     for rank, results in enumerate(per_rank):
@@ -127,6 +135,8 @@ def test_expert_parallel_equals_one_process(references, world, tmp_path, capsys)
             ref, first = references[model]
             if plan.get("precision") == "bf16":
                 check_bf16(result, references["bf16"], exact=False, what=what)
+            elif plan.get("capacity_factor"):   # what one process with the same limit does
+                eq.assert_equivalent(result, references["capacity"], what=what)
             elif plan.get("microbatches", 1) > 1:
                 eq.assert_equivalent(result, references["accumulating"][model], what=what)
             else:
@@ -134,6 +144,10 @@ def test_expert_parallel_equals_one_process(references, world, tmp_path, capsys)
                 torch.testing.assert_close(result["parts"][0], first, rtol=1e-6, atol=0,
                                            msg=lambda m: f"{what} parts: {m}")
             check_traffic(result, plan, model, result["dp_rank"], what)
+    for i, (plan, _) in enumerate(cases):   # the limit did drop choices
+        if plan.get("capacity_factor"):
+            assert sum(step["capacity"][:, 1].sum().item() for r in per_rank
+                       for step in r[i]["routed"]) > 0, plan
 
 
 def check_traffic(result: dict, plan: dict, model: str, rank: int, what: str) -> None:
@@ -166,11 +180,16 @@ def check_traffic(result: dict, plan: dict, model: str, rank: int, what: str) ->
                 dense + stats, dp, rank), at
             assert sent(traffic, "edp/all_reduce[grad]") == 4 * ring_all_reduce_elements(
                 experts, edp, rank // ep), at
-        # every routed row is sent somewhere: tokens x top-k per layer of this rank's
-        # stages, its own share stays (the counters charge only the rows that leave it)
-        layer_sent, held = routed["layer_sent"], result["held"]
+        # every routed row is sent somewhere: tokens x top-k per layer of this rank's stages
+        # (less the choices a capacity dropped), this rank's own share stays (the counters
+        # charge only the rows that leave the rank)
+        kept = [rows if held else 0 for held in result["held"]]
+        if "capacity" in routed:   # [routed, dropped] per layer
+            assert routed["capacity"][:, 0].tolist() == kept, at
+            kept = (routed["capacity"][:, 0] - routed["capacity"][:, 1]).tolist()
+        layer_sent = routed["layer_sent"]
         assert layer_sent.shape == (config.num_hidden_layers, ep), at
-        assert layer_sent.sum(dim=1).tolist() == [rows if h else 0 for h in held], at
+        assert layer_sent.sum(dim=1).tolist() == kept, at
         leaving = (layer_sent.sum() - layer_sent[:, me].sum()).item() * row_bytes
         assert leaving > 0, at
         # recomputation runs each layer's forward, all-to-alls included, again in backward
@@ -179,7 +198,7 @@ def check_traffic(result: dict, plan: dict, model: str, rank: int, what: str) ->
                                 ("ep-dispatch-grad", "received", 1),
                                 ("ep-combine-grad", "sent", 1)):
             assert traffic[f"ep/all_to_all[{key}]"][way] == times * leaving, f"{at} {key}"
-        assert routed["per_expert"].sum().item() == rows * sum(held), at
+        assert routed["per_expert"].sum().item() == sum(kept), at
         if plan.get("pp", 1) > 1:
             check_stage_messages(traffic, plan, config, result["pp_rank"], at)
 
@@ -200,8 +219,9 @@ def check_stage_messages(traffic: dict, plan: dict, config, pp_rank: int, at: st
 
 def check_run_reports_expert_load(run_dir) -> None:
     """Each step of metrics.jsonl gives the tokens each expert of each layer received over
-    the global batch (batch x seq x top-k per layer, evaluations not counted: eval_every=1)
-    and their imbalance, max / mean; the summary prints the last step's."""
+    the global batch and the choices the capacity dropped (together batch x seq x top-k per
+    layer, evaluations not counted: eval_every=1), their imbalance, max / mean, and the
+    fraction dropped; the summary prints the last step's."""
     import json
 
     from meshtrain.cli.summary import print_summary
@@ -210,11 +230,13 @@ def check_run_reports_expert_load(run_dir) -> None:
     steps = [m for m in lines if "loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
-        tokens = m["expert_tokens"]
-        assert [sum(layer) for layer in tokens] == [4 * 16 * 2] * 2, m
+        tokens, dropped = m["expert_tokens"], m["expert_dropped"]
+        assert [sum(n) + d for n, d in zip(tokens, dropped)] == [4 * 16 * 2] * 2, m
         assert m["expert_imbalance"] == pytest.approx(
             max(max(layer) / (sum(layer) / len(layer)) for layer in tokens)), m
+        assert m["expert_drop_fraction"] == pytest.approx(sum(dropped) / (2 * 4 * 16 * 2)), m
+    assert sum(sum(m["expert_dropped"]) for m in steps) > 0
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["expert_load_end"] == {k: steps[-1][k]
-                                          for k in ("expert_tokens", "expert_imbalance")}
+    keys = ("expert_tokens", "expert_imbalance", "expert_dropped", "expert_drop_fraction")
+    assert summary["expert_load_end"] == {k: steps[-1][k] for k in keys}
     print_summary(summary)

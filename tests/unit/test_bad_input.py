@@ -167,6 +167,21 @@ CASES = [
     ("train --nproc 2 --ep 2", "'tiny' has none; use --ep 1"),
     ("train --nproc 2 --ep 2 --model llama-tiny", "LlamaForCausalLM has none; use ep=1"),
     ("train --nproc 2 --model topk5.json", "num_experts_per_tok=5 is more than its 4 experts"),
+    # the GPT's experts (gpt-moe-tiny: 4, top-2)
+    ("train --model gpt-moe-tiny --top-k 5", "top_k=5 routes each token to more experts than "
+                                             "the 4 each block has"),
+    ("train --experts -1", "GPTConfig.experts=-1: must be a whole number >= 0"),
+    ("train --top-k 2", "'tiny' has none (dense MLPs); add --experts N"),
+    ("train --nproc 3 --ep 3 --batch 6 --model gpt-moe-tiny", "4 experts do not split over 3"),
+    ("train --nproc 4 --ep 4 --experts 6", "6 experts do not split over 4 ranks"),
+    ("train --nproc 2 --pp 2 --model gpt-moe-tiny", "pipeline parallel of mixture-of-experts"),
+    ("train --nproc 2 --tp 2 --sequence-parallel --model gpt-moe-tiny", "drop sequence_parallel"),
+    ("train --model mixtral-tiny --experts 8", "whose config says 4 experts per layer, top-2"),
+    ("train --nproc 2 --model mixtral-tiny --capacity-factor 0",
+     "Plan.capacity_factor=0.0: must be a number > 0"),
+    ("train --nproc 2 --capacity-factor 1", "'tiny' has none; drop --capacity-factor"),
+    ("train --nproc 2 --model llama-tiny --capacity-factor 1.25",
+     "LlamaForCausalLM has none; drop capacity_factor"),
     # export, generate, report
     ("export nowhere out.safetensors", "nowhere is not a meshtrain run folder"),
     ("export notarun out.txt", "out.txt: give a file name ending in .safetensors"),

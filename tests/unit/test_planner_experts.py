@@ -96,6 +96,22 @@ def test_imbalance_scales_the_busiest_ranks_traffic_and_routed_work():
     assert epm.transient_bytes(MIXTRAL, _cand(dp=4, ep=4), skewed) == 2 * 1.5 * buffer
 
 
+def test_a_capacity_factor_caps_what_is_sent_and_the_busiest_ranks_share():
+    buffer = 4096 * 2 * 4096 * 2   # b s k h e, dropless
+    skewed = Setup(global_batch=8, expert_imbalance=1.5)
+    # C = 0.5: every expert takes at most half its even share, so half the copies are sent
+    # and no rank receives more than that half
+    half = _cand(dp=4, ep=4, capacity_factor=0.5)
+    assert epm.layer_bytes(MIXTRAL, half, BF16) == 4 * 0.5 * buffer * 3 / 4
+    assert epm.transient_bytes(MIXTRAL, half, skewed) == 2 * 0.5 * buffer
+    # C = 1.25 >= 1: what is sent may all fit, but the busiest rank's 1.5x is capped at 1.25x
+    loose = _cand(dp=4, ep=4, capacity_factor=1.25)
+    assert epm.layer_bytes(MIXTRAL, loose, BF16) == 4 * buffer * 3 / 4
+    assert epm.transient_bytes(MIXTRAL, loose, skewed) == 2 * 1.25 * buffer
+    assert epm.transient_bytes(MIXTRAL, _cand(dp=4, ep=4, capacity_factor=2.0), skewed) == \
+        2 * 1.5 * buffer
+
+
 def test_the_advisor_ranks_ep_plans_for_a_mixture_and_none_for_a_dense_model():
     # two nodes of 8 H100s, one sequence a micro-batch, per-op recomputation (a small
     # enumeration): the fastest plan splits the experts
@@ -107,7 +123,8 @@ def test_the_advisor_ranks_ep_plans_for_a_mixture_and_none_for_a_dense_model():
     assert all(MIXTRAL.experts % ev.cand.plan.ep == 0 and ev.cand.plan.dp % ev.cand.plan.ep == 0
                for ev in advice.ranked)
     v = verdict(advice)
-    assert any(q.question == "Is it a mixture of experts?" for q in v.questions)
+    moe = next(q for q in v.questions if q.question == "Is it a mixture of experts?")
+    assert "priced dropless" in moe.numbers
     assert v.family.startswith("expert parallel") and v.agrees
     dense = from_description(2, 256, 4, 1000, 128)
     assert epm.ep_sizes(dense, 8) == [1] and epm.ep_sizes(MIXTRAL, 6) == [1, 2]

@@ -19,7 +19,7 @@ from torch import nn
 
 from meshtrain.core.comm import Comm
 from meshtrain.core.plan import Plan, PlanError
-from meshtrain.models import hf, moe
+from meshtrain.models import hf
 from meshtrain.models.gpt import GPT, AttentionCore
 from meshtrain.models.hf_stages import GLOBAL_POSITIONS
 from meshtrain.strategies.context_parallel.all_to_all import all_to_all_attention
@@ -34,10 +34,6 @@ def check_model(model: nn.Module, plan: Plan) -> None:
     """Refuse, by name, a model whose attention meshtrain cannot replace, or whose heads
     (each tp rank's share of them) all-to-all cannot scatter over cp."""
     cp, style, tp = plan.cp, plan.cp_style, plan.tp
-    if moe.router_of(model) is not None:
-        raise PlanError(f"cp with a mixture of experts ({type(model).__name__}) is not built "
-                        "yet: its router's load-balancing loss counts routing over dp only; "
-                        "train it with cp=1")
     if isinstance(model, GPT):
         heads = kv_heads = model.config.n_head
     elif hf.is_causal_lm(model):

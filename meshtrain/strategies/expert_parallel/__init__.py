@@ -16,21 +16,13 @@ from torch import nn
 
 from meshtrain.core.comm import Comm
 from meshtrain.core.plan import Plan, PlanError
+from meshtrain.models.experts import PACKED, experts_modules
 from meshtrain.models.moe import router_of
 from meshtrain.strategies.expert_parallel.dispatch import ShardedExperts
 from meshtrain.strategies.expert_parallel.groups import expert_comm
 from meshtrain.strategies.expert_parallel.sharding import ExpertParallel
 
 __all__ = ["check", "shard", "experts_modules", "ExpertParallel"]
-
-PACKED = ("gate_up_proj", "down_proj")
-
-
-def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Each MoE layer's experts module by name: the packed layout transformers' Mixtral,
-    Qwen3-MoE, OLMoE and others share (gate_up_proj (E, 2I, H), down_proj (E, H, I))."""
-    return {name: m for name, m in model.named_modules()
-            if all(getattr(getattr(m, p, None), "dim", lambda: 0)() == 3 for p in PACKED)}
 
 
 def check(model: nn.Module, plan: Plan) -> None:
@@ -41,7 +33,7 @@ def check(model: nn.Module, plan: Plan) -> None:
     if router is None or not found:
         raise PlanError(f"Plan(ep={plan.ep}) splits the experts of mixture-of-experts layers, "
                         f"and this {type(model).__name__} has none; use ep=1, or a MoE model "
-                        "(e.g. --model mixtral-tiny)")
+                        "(e.g. --model gpt-moe-tiny or mixtral-tiny, or a GPT's --experts)")
     if router.experts % plan.ep:
         raise PlanError(f"Plan(ep={plan.ep}): {type(model).__name__}'s {router.experts} "
                         f"experts do not split over {plan.ep} ranks; use an ep that divides "

@@ -14,9 +14,11 @@ with every expert's weights packed in gate_up_proj (E, 2I, H) and down_proj (E, 
     3. rows dispatched (all-to-all, uneven counts), computed by their experts, combined back
        (the reverse all-to-all), weighted and summed per token as the model does
 
-Dropless: every routed row is computed. Both all-to-alls are differentiable (`AllToAll`:
-the same exchange with the splits swapped in backward), so an expert's gradient on its rank
-sums the contributions of every token of the ep group routed to it.
+Every routed row is computed: dropless, unless Plan.capacity_factor has turned the choices
+over capacity into "no expert" (models/experts.py), which are neither sent nor counted. Both
+all-to-alls are differentiable (`AllToAll`: the same exchange with the splits swapped in
+backward), so an expert's gradient on its rank sums the contributions of every token of the
+ep group routed to it.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.core.comm import Comm
+from meshtrain.models.experts import training_forward
 
 
 class AllToAll(torch.autograd.Function):
@@ -50,6 +53,8 @@ class AllToAll(torch.autograd.Function):
 class ShardedExperts(nn.Module):
     """This ep rank's experts of one MoE layer, under the packed parameters' own names
     (gate_up_proj, down_proj: their first E/ep rows), called as the module it replaces."""
+
+    skips_no_expert = True   # index E rows: neither sent nor computed (models/experts.py)
 
     def __init__(self, whole: nn.Module, comm: Comm) -> None:
         super().__init__()
@@ -85,8 +90,7 @@ class ShardedExperts(nn.Module):
         receive = per_peer.sum(dim=1).tolist()
         order = order[:sum(send)]
         token = order // k                                   # the token each sorted row copies
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            # training forwards only: not evaluation, not recomputation inside backward
+        if training_forward():   # not evaluation, not recomputation inside backward
             self.sent += routed.sum(dim=1)
             self.per_expert += routed.view(-1)
         rows = AllToAll.apply(hidden[token], send, receive, self.comm, "ep-dispatch")

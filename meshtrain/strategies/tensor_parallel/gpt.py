@@ -4,6 +4,9 @@ Per block (Megatron 2019 §3, Figure 3), x (B, S, h):
     attention   enter → q, k, v column-parallel (each rank: n_head/T whole heads) →
                 attention on those heads → proj row-parallel → exit
     MLP         enter → fc column-parallel (4h/T) → gelu → proj row-parallel → exit
+    MoE MLP     the router and the experts whole on every rank, as for a transformers
+                mixture (models/hf_plans.py): each tp rank routes the same whole tokens
+                (split over ep ranks where Plan.ep > 1); sequence parallel is refused
 `enter` is one all-reduce in backward (q, k and v share it: a pre-hook on the attention
 module), `exit` one all-reduce in forward: 2 all-reduces of B·S·h elements forward and 2
 backward per block. The token embedding is vocab-parallel (one all-reduce forward), the
@@ -45,7 +48,7 @@ def check_gpt(config: GPTConfig, tp: int) -> None:
                         f"{_divisors(config.n_head)} or a model whose n_head is a multiple "
                         f"of {tp}")
     hidden = config.mlp_ratio * config.d_model
-    if hidden % tp:
+    if hidden % tp and not config.experts:   # experts stay whole over tp
         raise PlanError(f"tp={tp} does not divide the GPT's MLP width {hidden} (blocks.*.mlp.fc "
                         f"out_features); choose tp among {_divisors(hidden)}")
 
@@ -107,6 +110,8 @@ def shard_gpt(model: GPT, comm: Comm, sequence_parallel: bool) -> TensorParallel
         for proj in ("q", "k", "v"):
             sharder.column(f"{attn}.{proj}", enter=None, reads=enter)
         sharder.row(f"{attn}.proj", Exit(comm, attn, seq))
+        if model.config.experts:   # router and experts whole on every tp rank
+            continue
         sharder.column(f"{mlp}.fc", Enter(comm, mlp, seq))
         sharder.row(f"{mlp}.proj", Exit(comm, mlp, seq))
     sharder.column("head.lm_head", Enter(comm, "head.lm_head", seq), vocab=True)
