@@ -87,8 +87,7 @@ def reference(bf16: bool = False, capacity_factor: float | None = None) -> dict:
 def train_cases(cases: list[dict], run_dir: str | None) -> list[dict]:
     """Each plan trained STEPS steps on this rank, with each step's loss parts; then, with
     `run_dir`, this rank of `meshtrain train --model gpt-moe-tiny --ep 2 --capacity-factor 1`
-    (2 layers, 16
-    tokens) writing its metrics there."""
+    (2 layers, 16 tokens) writing its metrics there."""
     results = []
     for plan in cases:
         torch.manual_seed(0)
