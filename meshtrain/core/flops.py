@@ -28,10 +28,11 @@ def flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int) -> 
 
 
 def model_flops_per_token(model: torch.nn.Module, seq_len: int, n_layer: int | None = None,
-                          d_model: int | None = None) -> float:
-    """FLOPs per token of `model`: N from its parameters; L and d from a meshtrain GPT's
+                          d_model: int | None = None, n_params: int | None = None) -> float:
+    """FLOPs per token of `model`: N from its parameters (or `n_params`: a mixture of
+    experts' active ones, models/experts.active_parameters); L and d from a meshtrain GPT's
     config (`model.config`) or given; a model whose L and d are unknown counts 6N only."""
-    n = sum(p.numel() for p in model.parameters())
+    n = n_params if n_params is not None else sum(p.numel() for p in model.parameters())
     cfg = getattr(model, "config", None)
     n_layer = n_layer if n_layer is not None else getattr(cfg, "n_layer", 0)
     d_model = d_model if d_model is not None else getattr(cfg, "d_model", 0)

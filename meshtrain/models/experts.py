@@ -43,6 +43,20 @@ def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
             if all(getattr(getattr(m, p, None), "dim", lambda: 0)() == 3 for p in PACKED)}
 
 
+def active_parameters(model: nn.Module) -> int:
+    """The parameters one token's forward multiplies by: all of them, but each MoE layer's
+    experts at top_k / experts of their size (a token meets only the experts it is routed
+    to; what MFU counts, as the planner's ModelSpec does)."""
+    total = sum(p.numel() for p in model.parameters())
+    router = router_of(model)
+    if router is None:
+        return total
+    for experts in experts_modules(model).values():
+        size = sum(p.numel() for p in experts.parameters())
+        total -= size - size * router.top_k // router.experts
+    return total
+
+
 def training_forward() -> bool:
     """A forward that trains: not evaluation, not a recomputation inside backward (what the
     routing counters count)."""

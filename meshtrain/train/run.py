@@ -39,6 +39,7 @@ from meshtrain.core.processes import process_start_time
 from meshtrain.train.config import RunConfig, latest_checkpoint, learning_rate, write_latest
 from meshtrain.data.sampler import BatchSampler, eval_batches
 from meshtrain.data.source import check_fits, load_data
+from meshtrain.models.experts import active_parameters
 from meshtrain.models.pretrained import SafetensorsFolder, attach
 from meshtrain.models.registry import build_model, token_cross_entropy
 from meshtrain.strategies.compile import limit_compile_workers
@@ -62,7 +63,8 @@ def train_rank(config: RunConfig) -> dict:
     if config.init_from and not config.resume:   # each rank reads only what it keeps
         attach(built.module, SafetensorsFolder(config.init_from))
     seq_len = built.seq_len
-    flops_tok = model_flops_per_token(built.module, seq_len)   # before any sharding
+    flops_tok = model_flops_per_token(built.module, seq_len,   # before any sharding
+                                      n_params=active_parameters(built.module))
     corpus = load_data(config.data, getattr(getattr(built.module, "config", None),
                                             "vocab_size", None))   # ids it cannot embed: refused
     check_fits(corpus, seq_len)

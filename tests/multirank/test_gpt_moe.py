@@ -8,7 +8,8 @@ parts too.
 Cases pairwise, each composition once: dp=2; ep=2 (with full recomputation); ep=4; ep=2 in
 dp=4 with ZeRO-1 and with ZeRO-3 (each expert sharded over its edp group); tp=2 (attention
 split, router and experts whole); dp x tp x ep; bf16 within bf16's round-off
-(test_hf_models.check_bf16). A `meshtrain train --model gpt-moe-tiny --ep 2` run's metrics
+(test_hf_models.check_bf16); a capacity factor under ep against one process with the same
+limit. A `meshtrain train --model gpt-moe-tiny --ep 2` run's metrics
 give the tokens per expert (test_expert_parallel's check) and the loss in its parts."""
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ MOE = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, bias
                 experts=4, top_k=2)
 eq.MODELS["gpt_moe"] = (lambda: GPT(MOE), None, MOE.vocab_size, MOE.seq_len)
 STEPS = 3
+CAPACITY = 1.0   # drops choices on this model (asserted against the dropless reference)
 CASES = {2: [dict(dp=2), dict(dp=2, ep=2, recompute="full"), dict(tp=2),
-             dict(dp=2, ep=2, precision="bf16")],
+             dict(dp=2, ep=2, precision="bf16"), dict(dp=2, ep=2, capacity_factor=CAPACITY)],
          4: [dict(dp=4, ep=4), dict(dp=4, ep=2, zero=1), dict(dp=4, ep=2, zero=3),
              dict(dp=2, tp=2, ep=2)]}
 
@@ -42,11 +44,15 @@ def balancing(router_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return MOE.experts * (f * probs.float().mean(dim=0)).sum()
 
 
-def reference(bf16: bool = False) -> dict:
+def reference(bf16: bool = False, capacity_factor: float | None = None) -> dict:
     """One process, plain PyTorch; `bf16`: bf16 parameters with fp32 masters, the
-    cross-entropy in fp32 (eq.reference_bf16's recipe)."""
+    cross-entropy in fp32 (eq.reference_bf16's recipe); `capacity_factor`: the experts
+    limited as every plan limits them (models/experts.py, tested on its own there)."""
+    from meshtrain.models.experts import limit_capacity
+
     torch.manual_seed(0)
     net = GPT(MOE)
+    limit_capacity(net, capacity_factor)
     names = [n for n, _ in net.named_parameters()]
     params = list(net.parameters())
     masters = [nn.Parameter(p.detach().clone()) for p in params] if bf16 else params
@@ -80,8 +86,8 @@ def reference(bf16: bool = False) -> dict:
 
 def train_cases(cases: list[dict], run_dir: str | None) -> list[dict]:
     """Each plan trained STEPS steps on this rank, with each step's loss parts; then, with
-    `run_dir`, this rank of `meshtrain train --model gpt-moe-tiny --ep 2` (2 layers, 16
-    tokens) writing its metrics there."""
+    `run_dir`, this rank of `meshtrain train --model gpt-moe-tiny --ep 2 --capacity-factor 1`
+    (2 layers, 16 tokens) writing its metrics there."""
     results = []
     for plan in cases:
         torch.manual_seed(0)
@@ -98,7 +104,8 @@ def train_cases(cases: list[dict], run_dir: str | None) -> list[dict]:
         from meshtrain.train.config import RunConfig
         from meshtrain.train.run import train_rank
 
-        train_rank(RunConfig(run_dir=run_dir, plan=mt.Plan(dp=2, ep=2).to_dict(),
+        plan = mt.Plan(dp=2, ep=2, capacity_factor=CAPACITY)
+        train_rank(RunConfig(run_dir=run_dir, plan=plan.to_dict(),
                              model="gpt-moe-tiny", model_overrides={"n_layer": 2, "seq_len": 16},
                              steps=2, batch_size=4, optimizer="sgd", lr=0.1, warmup=0,
                              eval_every=1, eval_batches=1, ckpt_every=100, progress=False))
@@ -112,7 +119,8 @@ def test_gpt_moe_equals_one_process(tmp_path, capsys):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # as a rank computes: a tiny model, many processes per core
     try:
-        refs = {False: reference(), True: reference(bf16=True)}
+        refs = {False: reference(), True: reference(bf16=True),
+                "capacity": reference(capacity_factor=CAPACITY)}
     finally:
         torch.set_num_threads(threads)
     for world, cases in CASES.items():
@@ -124,10 +132,12 @@ def test_gpt_moe_equals_one_process(tmp_path, capsys):
                 if plan.get("precision") == "bf16":
                     check_bf16(result, refs[True], exact=False, what=what)
                     continue
-                eq.assert_equivalent(result, refs[False], what=what)
-                for mine, theirs in zip(result["parts"], refs[False]["parts"]):
+                ref = refs["capacity" if plan.get("capacity_factor") else False]
+                eq.assert_equivalent(result, ref, what=what)
+                for mine, theirs in zip(result["parts"], ref["parts"]):
                     for key, value in theirs.items():
                         assert abs(mine[key] - value) <= 1e-5, (what, key, mine, theirs)
+    assert refs["capacity"]["losses"][1:] != refs[False]["losses"][1:]   # it dropped some
     check_run_reports_expert_load(tmp_path)
     assert "imbalance max/mean" in capsys.readouterr().out
     # each step's loss in its parts: the cross-entropy and the router's loss, unscaled

@@ -90,3 +90,22 @@ def test_verify_runs_an_ep_plan_of_the_moe_preset(capsys, monkeypatch, tmp_path)
     assert model["experts"] == 4
     assert [p for p, _ in plans if Plan(**p).ep > 1] == [{"dp": 2, "ep": 2}]
     assert "need a mixture of experts" not in err
+
+
+def test_mfu_counts_the_experts_a_token_meets():
+    """A run's MFU takes 6N over the active parameters (models/experts.active_parameters):
+    every parameter but the (experts - top_k) idle experts of each layer, as the planner's
+    ModelSpec counts them; a dense model's are all of its parameters."""
+    from meshtrain.models.experts import active_parameters
+    from meshtrain.models.hf_presets import build
+    from meshtrain.planner.model_spec import from_gpt_config, from_transformers_config
+
+    gpt, mixtral = gpt_config("gpt-moe-tiny"), build("mixtral-tiny")
+    for model, spec in ((GPT(gpt), from_gpt_config(gpt)),
+                        (mixtral, from_transformers_config(mixtral.config))):
+        idle = spec.layers * (spec.experts - spec.top_k) * spec.mlp_matrices \
+            * spec.hidden * spec.expert_width
+        total = sum(p.numel() for p in model.parameters())
+        assert idle > 0 and active_parameters(model) == total - idle
+    dense = GPT(gpt_config("tiny"))
+    assert active_parameters(dense) == sum(p.numel() for p in dense.parameters())
