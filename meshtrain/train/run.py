@@ -184,8 +184,10 @@ def expert_load(trainer: Trainer) -> dict:
     load = (trainer.sharding.expert_load() if isinstance(trainer.sharding, ExpertParallel)
             else {})
     if trainer.capacity is not None:
-        load |= trainer.capacity.drops(
-            lambda t: trainer.comm.all_reduce(t, "dp", tag="expert-drops"), trainer.mesh.device)
+        def over_replicas_and_stages(t: torch.Tensor) -> None:   # zeros: others' layers
+            trainer.comm.all_reduce(t, "dp", tag="expert-drops")
+            trainer.comm.all_reduce(t, "pp", tag="expert-drops")
+        load |= trainer.capacity.drops(over_replicas_and_stages, trainer.mesh.device)
     return load
 
 
