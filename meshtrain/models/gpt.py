@@ -243,7 +243,8 @@ class GPT(nn.Module):
 
     def layers(self) -> list[nn.Module]:
         """[embed, *blocks, head]: run in order, they compute exactly `forward` (with
-        experts, its logits without the router's: pipeline stages refuse a mixture)."""
+        experts, its logits without the router's: pipeline stages carry those beside the
+        hidden state, models/moe_stages.routed_gpt_layers)."""
         return [self.embed, *self.blocks, self.head]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor | MoEOutput:
@@ -259,7 +260,7 @@ class GPT(nn.Module):
     def loss(self, output: torch.Tensor | MoEOutput, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over all B*T tokens: logits (B, T, V) (or an MoEOutput's),
         targets (B, T) int64. The router's loss is added by models/moe.RouterLoss."""
-        logits = output.logits if isinstance(output, MoEOutput) else output
+        logits = getattr(output, "logits", output)   # an MoEOutput's, a pipeline's Routed
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     def num_params(self) -> int:

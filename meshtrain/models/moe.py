@@ -79,12 +79,8 @@ def check(model, plan: Plan) -> None:
     if router.top_k > router.experts:
         raise PlanError(f"{name}: num_experts_per_tok={router.top_k} is more than its "
                         f"{router.experts} experts; set num_experts_per_tok <= {router.experts}")
-    if plan.pp > 1 and isinstance(getattr(model, "config", None), GPTConfig):
-        raise PlanError(f"{name} with pp={plan.pp}: pipeline parallel of mixture-of-experts "
-                        "layers is not built yet for meshtrain's GPT (the router's loss is "
-                        "not carried between its stages); train it data-parallel, "
-                        "Plan(dp=N) (with ZeRO, tp or ep)")
-    if plan.pp > 1 and router.aux_coef is not None and router_recorder(model) is None:
+    gpt = isinstance(getattr(model, "config", None), GPTConfig)   # keeps its own logits
+    if plan.pp > 1 and router.aux_coef is not None and not gpt and router_recorder(model) is None:
         raise PlanError(f"{name} with pp={plan.pp}: its router's loss is carried between "
                         "stages from the router logits transformers records "
                         "(_can_record_outputs['router_logits']), which this family does not "

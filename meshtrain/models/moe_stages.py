@@ -8,6 +8,10 @@ the router module's output): a forward hook on each router, registered once per 
 that keeps what the routers output only while a stage element runs its layer. A layer run
 again by recomputation (during backward) is not recorded twice; the sums are computed
 after the layer returns, outside any checkpointed region.
+
+meshtrain's GPT with experts keeps each block's router logits itself (models/gpt_moe.py's
+MoEFeedForward, not kept when a recomputation runs it again): `routed_gpt_layers` gives its
+pipeline layers, [embed, *blocks, head] each wrapped to pass (hidden, routing) on.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from meshtrain.models.gpt import GPT
+from meshtrain.models.gpt_moe import MoEFeedForward
 from meshtrain.models.moe import Router, layer_routing, router_of, router_recorder
 
 _TAP = "_meshtrain_router_tap"
@@ -78,3 +84,48 @@ class Routed(NamedTuple):
     so that the pipeline sees its tensors (zero bubble's weight pass starts from them)."""
     logits: torch.Tensor
     routing: torch.Tensor
+
+
+def routed_gpt_layers(model: nn.Module) -> list[nn.Module] | None:
+    """A GPT with experts whose router's loss is on: its pipeline layers passing the routing
+    sums beside the hidden state; None for any other model (its own layers serve)."""
+    router = router_of(model) if isinstance(model, GPT) else None
+    if router is None or router.aux_coef is None:
+        return None
+    return [_GPTStart(model.embed, router), *(_GPTBlock(b, router) for b in model.blocks),
+            _GPTEnd(model.head)]
+
+
+class _GPTStart(nn.Module):
+    def __init__(self, embed: nn.Module, router: Router) -> None:
+        super().__init__()
+        self.embed, self.width = embed, 2 * router.experts + 1
+
+    def forward(self, idx: torch.Tensor):
+        hidden = self.embed(idx)
+        return hidden, torch.zeros(self.width, dtype=torch.float32, device=hidden.device)
+
+
+class _GPTBlock(nn.Module):
+    def __init__(self, block: nn.Module, router: Router) -> None:
+        super().__init__()
+        self.block, self.router = block, router
+
+    def forward(self, x):
+        hidden, routing = x
+        hidden = self.block(hidden)
+        for mixture in self.block.modules():
+            if isinstance(mixture, MoEFeedForward):
+                counts, prob_sum = layer_routing(mixture.take_router_logits(), self.router)
+                routing = routing + torch.cat([counts, prob_sum])
+        return hidden, routing
+
+
+class _GPTEnd(nn.Module):
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, x) -> Routed:
+        hidden, routing = x
+        return Routed(self.head(hidden), routing)

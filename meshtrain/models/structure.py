@@ -6,7 +6,8 @@
 - `units_of(model)`: what recomputation and ZeRO-3 treat one at a time: a transformers
   causal LM's decoder layers, else `layers()`, else the model's children;
 - `pipeline_layers(model)`: what a pipeline cuts into stages: an `nn.Sequential`'s children,
-  `layers()`, or a transformers causal LM's stage modules (models/hf.py); [] if none.
+  `layers()` (a GPT with experts: its layers carrying the routing, models/moe_stages.py),
+  or a transformers causal LM's stage modules (models/hf.py); [] if none.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Callable
 from torch import nn
 
 from meshtrain.models import hf
+from meshtrain.models.moe_stages import routed_gpt_layers
 
 
 def layers_method(model: nn.Module) -> Callable | None:
@@ -39,6 +41,9 @@ def units_of(model: nn.Module) -> list[nn.Module]:
 def pipeline_layers(model: nn.Module) -> list[nn.Module]:
     if isinstance(model, nn.Sequential):
         return list(model)
+    carried = routed_gpt_layers(model)   # a GPT with experts: its routing carried
+    if carried is not None:
+        return carried
     method = layers_method(model)
     if method is not None:
         return list(method())

@@ -7,7 +7,8 @@ parts too.
 
 Cases pairwise, each composition once: dp=2; ep=2 (with full recomputation); ep=4; ep=2 in
 dp=4 with ZeRO-1 and with ZeRO-3 (each expert sharded over its edp group); tp=2 (attention
-split, router and experts whole); dp x tp x ep; bf16 within bf16's round-off
+split, router and experts whole); dp x tp x ep; pp=2 (1F1B) and dp x pp x ep (GPipe,
+ZeRO-1), the routing carried through the stages; bf16 within bf16's round-off
 (test_hf_models.check_bf16); a capacity factor under ep against one process with the same
 limit. A `meshtrain train --model gpt-moe-tiny --ep 2` run's metrics
 give the tokens per expert (test_expert_parallel's check) and the loss in its parts."""
@@ -30,9 +31,11 @@ eq.MODELS["gpt_moe"] = (lambda: GPT(MOE), None, MOE.vocab_size, MOE.seq_len)
 STEPS = 3
 CAPACITY = 1.0   # drops choices on this model (asserted against the dropless reference)
 CASES = {2: [dict(dp=2), dict(dp=2, ep=2, recompute="full"), dict(tp=2),
-             dict(dp=2, ep=2, precision="bf16"), dict(dp=2, ep=2, capacity_factor=CAPACITY)],
+             dict(dp=2, ep=2, precision="bf16"), dict(dp=2, ep=2, capacity_factor=CAPACITY),
+             dict(pp=2, schedule="1f1b")],
          4: [dict(dp=4, ep=4), dict(dp=4, ep=2, zero=1), dict(dp=4, ep=2, zero=3),
-             dict(dp=2, tp=2, ep=2)]}
+             dict(dp=2, tp=2, ep=2),
+             dict(dp=2, pp=2, ep=2, zero=1, schedule="gpipe")]}
 
 
 def balancing(router_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
