@@ -41,7 +41,8 @@ WORLD_4 = [(dict(cp=4, **RING), GPT, None),
            (dict(cp=2, pp=2, microbatches=2, **A2A), LLAMA, None),
            (dict(cp=4, **RING), LLAMA, None),   # its 2 K/V heads: no all-to-all over 4
            (dict(dp=2, cp=2, zero=3, recompute="full", **A2A), LLAMA, None),
-           (dict(dp=2, cp=2, **A2A), MOE, None)]
+           (dict(dp=2, cp=2, **A2A), MOE, None),
+           (dict(cp=2, pp=2, schedule="1f1b", **RING), MOE, None)]   # routing through stages
 
 
 @pytest.fixture(scope="module")
