@@ -70,7 +70,8 @@ def _moe_config(tf, name: str):
     """Mixtures of 4 experts, each token to 2, with the router's load-balancing loss on
     (output_router_logits, coefficient 0.02: models/moe.py): Mixtral's (softmax over the
     top-2), Qwen3-MoE's (the top-k renormalised, per-head q/k norms), OLMoE's (top-k not
-    renormalised, whole-width q/k norms)."""
+    renormalised, whole-width q/k norms), Qwen2-MoE's (a shared expert beside the routed
+    ones, its output gated by a sigmoid of its own)."""
     common = dict(SIZES, pad_token_id=None, bos_token_id=0, eos_token_id=0,
                   num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
                   tie_word_embeddings=False)
@@ -79,10 +80,13 @@ def _moe_config(tf, name: str):
     if name == "qwen3-moe-tiny":
         return tf.Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=32,
                                  head_dim=16, norm_topk_prob=True)
+    if name == "qwen2-moe-tiny":
+        return tf.Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=48, norm_topk_prob=False)
     return tf.OlmoeConfig(**common, num_experts=4)
 
 
-MOE = ("mixtral-tiny", "qwen3-moe-tiny", "olmoe-tiny")
+MOE = ("mixtral-tiny", "qwen3-moe-tiny", "olmoe-tiny", "qwen2-moe-tiny")
 FAMILIES = ("qwen3-tiny", "olmo2-tiny", "phi3-tiny", "gemma2-tiny", "gpt-neox-tiny",
             "stablelm-tiny")
 PRESETS = ("llama-tiny", "llama-tiny-tied", "qwen2-tiny", "mistral-tiny", "hf-gpt2-tiny",

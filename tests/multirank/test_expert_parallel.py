@@ -36,7 +36,8 @@ CAPACITY = 1.0   # drops some choices of the tiny Mixtral's random routing (asse
 CASES = {2: [(dict(dp=2, ep=2), "mixtral-tiny"), (dict(dp=2, ep=2), "qwen3-moe-tiny"),
              (dict(dp=2, ep=2, capacity_factor=CAPACITY), "mixtral-tiny"),
              (dict(dp=2, ep=2, recompute="full", microbatches=2), "mixtral-tiny"),
-             (dict(dp=2, ep=2, precision="bf16"), "mixtral-tiny")],
+             (dict(dp=2, ep=2, precision="bf16"), "mixtral-tiny"),
+             (dict(dp=2, ep=2), "qwen2-moe-tiny")],   # a shared expert beside the routed
          4: [(dict(dp=4, ep=4), "mixtral-tiny"), (dict(dp=4, ep=2), "qwen3-moe-tiny"),
              (dict(dp=4, ep=2, zero=1), "mixtral-tiny"),
              (dict(dp=4, ep=2, zero=3), "qwen3-moe-tiny"),
