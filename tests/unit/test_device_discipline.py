@@ -37,6 +37,12 @@ ALLOWED = {
         "metrics (rows sent, tokens per expert): read on the host every step",
     ("bench/recipe.py", "bench_rank"): "the batch drawn on the host from one generator, "
                                         "the same tokens on every device, then moved",
+    ("models/experts.py", "take"): "a layer's capacity drop counters, read on the host for "
+                                   "the metrics (zeros where the layer did not run)",
+    ("models/gpt_moe.py", "__init__"): "parameters created with their module, moved with the "
+                                       "model (built on the meta device by meshtrain train)",
+    ("strategies/pipeline/boundary.py", "header"): "a stage message's header: shapes and "
+        "dtypes (Python ints) assembled on the host, moved to the device in one copy",
     ("bench/ep.py", "ep_rank"): "the global batch drawn on the host from one generator, so "
                                 "every device sees the same tokens; each rank moves its rows",
 }
