@@ -10,6 +10,13 @@ within float8's rounding, not bit for bit. Left in bf16: the output layer (and w
 the last decoder layer), and every linear whose dims are not multiples of 16 (torchao's
 `_scaled_mm` needs them). `Plan.fp8_emulate` runs the same casts with the matmul emulated
 in high precision: on a CPU, or a GPU without float8 matmuls, for tests only.
+
+Under ZeRO-3 (strategies/zero/zero3.py) a Float8Linear reads its weight as ZeRO-3 gathered
+it, each forward and again in backward, so its scale is one process's; the all-gather moves
+the bf16 weights. torchao's float8 all-gather is FSDP2's (`fully_shard`'s pre/post
+all-gather extensions on a weight subclass): here it would take a weight's amax over its
+pieces of the flat shards (an all-reduce max per unit), the shards cast to e4m3 before the
+gather (half the bytes) and the gathered float8 weight handed to torchao already cast.
 """
 from __future__ import annotations
 
