@@ -17,13 +17,24 @@ the bf16 weights. torchao's float8 all-gather is FSDP2's (`fully_shard`'s pre/po
 all-gather extensions on a weight subclass): here it would take a weight's amax over its
 pieces of the flat shards (an all-reduce max per unit), the shards cast to e4m3 before the
 gather (half the bytes) and the gathered float8 weight handed to torchao already cast.
+
+Under tensor parallel the column- and row-parallel layers (strategies/tensor_parallel)
+hold slices of their weights and are not nn.Linear: each eligible one gets a `SplitFloat8`
+product, whose tensorwise scales are the whole tensors' (their amax all-reduced over tp), so
+each rank casts exactly as one process does (the whole layer's dims and the slice's must be
+multiples of 16). Rowwise scales under tp are refused (core/admit.py): a row's scale spans
+other ranks' slices in some of the casts. Under sequence parallel a float8 column layer
+saves the gathered input whole, not its slice (the saving of sequence.py is not built for
+float8).
 """
 from __future__ import annotations
 
 import importlib.util
 
+import torch
 from torch import nn
 
+from meshtrain.core.comm import Comm
 from meshtrain.core.plan import PlanError
 from meshtrain.models import hf
 from meshtrain.models.structure import units_of
@@ -52,9 +63,12 @@ def check_fp8(precision: str, emulate: bool, device: str, capability: tuple | No
                         "(Ada, Hopper); use precision='bf16', or fp8_emulate=True for tests")
 
 
-def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool) -> list[str]:
+def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool,
+                   comm: Comm | None = None) -> list[str]:
     """Swap the model's eligible nn.Linear modules for torchao's Float8Linear, in place
-    (parameters and their names unchanged); returns the names converted."""
+    (parameters and their names unchanged), and give each eligible tensor-parallel linear
+    (a module with `float8_split`) its `SplitFloat8` matmul over `comm`'s tp axis; returns
+    the names converted."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     kept = _bf16_modules(model)
@@ -63,14 +77,91 @@ def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool) -> list[str]:
         return (isinstance(module, nn.Linear) and id(module) not in kept
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
-    names = [n for n, m in model.named_modules() if eligible(m, n)]
+    def eligible_split(module: nn.Module) -> bool:
+        # what one process converts (an nn.Linear's layout, not transformers' Conv1D), by
+        # the whole layer's dims; the slice's must suit torchao too
+        dims = ("in_features", "out_features", "full_in", "full_out")
+        return (getattr(module, "float8_split", None) is not None and id(module) not in kept
+                and not module.conv1d and all(getattr(module, d) % 16 == 0 for d in dims))
+
+    names = [n for n, m in model.named_modules() if eligible(m, n) or eligible_split(m)]
     if recipe == "tensorwise":
         config = Float8LinearConfig(emulate=emulate)
     else:
         config = Float8LinearConfig.from_recipe_name(recipe)
         config = Float8LinearConfig(**{**vars(config), "emulate": emulate})
     convert_to_float8_training(model, config=config, module_filter_fn=eligible)
+    for module in model.modules():
+        if eligible_split(module):
+            module.float8 = SplitFloat8(config, comm, module.float8_split)
     return names
+
+
+class SplitFloat8:
+    """Y = X·W in float8 for a tensor-parallel linear holding a slice of W (tensorwise).
+
+    torchao casts each operand with a scale from its own amax. A slice's amax is not the
+    whole tensor's, so the amax of every operand that is split over tp is all-reduced (max)
+    first, and each rank casts exactly as one process casts the whole: the weight always;
+    the input where the layer takes a slice of the features (`split="input"`: row-parallel);
+    the output's gradient where it makes one (`split="output"`: column-parallel). The other
+    operand is whole on every rank already. (torchao's DTensor path reaches the same through
+    its amax of a sharded DTensor.) The casts are handed to torchao's matmul already made,
+    which then uses them for both its products, as it does its own under tensorwise scaling.
+    """
+
+    def __init__(self, config, comm: Comm, split: str) -> None:
+        from torchao.float8.float8_linear import Float8Linear
+
+        self.config, self.comm, self.split = config, comm, split
+        # torchao's per-gemm settings (emulation, fast accumulation), as its linear builds them
+        with torch.device("meta"):
+            self.mm_config = Float8Linear(16, 16, bias=False, config=config).linear_mm_config
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`x` (..., in) times `weight` (out, in)ᵀ, this rank's slices."""
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        weight_t = self.cast(weight.t(), self.config.cast_config_weight.target_dtype,
+                             GemmInputRole.WEIGHT)
+        if self.split == "input":
+            x = self.cast(x, self.config.cast_config_input.target_dtype, GemmInputRole.INPUT)
+        y = matmul_with_hp_or_float8_args.apply(x, weight_t, self.mm_config, self.config)
+        return _GradientToFloat8.apply(y, self) if self.split == "output" else y
+
+    def cast(self, t: torch.Tensor, dtype: torch.dtype, role) -> torch.Tensor:
+        """`t` in float8, scaled by the amax of the whole tensor it is a slice of."""
+        from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+        from torchao.float8.float8_utils import amax_to_scale
+
+        with torch.no_grad():
+            amax = t.detach().abs().max().float().reshape(1)   # exact: a bf16 value
+            self.comm.all_reduce(amax, "tp", op="max", tag="float8-amax")
+            scale = amax_to_scale(amax[0], dtype, self.config.round_scales_to_power_of_2)
+        return hp_tensor_and_scale_to_float8(t, scale, dtype, self.mm_config, role)
+
+    def __repr__(self) -> str:
+        split = "input's" if self.split == "input" else "output gradient's"
+        return f"float8 (tensorwise; the weight's amax and the {split} over tp)"
+
+
+class _GradientToFloat8(torch.autograd.Function):
+    """Identity forward; backward casts the gradient to e5m2 with the whole gradient's amax
+    (torchao's NoopFwToFloat8BwDynamic, its amax all-reduced over tp)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, matmul: SplitFloat8) -> torch.Tensor:
+        ctx.matmul = matmul
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        m = ctx.matmul
+        dtype = m.config.cast_config_grad_output.target_dtype
+        return m.cast(grad, dtype, GemmInputRole.GRAD_OUTPUT), None
 
 
 def _bf16_modules(model: nn.Module) -> set[int]:

@@ -97,7 +97,7 @@ class Trainer:
         # float8 linears after tensor parallel, before compile and recomputation wrap them
         check_fp8(plan.precision, plan.fp8_emulate, self.mesh.device.type,
                   *device_capability(self.mesh.device))
-        self.float8 = (convert_to_fp8(self.model, plan.fp8_recipe, plan.fp8_emulate)
+        self.float8 = (convert_to_fp8(self.model, plan.fp8_recipe, plan.fp8_emulate, self.comm)
                        if plan.precision == "fp8" else [])
         # compiled blocks after tensor parallel (they trace the sharded layers) and before
         # recomputation, whose checkpoint then wraps the compiled forward (strategies/compile.py)

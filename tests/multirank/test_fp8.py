@@ -5,6 +5,8 @@ gradients come from each rank's half of the batch, so their casts round differen
 weights' scales are one process's, ZeRO-3 gathering the same bf16 weights DDP holds:
 measured 2.7e-3 on the masters after 6 steps, 1.3e-3 after 3 under ZeRO-3, within bf16's
 2^-8 at one); refused with a clear message without torchao or float8 matmuls."""
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -20,6 +22,7 @@ STEPS = 3
 FP8 = dict(precision="fp8", fp8_emulate=True)
 
 
+@functools.cache
 def reference_fp8() -> dict:
     """Plain PyTorch and torchao in one process: bf16 parameters, the GPT's blocks' linears
     converted to torchao's Float8Linear (emulated), fp32 masters, the loss in fp32."""
@@ -31,9 +34,17 @@ def reference_fp8() -> dict:
     return eq.reference_bf16("gpt", "sgd", steps=STEPS, convert=convert)
 
 
-def data_parallel_fp8() -> list[dict]:
-    return [eq.train(mt.Plan(dp=2, zero=zero, **FP8), "gpt", "sgd", steps=STEPS)
-            for zero in (0, 1, 3)] + [float8_linears(mt.Plan(dp=2, zero=3, **FP8))]
+def two_ranks_fp8() -> tuple[list[dict], dict, dict]:
+    plans = [mt.Plan(dp=2, zero=zero, **FP8) for zero in (0, 1, 3)] + [mt.Plan(tp=2, **FP8)]
+    return ([eq.train(plan, "gpt", "sgd", steps=STEPS) for plan in plans],
+            float8_linears(mt.Plan(dp=2, zero=3, **FP8)), split_layers_against_whole())
+
+
+def four_ranks_fp8() -> list[dict]:
+    plans = [mt.Plan(dp=2, tp=2, zero=1, **FP8),
+             mt.Plan(dp=2, tp=2, zero=3, sequence_parallel=True, **FP8),
+             mt.Plan(dp=4, zero=3, **FP8)]
+    return [eq.train(plan, "gpt", "sgd", steps=STEPS) for plan in plans]
 
 
 def float8_linears(plan: mt.Plan) -> dict:
@@ -47,7 +58,46 @@ def float8_linears(plan: mt.Plan) -> dict:
     return {"float8": names}
 
 
-def test_fp8_one_process_is_torchaos_and_ddp_zero1_zero3_within_round_off():
+def split_layers_against_whole() -> dict:
+    """At tp=2, the first MLP's column-parallel fc and row-parallel proj against torchao's
+    Float8Linear holding the whole weight, on one input and output gradient: the largest
+    difference of each product that needs no sum over tp (the fc's output and weight
+    gradient, the proj's weight and input gradients). They are exact only when each rank
+    casts with the whole tensor's scale (with each slice's own: up to 2.06, measured)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    torch.manual_seed(0)
+    trainer = mt.Trainer(eq.gpt(), mt.Plan(tp=2, **FP8), optimizer=eq.sgd)
+    full, rank = trainer.full_state_dict(), trainer.mesh.axis_rank("tp")
+    out = {}
+    for name, split_dim in (("fc", 0), ("proj", 1)):   # the weight's (out, in) dim split
+        layer = getattr(trainer.model.blocks[0].mlp, name)
+        whole = nn.Sequential(nn.Linear(layer.full_in, layer.full_out, bias=False))
+        whole[0].weight.data.copy_(full[f"blocks.0.mlp.{name}.weight"])
+        convert_to_float8_training(whole.to(torch.bfloat16),
+                                   config=Float8LinearConfig(emulate=True))
+        mine = slice(rank * layer.weight.shape[split_dim],
+                     (rank + 1) * layer.weight.shape[split_dim])
+        torch.manual_seed(1)
+        x = torch.randn(4, 16, layer.full_in, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(4, 16, layer.full_out, dtype=torch.bfloat16)
+        y = whole(x)
+        y.backward(grad)
+        dw = whole[0].weight.grad
+        if split_dim == 0:   # column: x whole, y and the weight's rows sliced
+            y_split, dw_split = layer(x), (y[..., mine], dw[mine])
+            products = [y_split, *torch.autograd.grad(y_split, [layer.weight],
+                                                      grad[..., mine])]
+            expected = [y[..., mine], dw[mine]]
+        else:                # row: x and the weight's columns sliced, y summed over tp
+            x_mine = x.detach()[..., mine].requires_grad_()
+            products = list(torch.autograd.grad(layer(x_mine), [layer.weight, x_mine], grad))
+            expected = [dw[:, mine], x.grad[..., mine]]
+        out[name] = [(a - b).abs().max().item() for a, b in zip(products, expected)]
+    trainer.close()
+    return out
+
+
+def test_fp8_one_process_is_torchaos_and_dp_zero3_tp_within_round_off():
     ref = reference_fp8()
     one = eq.train(mt.Plan(**FP8), "gpt", "sgd", steps=STEPS)
     torch.testing.assert_close(one["losses"], ref["losses"])   # fp32's tolerances
@@ -57,10 +107,18 @@ def test_fp8_one_process_is_torchaos_and_ddp_zero1_zero3_within_round_off():
     assert gap > 1e-4   # float8 really ran: it trains apart from bf16
     blocks = [f"blocks.{i}.{m}" for i in range(2)
               for m in ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc", "mlp.proj")]
-    for *results, zero3 in run_ranks(2, data_parallel_fp8, timeout=200):
-        for result in results:   # DDP, ZeRO-1, ZeRO-3
+    for results, zero3, split in run_ranks(2, two_ranks_fp8, timeout=200):
+        for result in results:   # DDP, ZeRO-1, ZeRO-3, tp
             check_within_bf16_round_off(result, ref)
         assert zero3["float8"] == blocks   # ZeRO-3 gathers into torchao's own linears
+        assert split == {"fc": [0.0, 0.0], "proj": [0.0, 0.0]}   # one process's casts
+
+
+def test_fp8_under_dp_x_tp_with_zero_and_sequence_parallel_within_round_off():
+    ref = reference_fp8()
+    for results in run_ranks(4, four_ranks_fp8, timeout=200):
+        for result in results:   # dp2 x tp2 ZeRO-1; dp2 x tp2 ZeRO-3 sp; dp4 ZeRO-3
+            check_within_bf16_round_off(result, ref)
 
 
 def test_fp8_is_refused_where_it_cannot_run(monkeypatch):
@@ -71,9 +129,12 @@ def test_fp8_is_refused_where_it_cannot_run(monkeypatch):
                                            r"capability 8.0\): float8 matmuls need 8.9"):
         check_fp8("fp8", False, "cuda", (8, 0), "NVIDIA A100")
     check_fp8("fp8", False, "cuda", (9, 0), "NVIDIA H100")   # Hopper runs it
-    with pytest.raises(mt.PlanError, match="precision='fp8' with tp=2, pp=1, compile=False"):
-        from meshtrain.core.admit import check_plan
-        check_plan(mt.Plan(tp=2, **FP8))
+    from meshtrain.core.admit import check_plan
+    with pytest.raises(mt.PlanError, match="precision='fp8' with pp=2, compile=False"):
+        check_plan(mt.Plan(pp=2, **FP8))
+    with pytest.raises(mt.PlanError, match="fp8_recipe='rowwise' and tp=2: under tensor "
+                                           "parallel float8 scales are tensorwise"):
+        check_plan(mt.Plan(tp=2, fp8_recipe="rowwise", **FP8))
     with pytest.raises(mt.PlanError, match="fp8_recipe / fp8_emulate .* need precision='fp8'"):
         mt.Plan(fp8_emulate=True)
     import importlib.util
