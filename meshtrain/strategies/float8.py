@@ -98,7 +98,7 @@ def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool,
 
 
 class SplitFloat8:
-    """Y = X·W in float8 for a tensor-parallel linear holding a slice of W (tensorwise).
+    """Y = X·Wᵀ in float8 for a tensor-parallel linear holding a slice of W (tensorwise).
 
     torchao casts each operand with a scale from its own amax. A slice's amax is not the
     whole tensor's, so the amax of every operand that is split over tp is all-reduced (max)
@@ -106,62 +106,77 @@ class SplitFloat8:
     the input where the layer takes a slice of the features (`split="input"`: row-parallel);
     the output's gradient where it makes one (`split="output"`: column-parallel). The other
     operand is whole on every rank already. (torchao's DTensor path reaches the same through
-    its amax of a sharded DTensor.) The casts are handed to torchao's matmul already made,
-    which then uses them for both its products, as it does its own under tensorwise scaling.
+    its amax of a sharded DTensor.)
     """
 
     def __init__(self, config, comm: Comm, split: str) -> None:
         from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.float8_training_tensor import GemmInputRole as Role
 
         self.config, self.comm, self.split = config, comm, split
+        self.dtypes = {Role.INPUT: config.cast_config_input.target_dtype,         # e4m3
+                       Role.WEIGHT: config.cast_config_weight.target_dtype,       # e4m3
+                       Role.GRAD_OUTPUT: config.cast_config_grad_output.target_dtype}  # e5m2
         # torchao's per-gemm settings (emulation, fast accumulation), as its linear builds them
         with torch.device("meta"):
             self.mm_config = Float8Linear(16, 16, bias=False, config=config).linear_mm_config
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """`x` (..., in) times `weight` (out, in)ᵀ, this rank's slices."""
-        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-        from torchao.float8.float8_training_tensor import GemmInputRole
+        return _SplitFloat8Matmul.apply(x, weight, self)
 
-        weight_t = self.cast(weight.t(), self.config.cast_config_weight.target_dtype,
-                             GemmInputRole.WEIGHT)
-        if self.split == "input":
-            x = self.cast(x, self.config.cast_config_input.target_dtype, GemmInputRole.INPUT)
-        y = matmul_with_hp_or_float8_args.apply(x, weight_t, self.mm_config, self.config)
-        return _GradientToFloat8.apply(y, self) if self.split == "output" else y
-
-    def cast(self, t: torch.Tensor, dtype: torch.dtype, role) -> torch.Tensor:
-        """`t` in float8, scaled by the amax of the whole tensor it is a slice of."""
-        from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+    @torch.no_grad()
+    def scale(self, t: torch.Tensor, role, whole: bool) -> torch.Tensor:
+        """torchao's tensorwise scale of `t` in its `role`'s float8, from the whole tensor's
+        amax where `whole` (`t` a slice of it over tp)."""
         from torchao.float8.float8_utils import amax_to_scale
 
-        with torch.no_grad():
-            amax = t.detach().abs().max().float().reshape(1)   # exact: a bf16 value
+        amax = t.abs().max().float().reshape(1)   # exact: a bf16 value
+        if whole:
             self.comm.all_reduce(amax, "tp", op="max", tag="float8-amax")
-            scale = amax_to_scale(amax[0], dtype, self.config.round_scales_to_power_of_2)
-        return hp_tensor_and_scale_to_float8(t, scale, dtype, self.mm_config, role)
+        return amax_to_scale(amax[0], self.dtypes[role], self.config.round_scales_to_power_of_2)
+
+    def cast(self, t: torch.Tensor, scale: torch.Tensor, role) -> torch.Tensor:
+        from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+
+        return hp_tensor_and_scale_to_float8(t, scale, self.dtypes[role], self.mm_config, role)
 
     def __repr__(self) -> str:
         split = "input's" if self.split == "input" else "output gradient's"
         return f"float8 (tensorwise; the weight's amax and the {split} over tp)"
 
 
-class _GradientToFloat8(torch.autograd.Function):
-    """Identity forward; backward casts the gradient to e5m2 with the whole gradient's amax
-    (torchao's NoopFwToFloat8BwDynamic, its amax all-reduced over tp)."""
+class _SplitFloat8Matmul(torch.autograd.Function):
+    """torchao's float8 matmul (`matmul_with_hp_or_float8_args`, tensorwise) with the scales
+    of `SplitFloat8`. As torchao's, it saves X and W in bf16 and casts them again in
+    backward, with the scales forward found (no second all-reduce); dY is cast once for
+    both products."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, matmul: SplitFloat8) -> torch.Tensor:
-        ctx.matmul = matmul
-        return y
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, f8: SplitFloat8) -> torch.Tensor:
+        from torchao.float8.float8_training_tensor import GemmInputRole as Role
+
+        x2 = x.reshape(-1, x.size(-1))                                  # (tokens, in)
+        x_scale = f8.scale(x2, Role.INPUT, whole=f8.split == "input")
+        w_scale = f8.scale(weight, Role.WEIGHT, whole=True)
+        ctx.save_for_backward(x2, weight, x_scale, w_scale)
+        ctx.f8 = f8
+        y = torch.mm(f8.cast(x2, x_scale, Role.INPUT), f8.cast(weight.t(), w_scale, Role.WEIGHT))
+        return y.view(*x.shape[:-1], y.size(-1))                       # (..., out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        from torchao.float8.float8_training_tensor import GemmInputRole
+        from torchao.float8.float8_training_tensor import GemmInputRole as Role
 
-        m = ctx.matmul
-        dtype = m.config.cast_config_grad_output.target_dtype
-        return m.cast(grad, dtype, GemmInputRole.GRAD_OUTPUT), None
+        x2, weight, x_scale, w_scale = ctx.saved_tensors
+        f8 = ctx.f8
+        g = grad.reshape(-1, grad.size(-1))                             # (tokens, out)
+        g8 = f8.cast(g, f8.scale(g, Role.GRAD_OUTPUT, whole=f8.split == "output"),
+                     Role.GRAD_OUTPUT)
+        w8 = f8.cast(weight.t(), w_scale, Role.WEIGHT)                  # (in, out)
+        grad_x = torch.mm(g8, w8.t()).view(*grad.shape[:-1], x2.size(-1))
+        grad_w = torch.mm(g8.t(), f8.cast(x2, x_scale, Role.INPUT))    # (out, in)
+        return grad_x, grad_w, None
 
 
 def _bf16_modules(model: nn.Module) -> set[int]:
