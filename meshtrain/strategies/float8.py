@@ -18,6 +18,9 @@ all-gather extensions on a weight subclass): here it would take a weight's amax 
 pieces of the flat shards (an all-reduce max per unit), the shards cast to e4m3 before the
 gather (half the bytes) and the gathered float8 weight handed to torchao already cast.
 
+Under pipeline parallel the whole model is converted before it is cut into stages: each
+stage keeps its own float8 linears, the last one its output layer in bf16.
+
 Under tensor parallel the column- and row-parallel layers (strategies/tensor_parallel)
 hold slices of their weights and are not nn.Linear: each eligible one gets a `SplitFloat8`
 product, whose tensorwise scales are the whole tensors' (their amax all-reduced over tp), so

@@ -35,7 +35,8 @@ def reference_fp8() -> dict:
 
 
 def two_ranks_fp8() -> tuple[list[dict], dict, dict]:
-    plans = [mt.Plan(dp=2, zero=zero, **FP8) for zero in (0, 1, 3)] + [mt.Plan(tp=2, **FP8)]
+    plans = [mt.Plan(dp=2, zero=zero, **FP8) for zero in (0, 1, 3)] + [
+        mt.Plan(tp=2, **FP8), mt.Plan(pp=2, microbatches=2, schedule="1f1b", **FP8)]
     return ([eq.train(plan, "gpt", "sgd", steps=STEPS) for plan in plans],
             float8_linears(mt.Plan(dp=2, zero=3, **FP8)), split_layers_against_whole())
 
@@ -43,6 +44,7 @@ def two_ranks_fp8() -> tuple[list[dict], dict, dict]:
 def four_ranks_fp8() -> list[dict]:
     plans = [mt.Plan(dp=2, tp=2, zero=1, **FP8),
              mt.Plan(dp=2, tp=2, zero=3, sequence_parallel=True, **FP8),
+             mt.Plan(pp=2, tp=2, microbatches=2, schedule="zb-h1", **FP8),
              mt.Plan(dp=4, zero=3, **FP8)]
     return [eq.train(plan, "gpt", "sgd", steps=STEPS) for plan in plans]
 
@@ -97,7 +99,7 @@ def split_layers_against_whole() -> dict:
     return out
 
 
-def test_fp8_one_process_is_torchaos_and_dp_zero3_tp_within_round_off():
+def test_fp8_one_process_is_torchaos_and_dp_zero3_tp_pp_within_round_off():
     ref = reference_fp8()
     one = eq.train(mt.Plan(**FP8), "gpt", "sgd", steps=STEPS)
     torch.testing.assert_close(one["losses"], ref["losses"])   # fp32's tolerances
@@ -108,16 +110,16 @@ def test_fp8_one_process_is_torchaos_and_dp_zero3_tp_within_round_off():
     blocks = [f"blocks.{i}.{m}" for i in range(2)
               for m in ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc", "mlp.proj")]
     for results, zero3, split in run_ranks(2, two_ranks_fp8, timeout=200):
-        for result in results:   # DDP, ZeRO-1, ZeRO-3, tp
+        for result in results:   # DDP, ZeRO-1, ZeRO-3, tp, pp
             check_within_bf16_round_off(result, ref)
         assert zero3["float8"] == blocks   # ZeRO-3 gathers into torchao's own linears
         assert split == {"fc": [0.0, 0.0], "proj": [0.0, 0.0]}   # one process's casts
 
 
-def test_fp8_under_dp_x_tp_with_zero_and_sequence_parallel_within_round_off():
+def test_fp8_under_dp_x_tp_pp_x_tp_zero3_and_sequence_parallel_within_round_off():
     ref = reference_fp8()
     for results in run_ranks(4, four_ranks_fp8, timeout=200):
-        for result in results:   # dp2 x tp2 ZeRO-1; dp2 x tp2 ZeRO-3 sp; dp4 ZeRO-3
+        for result in results:   # dp2xtp2 ZeRO-1, dp2xtp2 ZeRO-3 sp, pp2xtp2, dp4 ZeRO-3
             check_within_bf16_round_off(result, ref)
 
 
@@ -130,8 +132,9 @@ def test_fp8_is_refused_where_it_cannot_run(monkeypatch):
         check_fp8("fp8", False, "cuda", (8, 0), "NVIDIA A100")
     check_fp8("fp8", False, "cuda", (9, 0), "NVIDIA H100")   # Hopper runs it
     from meshtrain.core.admit import check_plan
-    with pytest.raises(mt.PlanError, match="precision='fp8' with pp=2, compile=False"):
-        check_plan(mt.Plan(pp=2, **FP8))
+    with pytest.raises(mt.PlanError, match="precision='fp8' with compile=True: float8 "
+                                           "training runs eager for now"):
+        check_plan(mt.Plan(compile=True, **FP8))
     with pytest.raises(mt.PlanError, match="fp8_recipe='rowwise' and tp=2: under tensor "
                                            "parallel float8 scales are tensorwise"):
         check_plan(mt.Plan(tp=2, fp8_recipe="rowwise", **FP8))
