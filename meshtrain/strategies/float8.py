@@ -27,8 +27,7 @@ product, whose tensorwise scales are the whole tensors' (their amax all-reduced 
 each rank casts exactly as one process does (the whole layer's dims and the slice's must be
 multiples of 16). Rowwise scales under tp are refused (core/admit.py): a row's scale spans
 other ranks' slices in some of the casts. Under sequence parallel a float8 column layer
-saves the gathered input whole, not its slice (the saving of sequence.py is not built for
-float8).
+saves its slice of the input, as a bf16 one does (tensor_parallel/sequence.py).
 """
 from __future__ import annotations
 
@@ -128,6 +127,37 @@ class SplitFloat8:
         """`x` (..., in) times `weight` (out, in)ᵀ, this rank's slices."""
         return _SplitFloat8Matmul.apply(x, weight, self)
 
+    # the three products, on flat (tokens, features) tensors; also sequence parallel's
+    # column matmul (tensor_parallel/sequence.py) runs them
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """Y = X·Wᵀ, and the scales (X's, W's) that backward casts X and W again with: as
+        torchao, X and W are kept in bf16, not as float8 copies, and no second all-reduce."""
+        from torchao.float8.float8_training_tensor import GemmInputRole as Role
+
+        scales = (self.scale(x, Role.INPUT, whole=self.split == "input"),
+                  self.scale(weight, Role.WEIGHT, whole=True))
+        return torch.mm(self.cast(x, scales[0], Role.INPUT),
+                        self.cast(weight.t(), scales[1], Role.WEIGHT)), scales
+
+    def grad_output(self, grad: torch.Tensor) -> torch.Tensor:
+        """dY in e5m2, cast once for both backward products."""
+        from torchao.float8.float8_training_tensor import GemmInputRole as Role
+
+        whole = self.split == "output"
+        return self.cast(grad, self.scale(grad, Role.GRAD_OUTPUT, whole), Role.GRAD_OUTPUT)
+
+    def grad_input(self, grad8: torch.Tensor, weight: torch.Tensor, scales: tuple):
+        """dX = dY·W."""
+        from torchao.float8.float8_training_tensor import GemmInputRole as Role
+
+        return torch.mm(grad8, self.cast(weight.t(), scales[1], Role.WEIGHT).t())
+
+    def grad_weight(self, grad8: torch.Tensor, x: torch.Tensor, scales: tuple):
+        """dW = dYᵀ·X, (out, in)."""
+        from torchao.float8.float8_training_tensor import GemmInputRole as Role
+
+        return torch.mm(grad8.t(), self.cast(x, scales[0], Role.INPUT))
+
     @torch.no_grad()
     def scale(self, t: torch.Tensor, role, whole: bool) -> torch.Tensor:
         """torchao's tensorwise scale of `t` in its `role`'s float8, from the whole tensor's
@@ -151,35 +181,23 @@ class SplitFloat8:
 
 class _SplitFloat8Matmul(torch.autograd.Function):
     """torchao's float8 matmul (`matmul_with_hp_or_float8_args`, tensorwise) with the scales
-    of `SplitFloat8`. As torchao's, it saves X and W in bf16 and casts them again in
-    backward, with the scales forward found (no second all-reduce); dY is cast once for
-    both products."""
+    of `SplitFloat8`."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, f8: SplitFloat8) -> torch.Tensor:
-        from torchao.float8.float8_training_tensor import GemmInputRole as Role
-
         x2 = x.reshape(-1, x.size(-1))                                  # (tokens, in)
-        x_scale = f8.scale(x2, Role.INPUT, whole=f8.split == "input")
-        w_scale = f8.scale(weight, Role.WEIGHT, whole=True)
-        ctx.save_for_backward(x2, weight, x_scale, w_scale)
+        y, ctx.scales = f8.forward(x2, weight)
+        ctx.save_for_backward(x2, weight)
         ctx.f8 = f8
-        y = torch.mm(f8.cast(x2, x_scale, Role.INPUT), f8.cast(weight.t(), w_scale, Role.WEIGHT))
         return y.view(*x.shape[:-1], y.size(-1))                       # (..., out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        from torchao.float8.float8_training_tensor import GemmInputRole as Role
-
-        x2, weight, x_scale, w_scale = ctx.saved_tensors
-        f8 = ctx.f8
-        g = grad.reshape(-1, grad.size(-1))                             # (tokens, out)
-        g8 = f8.cast(g, f8.scale(g, Role.GRAD_OUTPUT, whole=f8.split == "output"),
-                     Role.GRAD_OUTPUT)
-        w8 = f8.cast(weight.t(), w_scale, Role.WEIGHT)                  # (in, out)
-        grad_x = torch.mm(g8, w8.t()).view(*grad.shape[:-1], x2.size(-1))
-        grad_w = torch.mm(g8.t(), f8.cast(x2, x_scale, Role.INPUT))    # (out, in)
-        return grad_x, grad_w, None
+        x2, weight = ctx.saved_tensors
+        f8, scales = ctx.f8, ctx.scales
+        grad8 = f8.grad_output(grad.reshape(-1, grad.size(-1)))         # (tokens, out)
+        grad_x = f8.grad_input(grad8, weight, scales).view(*grad.shape[:-1], x2.size(-1))
+        return grad_x, f8.grad_weight(grad8, x2, scales), None
 
 
 def _bf16_modules(model: nn.Module) -> set[int]:

@@ -187,9 +187,10 @@ class ColumnParallelLinear(_Sharded):
         if self.enter is not None:
             x = self.enter(x)
         gathered = self.reads.gathered_slice(x) if self.reads is not None else None
-        if gathered is not None and self.float8 is None:
-            y = linear_on_gathered(x, *gathered, self.weight, self.bias, self.conv1d)
-        else:   # float8 saves the gathered X whole (sequence.py's slice saving not built)
+        if gathered is not None:
+            y = linear_on_gathered(x, *gathered, self.weight, self.bias, self.conv1d,
+                                   self.float8)
+        else:
             y = _matmul(x, self.weight, self.bias, self.conv1d, self.float8)
         if self.valid is not None:   # vocabulary padding: never a probability
             y = torch.cat([y[..., :self.valid],
