@@ -49,8 +49,9 @@ def _refuse_unbuilt(plan: Plan) -> None:
         (plan.dp_mode != "ddp" and plan.precision != "fp32",
          f"dp_mode={plan.dp_mode!r} with precision={plan.precision!r}: DP and the parameter "
          "server run in fp32 for now"),
-        (plan.precision == "fp8" and plan.compile is not False,
-         f"precision='fp8' with compile={plan.compile!r}: float8 training runs eager for now"),
+        (plan.precision == "fp8" and plan.compile == "cudagraphs",
+         "precision='fp8' with compile='cudagraphs': float8 training is compiled with "
+         "inductor or aot_eager for now (compile=True)"),
         (plan.precision == "fp8" and plan.tp > 1 and plan.fp8_recipe != "tensorwise",
          f"precision='fp8' with fp8_recipe={plan.fp8_recipe!r} and tp={plan.tp}: under tensor "
          "parallel float8 scales are tensorwise for now (a row's scale would span the slices "

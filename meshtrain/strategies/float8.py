@@ -18,6 +18,9 @@ all-gather extensions on a weight subclass): here it would take a weight's amax 
 pieces of the flat shards (an all-reduce max per unit), the shards cast to e4m3 before the
 gather (half the bytes) and the gathered float8 weight handed to torchao already cast.
 
+Compiled blocks (strategies/compile.py) trace the float8 linears inside each block:
+aot_eager runs eager's numbers exactly; CUDA graphs are not checked with float8 (refused).
+
 Under pipeline parallel the whole model is converted before it is cut into stages: each
 stage keeps its own float8 linears, the last one its output layer in bf16.
 
