@@ -59,6 +59,19 @@ def float8_saving(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: float) 
     return flops / (cluster.fp8_flops * cluster.efficiency) - flops / cluster.achievable_flops
 
 
+def float8_amax_time(spec: ModelSpec, cand: Candidate, cluster: Cluster, layers: int) -> float:
+    """fp8 under tp: each block linear's float8 scales are the whole tensors' (strategies/
+    float8.SplitFloat8), one all-reduce of an amax (4 bytes, latency-bound) for its weight
+    and one for its split input or output gradient per micro-batch, and the weight's and
+    the input's again in a fully recomputed forward (counted for every linear)."""
+    p = cand.plan
+    if p.precision != "fp8" or p.tp == 1:
+        return 0.0
+    per_linear = 3 if cand.recompute == "full" else 2
+    linears = 4 + spec.mlp_matrices   # q, k, v, o and the MLP's
+    return per_linear * linears * layers * cluster.collective_time("all_reduce", 4, p.tp, p.tp)
+
+
 def dispatch_time(spec: ModelSpec, cand: Candidate, cluster: Cluster) -> float:
     """Host seconds to dispatch one micro-batch on one rank: kernel launches, autograd,
     Python (calibrated; 0 on GPU presets), per block it runs, a fully recomputed one

@@ -14,6 +14,7 @@ from meshtrain.planner.compute_time import micro_batch_compute
 from meshtrain.planner.memory import stage_memories
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
+from meshtrain.planner.time_model import tp_comm_time
 
 SPEC = ModelSpec(   # a small Llama-shaped model, its numbers by hand
     "llama-small", layers=4, hidden=512, heads=8, vocab=1024, seq=256, ffn=1536, kv_heads=2,
@@ -86,3 +87,17 @@ def test_fp8_on_a_card_without_float8_is_refused_naming_it():
     with pytest.raises(hardware.HardwareError, match="the A100-80GB has no float8 tensor cores"):
         hardware.make_cluster("A100-80GB", precision="fp8")
     assert Setup(precision="fp8").optim_bytes == 12   # fp32 masters and Adam's moments
+
+
+def test_fp8_under_tp_adds_its_amax_all_reduces():
+    """Under tp each block linear all-reduces two amaxes per micro-batch (its weight's, and
+    its split input's or output gradient's: strategies/float8.SplitFloat8), 4 bytes each:
+    2 x 7 linears x 4 layers latency-bound all-reduces over tp beside bf16's collectives."""
+    cluster = hardware.make_cluster("H100-80GB", 1, 8, precision="fp8")
+    setup = {p: Setup(global_batch=8, micro_batch=2, precision=p, recompute="none")
+             for p in ("bf16", "fp8")}
+    times = {p: tp_comm_time(SPEC, Candidate(Plan(tp=2, precision=p), 2, "none"), setup[p],
+                             cluster, 2) for p in ("bf16", "fp8")}
+    amax = cluster.collective_time("all_reduce", 4, 2, 2)
+    assert amax > 0
+    assert times["fp8"] - times["bf16"] == pytest.approx(2 * 7 * L * amax, rel=1e-9)
