@@ -76,14 +76,13 @@ def _check_context_parallel(plan: Plan) -> None:
         return
     unbuilt = {"compile": plan.compile is not False,
                f"dp_mode={plan.dp_mode!r}": plan.dp_mode != "ddp",
-               f"precision={plan.precision!r}": plan.precision == "fp8",
                f"recompute={plan.recompute!r}": plan.recompute not in ("none", "full"),
                f"compression={plan.compression!r}": plan.compression != "none",
                f"ep={plan.ep}": plan.ep > 1}
     for name, applies in unbuilt.items():
         if applies:
             raise PlanError(f"cp with {name} is not built yet: context parallel runs with "
-                            "tp, pp, DDP or ZeRO over dp, fp32 or bf16, eager, recompute "
+                            "tp, pp, DDP or ZeRO over dp, fp32, bf16 or fp8, eager, recompute "
                             f"'none' or 'full'; drop {name.split('=')[0]}, or use cp=1")
 
 

@@ -5,7 +5,8 @@ as under bf16 (strategies/shared/precision.py).
 Each converted `nn.Linear` casts its input and weight to e4m3 and its output's gradient to
 e5m2 with a scale per tensor ("tensorwise") or per row ("rowwise"), dynamic (from this
 step's amax), then multiplies in float8. The scales come from the tensors this rank holds:
-under data parallelism from its shard of the batch, so a dp plan equals one process to
+under data parallelism from its shard of the batch (under cp from its chunks of the
+sequences, in a pipeline from the micro-batch), so such a plan equals one process to
 within float8's rounding, not bit for bit. Left in bf16: the output layer (and what follows
 the last decoder layer), and every linear whose dims are not multiples of 16 (torchao's
 `_scaled_mm` needs them). `Plan.fp8_emulate` runs the same casts with the matmul emulated
