@@ -69,8 +69,7 @@ def check_fp8(precision: str, emulate: bool, device: str, capability: tuple | No
                         "(Ada, Hopper); use precision='bf16', or fp8_emulate=True for tests")
 
 
-def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool,
-                   comm: Comm | None = None) -> list[str]:
+def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool, comm: Comm) -> list[str]:
     """Swap the model's eligible nn.Linear modules for torchao's Float8Linear, in place
     (parameters and their names unchanged), and give each eligible tensor-parallel linear
     (a module with `float8_split`) its `SplitFloat8` matmul over `comm`'s tp axis; returns
