@@ -52,10 +52,6 @@ def _refuse_unbuilt(plan: Plan) -> None:
         (plan.precision == "fp8" and plan.compile == "cudagraphs",
          "precision='fp8' with compile='cudagraphs': float8 training is compiled with "
          "inductor or aot_eager for now (compile=True)"),
-        (plan.precision == "fp8" and plan.tp > 1 and plan.fp8_recipe != "tensorwise",
-         f"precision='fp8' with fp8_recipe={plan.fp8_recipe!r} and tp={plan.tp}: under tensor "
-         "parallel float8 scales are tensorwise for now (a row's scale would span the slices "
-         "of other ranks); use fp8_recipe='tensorwise'"),
         (plan.ep > 1 and (plan.dp_mode != "ddp" or plan.compression != "none"
                           or plan.precision == "fp8"),
          f"ep={plan.ep} with dp_mode={plan.dp_mode!r}, compression={plan.compression!r}, "

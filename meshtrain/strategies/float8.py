@@ -27,11 +27,10 @@ stage keeps its own float8 linears, the last one its output layer in bf16.
 
 Under tensor parallel the column- and row-parallel layers (strategies/tensor_parallel)
 hold slices of their weights and are not nn.Linear: each eligible one gets a `SplitFloat8`
-product, whose tensorwise scales are the whole tensors' (their amax all-reduced over tp), so
-each rank casts exactly as one process does (the whole layer's dims and the slice's must be
-multiples of 16). Rowwise scales under tp are refused (core/admit.py): a row's scale spans
-other ranks' slices in some of the casts. Under sequence parallel a float8 column layer
-saves its slice of the input, as a bf16 one does (tensor_parallel/sequence.py).
+product, whose scales (tensorwise or rowwise) are the whole tensors' (an amax across the
+split all-reduced over tp), so each rank casts exactly as one process does (the whole
+layer's dims and the slice's must be multiples of 16). Under sequence parallel a float8
+column layer saves its slice of the input, as a bf16 one does (tensor_parallel/sequence.py).
 """
 from __future__ import annotations
 
@@ -103,25 +102,25 @@ def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool, comm: Comm) -> 
 
 
 class SplitFloat8:
-    """Y = X·Wᵀ in float8 for a tensor-parallel linear holding a slice of W (tensorwise).
+    """Y = X·Wᵀ in float8 for a tensor-parallel linear holding a slice of W.
 
-    torchao casts each operand with a scale from its own amax. A slice's amax is not the
-    whole tensor's, so the amax of every operand that is split over tp is all-reduced (max)
-    first, and each rank casts exactly as one process casts the whole: the weight always;
-    the input where the layer takes a slice of the features (`split="input"`: row-parallel);
-    the output's gradient where it makes one (`split="output"`: column-parallel). The other
-    operand is whole on every rank already. (torchao's DTensor path reaches the same through
-    its amax of a sharded DTensor.)
+    torchao casts each operand of each of its three products with a scale from the
+    operand's amax: over the whole tensor (tensorwise), or along one dim (rowwise: one per
+    row or column). An amax taken across a dim that tp splits is not the whole tensor's, so
+    here it is all-reduced (max) over tp first, and each rank casts exactly as one process
+    casts the whole. Split over tp: Wᵀ (in, out) always, by columns in a column-parallel
+    layer (`split="output"`) and by rows in a row-parallel one (`split="input"`); X
+    (tokens, in) by columns in a row layer; dY (tokens, out) by columns in a column layer.
+    (torchao's DTensor path reaches the same through its amax of a sharded DTensor.)
     """
 
     def __init__(self, config, comm: Comm, split: str) -> None:
         from torchao.float8.float8_linear import Float8Linear
-        from torchao.float8.float8_training_tensor import GemmInputRole as Role
 
         self.config, self.comm, self.split = config, comm, split
-        self.dtypes = {Role.INPUT: config.cast_config_input.target_dtype,         # e4m3
-                       Role.WEIGHT: config.cast_config_weight.target_dtype,       # e4m3
-                       Role.GRAD_OUTPUT: config.cast_config_grad_output.target_dtype}  # e5m2
+        self.split_dims = {"x": 1 if split == "input" else None,     # X (tokens, in)
+                           "w": 0 if split == "input" else 1,        # Wᵀ (in, out)
+                           "g": 1 if split == "output" else None}    # dY (tokens, out)
         # torchao's per-gemm settings (emulation, fast accumulation), as its linear builds them
         with torch.device("meta"):
             self.mm_config = Float8Linear(16, 16, bias=False, config=config).linear_mm_config
@@ -130,61 +129,79 @@ class SplitFloat8:
         """`x` (..., in) times `weight` (out, in)ᵀ, this rank's slices."""
         return _SplitFloat8Matmul.apply(x, weight, self)
 
-    # the three products, on flat (tokens, features) tensors; also sequence parallel's
-    # column matmul (tensor_parallel/sequence.py) runs them
-    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-        """Y = X·Wᵀ, and the scales (X's, W's) that backward casts X and W again with: as
-        torchao, X and W are kept in bf16, not as float8 copies, and no second all-reduce."""
+    # torchao's three products (matmul_with_hp_or_float8_args), on flat (tokens, features)
+    # tensors, each operand cast for its product; sequence parallel's column matmul
+    # (tensor_parallel/sequence.py) runs them too. `scales` carries what forward found to
+    # backward: as torchao, X and W are kept in bf16, not as float8 copies, and cast again.
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Y = X·Wᵀ, and the scales found."""
         from torchao.float8.float8_training_tensor import GemmInputRole as Role
 
-        scales = (self.scale(x, Role.INPUT, whole=self.split == "input"),
-                  self.scale(weight, Role.WEIGHT, whole=True))
-        return torch.mm(self.cast(x, scales[0], Role.INPUT),
-                        self.cast(weight.t(), scales[1], Role.WEIGHT)), scales
+        c, scales = self.config, {}
+        x8 = self.cast(x, "x", c.cast_config_input, -1, Role.INPUT, scales)
+        w8 = self.cast(weight.t(), "w", c.cast_config_weight, 0, Role.WEIGHT, scales)
+        return torch.mm(x8, w8), scales
 
-    def grad_output(self, grad: torch.Tensor) -> torch.Tensor:
-        """dY in e5m2, cast once for both backward products."""
-        from torchao.float8.float8_training_tensor import GemmInputRole as Role
-
-        whole = self.split == "output"
-        return self.cast(grad, self.scale(grad, Role.GRAD_OUTPUT, whole), Role.GRAD_OUTPUT)
-
-    def grad_input(self, grad8: torch.Tensor, weight: torch.Tensor, scales: tuple):
+    def grad_input(self, grad: torch.Tensor, weight: torch.Tensor, scales: dict):
         """dX = dY·W."""
         from torchao.float8.float8_training_tensor import GemmInputRole as Role
 
-        return torch.mm(grad8, self.cast(weight.t(), scales[1], Role.WEIGHT).t())
+        c = self.config
+        g8 = self.cast(grad, "g", c.cast_config_grad_output, -1, Role.GRAD_OUTPUT, scales)
+        w8 = self.cast(weight.t(), "w", c.cast_config_weight_for_grad_input, -1, Role.WEIGHT,
+                       scales)
+        return torch.mm(g8, w8.t())
 
-    def grad_weight(self, grad8: torch.Tensor, x: torch.Tensor, scales: tuple):
+    def grad_weight(self, grad: torch.Tensor, x: torch.Tensor, scales: dict):
         """dW = dYᵀ·X, (out, in)."""
         from torchao.float8.float8_training_tensor import GemmInputRole as Role
 
-        return torch.mm(grad8.t(), self.cast(x, scales[0], Role.INPUT))
+        c = self.config
+        g8 = self.cast(grad, "g", c.cast_config_grad_output_for_grad_weight, 0,
+                       Role.GRAD_OUTPUT, scales)
+        x8 = self.cast(x, "x", c.cast_config_input_for_grad_weight, 0, Role.INPUT, scales)
+        return torch.mm(g8.t(), x8)
 
-    @torch.no_grad()
-    def scale(self, t: torch.Tensor, role, whole: bool) -> torch.Tensor:
-        """torchao's tensorwise scale of `t` in its `role`'s float8, from the whole tensor's
-        amax where `whole` (`t` a slice of it over tp)."""
-        from torchao.float8.float8_utils import amax_to_scale
-
-        amax = t.abs().max().float().reshape(1)   # exact: a bf16 value
-        if whole:
-            self.comm.all_reduce(amax, "tp", op="max", tag="float8-amax")
-        return amax_to_scale(amax[0], self.dtypes[role], self.config.round_scales_to_power_of_2)
-
-    def cast(self, t: torch.Tensor, scale: torch.Tensor, role) -> torch.Tensor:
+    def cast(self, t: torch.Tensor, name: str, config, dim: int, role, scales: dict):
+        """Operand `name` as torchao casts it for one product (`config`; rowwise: its amax
+        along `dim`), scaled from the whole tensor's amax. A scale found for the same
+        operand and cast is reused (tensorwise: one all-reduce for W, not one a product)."""
+        from torchao.float8.config import ScalingGranularity, ScalingType
         from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
 
-        return hp_tensor_and_scale_to_float8(t, scale, self.dtypes[role], self.mm_config, role)
+        if config.scaling_type is ScalingType.DISABLED:   # this product in high precision
+            return t
+        axis = dim if config.scaling_granularity is ScalingGranularity.AXISWISE else None
+        key = (name, config, axis)
+        if key not in scales:
+            scales[key] = self.scale(t, config.target_dtype, axis, self.split_dims[name])
+        return hp_tensor_and_scale_to_float8(t, scales[key], config.target_dtype,
+                                             self.mm_config, role, axis)
+
+    @torch.no_grad()
+    def scale(self, t: torch.Tensor, dtype: torch.dtype, axis: int | None,
+              split: int | None) -> torch.Tensor:
+        """torchao's scale of `t` (tensorwise, or along `axis`), from the whole tensor's
+        amax where tp splits `t` along the dims the amax reduces (`split`)."""
+        from torchao.float8.float8_utils import amax_to_scale
+
+        if axis is None:
+            amax = t.abs().max().float().reshape(1)   # exact: a bf16 value
+        else:
+            amax = torch.amax(t.abs(), dim=axis, keepdim=True).float()
+        if split is not None and (axis is None or axis % t.dim() == split):
+            self.comm.all_reduce(amax, "tp", op="max", tag="float8-amax")
+        scale = amax_to_scale(amax, dtype, self.config.round_scales_to_power_of_2)
+        return scale[0] if axis is None else scale
 
     def __repr__(self) -> str:
-        split = "input's" if self.split == "input" else "output gradient's"
-        return f"float8 (tensorwise; the weight's amax and the {split} over tp)"
+        granularity = self.config.cast_config_weight.scaling_granularity.value
+        return f"float8 ({granularity}; amaxes across tp's split taken over tp)"
 
 
 class _SplitFloat8Matmul(torch.autograd.Function):
-    """torchao's float8 matmul (`matmul_with_hp_or_float8_args`, tensorwise) with the scales
-    of `SplitFloat8`."""
+    """torchao's float8 matmul (`matmul_with_hp_or_float8_args`) with the scales of
+    `SplitFloat8`."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, f8: SplitFloat8) -> torch.Tensor:
@@ -198,9 +215,9 @@ class _SplitFloat8Matmul(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x2, weight = ctx.saved_tensors
         f8, scales = ctx.f8, ctx.scales
-        grad8 = f8.grad_output(grad.reshape(-1, grad.size(-1)))         # (tokens, out)
-        grad_x = f8.grad_input(grad8, weight, scales).view(*grad.shape[:-1], x2.size(-1))
-        return grad_x, f8.grad_weight(grad8, x2, scales), None
+        g = grad.reshape(-1, grad.size(-1))                             # (tokens, out)
+        grad_x = f8.grad_input(g, weight, scales).view(*grad.shape[:-1], x2.size(-1))
+        return grad_x, f8.grad_weight(g, x2, scales), None
 
 
 def _bf16_modules(model: nn.Module) -> set[int]:

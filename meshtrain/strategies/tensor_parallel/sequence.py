@@ -86,11 +86,10 @@ class _LinearOnGathered(torch.autograd.Function):
         if need_x:
             regather.start(piece)             # in flight while dX is computed
         g = grad.reshape(-1, grad.size(-1))                             # (tokens, out)
-        g8 = f8.grad_output(g) if f8 is not None else None
         grad_x = None
         if ctx.needs_input_grad[0]:
             if f8 is not None:
-                grad_x = f8.grad_input(g8, weight, ctx.scales)
+                grad_x = f8.grad_input(g, weight, ctx.scales)
             else:
                 grad_x = g @ (weight.t() if ctx.conv1d else weight)     # (tokens, in)
             grad_x = grad_x.view(*grad.shape[:-1], grad_x.size(-1))
@@ -99,7 +98,7 @@ class _LinearOnGathered(torch.autograd.Function):
             x = regather.whole(piece)
             x = x.reshape(-1, x.size(-1))                               # (tokens, in)
             if f8 is not None:
-                grad_w = f8.grad_weight(g8, x, ctx.scales)
+                grad_w = f8.grad_weight(g, x, ctx.scales)
             else:
                 grad_w = x.t() @ g if ctx.conv1d else g.t() @ x
         if ctx.has_bias and ctx.needs_input_grad[4]:
