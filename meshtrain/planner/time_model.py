@@ -168,7 +168,7 @@ def tp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluste
     t_tp = n_tp * cluster.collective_time("all_reduce", act, p.tp, p.tp)
     if cand.sp:
         t_tp += 2 * layers * cluster.collective_time("all_gather", act, p.tp, p.tp)
-    t_tp += float8_amax_time(spec, cand, cluster, layers)
+    t_tp += float8_amax_time(spec, cand, cluster, layers, b)
     if p.pp > 1:   # beside the other stages' work (calibrated on CPU ranks; 1 on presets)
         t_tp *= cluster.pp_tp_scale
     return t_tp

@@ -91,13 +91,17 @@ def test_fp8_on_a_card_without_float8_is_refused_naming_it():
 
 def test_fp8_under_tp_adds_its_amax_all_reduces():
     """Under tp each block linear all-reduces two amaxes per micro-batch (its weight's, and
-    its split input's or output gradient's: strategies/float8.SplitFloat8), 4 bytes each:
-    2 x 7 linears x 4 layers latency-bound all-reduces over tp beside bf16's collectives."""
+    its split input's or output gradient's: strategies/float8.SplitFloat8), 4 bytes each
+    (rowwise: one per token of the micro-batch): 2 x 7 linears x 4 layers all-reduces over
+    tp beside bf16's collectives."""
     cluster = hardware.make_cluster("H100-80GB", 1, 8, precision="fp8")
     setup = {p: Setup(global_batch=8, micro_batch=2, precision=p, recompute="none")
              for p in ("bf16", "fp8")}
-    times = {p: tp_comm_time(SPEC, Candidate(Plan(tp=2, precision=p), 2, "none"), setup[p],
-                             cluster, 2) for p in ("bf16", "fp8")}
-    amax = cluster.collective_time("all_reduce", 4, 2, 2)
-    assert amax > 0
-    assert times["fp8"] - times["bf16"] == pytest.approx(2 * 7 * L * amax, rel=1e-9)
+    plans = {"bf16": Plan(tp=2, precision="bf16"), "fp8": Plan(tp=2, precision="fp8"),
+             "rowwise": Plan(tp=2, precision="fp8", fp8_recipe="rowwise")}
+    times = {k: tp_comm_time(SPEC, Candidate(p, 2, "none"), setup[p.precision], cluster, 2)
+             for k, p in plans.items()}
+    for recipe, nbytes in (("fp8", 4), ("rowwise", 4 * 2 * S)):
+        amax = cluster.collective_time("all_reduce", nbytes, 2, 2)
+        assert amax > 0
+        assert times[recipe] - times["bf16"] == pytest.approx(2 * 7 * L * amax, rel=1e-9)
