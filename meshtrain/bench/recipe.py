@@ -20,7 +20,7 @@ the other side's state is not counted); then their steps alternate (bench/timing
 ending with the loss on the host. Per side: the median step, tokens/s (the batch's tokens
 over it), MFU (core/flops.py's FLOPs per token over the device's peak, whose source is
 stated) and the last loss; ratios are meshtrain's over the recipe's. float8 runs both
-sides eagerly (meshtrain's float8 is not compiled yet: core/admit.py).
+sides eagerly (compiled float8 blocks are checked on a CPU only, not yet timed on a GPU).
 
 On a GPU the model is Llama 3.2 1B's shape at 4,096 tokens (`--size 1b`); on the CPU a
 tiny Llama of the same family (`--size tiny`), so that the bench runs in the tests.

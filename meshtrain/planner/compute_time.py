@@ -59,6 +59,23 @@ def float8_saving(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: float) 
     return flops / (cluster.fp8_flops * cluster.efficiency) - flops / cluster.achievable_flops
 
 
+def float8_amax_time(spec: ModelSpec, cand: Candidate, cluster: Cluster, layers: int,
+                     b: float) -> float:
+    """fp8 under tp: each block linear's float8 scales are the whole tensors' (strategies/
+    float8.SplitFloat8): per micro-batch two all-reduces of amaxes over tp (tensorwise: the
+    weight's and the split input's or output gradient's, 4 bytes each; rowwise: per-row
+    ones, priced as one 4-byte amax per token), a third in a fully recomputed forward
+    (counted for every linear)."""
+    p = cand.plan
+    if p.precision != "fp8" or p.tp == 1:
+        return 0.0
+    per_linear = 3 if cand.recompute == "full" else 2
+    linears = 4 + spec.mlp_matrices   # q, k, v, o and the MLP's
+    nbytes = 4 if p.fp8_recipe == "tensorwise" else 4 * b * spec.seq
+    return (per_linear * linears * layers
+            * cluster.collective_time("all_reduce", nbytes, p.tp, p.tp))
+
+
 def dispatch_time(spec: ModelSpec, cand: Candidate, cluster: Cluster) -> float:
     """Host seconds to dispatch one micro-batch on one rank: kernel launches, autograd,
     Python (calibrated; 0 on GPU presets), per block it runs, a fully recomputed one

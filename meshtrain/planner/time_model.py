@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from meshtrain.core.plan import DDP_FIRST_BUCKET_MB, LOCAL_STEP_MODES
 from meshtrain.planner import context_parallel, experts
 from meshtrain.planner.compression import powersgd_traffic
-from meshtrain.planner.compute_time import dispatch_time, micro_batch_compute
+from meshtrain.planner.compute_time import dispatch_time, float8_amax_time, micro_batch_compute
 from meshtrain.planner.hardware import Cluster, nearest
 from meshtrain.planner.states import model_states, stage_params
 from meshtrain.planner.model_spec import ModelSpec
@@ -168,6 +168,7 @@ def tp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluste
     t_tp = n_tp * cluster.collective_time("all_reduce", act, p.tp, p.tp)
     if cand.sp:
         t_tp += 2 * layers * cluster.collective_time("all_gather", act, p.tp, p.tp)
+    t_tp += float8_amax_time(spec, cand, cluster, layers, b)
     if p.pp > 1:   # beside the other stages' work (calibrated on CPU ranks; 1 on presets)
         t_tp *= cluster.pp_tp_scale
     return t_tp

@@ -94,10 +94,10 @@ class Trainer:
         self.context = split_context(self.model, plan, self.comm)   # each cp rank its chunks
         self.activations = (ActivationMeter(self.model.parameters())
                             if plan.measure_activations else None)
-        # float8 linears after tensor parallel, before compile and recomputation wrap them
+        # float8 after tp (its split linears: a float8 product), before compile and recompute
         check_fp8(plan.precision, plan.fp8_emulate, self.mesh.device.type,
                   *device_capability(self.mesh.device))
-        self.float8 = (convert_to_fp8(self.model, plan.fp8_recipe, plan.fp8_emulate)
+        self.float8 = (convert_to_fp8(self.model, plan.fp8_recipe, plan.fp8_emulate, self.comm)
                        if plan.precision == "fp8" else [])
         # compiled blocks after tensor parallel (they trace the sharded layers) and before
         # recomputation, whose checkpoint then wraps the compiled forward (strategies/compile.py)

@@ -23,8 +23,6 @@ REFUSALS = [
     (dict(dp=2, ep=2, cp=2), None, None, "cp with ep=2 is not built yet", "use cp=1"),
     (dict(cp=2, dp_mode="ps-sync"), None, None, "cp with dp_mode='ps-sync' is not built yet",
      "use cp=1"),
-    (dict(cp=2, precision="fp8"), None, None, "cp with precision='fp8' is not built yet",
-     "use cp=1"),
     (dict(cp=2, compile=True), None, None, "cp with compile is not built yet", "use cp=1"),
     (dict(cp=2, recompute="selective"), None, None,
      "cp with recompute='selective' is not built yet", "use cp=1"),

@@ -14,6 +14,7 @@ from meshtrain.planner.compute_time import micro_batch_compute
 from meshtrain.planner.memory import stage_memories
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
+from meshtrain.planner.time_model import tp_comm_time
 
 SPEC = ModelSpec(   # a small Llama-shaped model, its numbers by hand
     "llama-small", layers=4, hidden=512, heads=8, vocab=1024, seq=256, ffn=1536, kv_heads=2,
@@ -86,3 +87,21 @@ def test_fp8_on_a_card_without_float8_is_refused_naming_it():
     with pytest.raises(hardware.HardwareError, match="the A100-80GB has no float8 tensor cores"):
         hardware.make_cluster("A100-80GB", precision="fp8")
     assert Setup(precision="fp8").optim_bytes == 12   # fp32 masters and Adam's moments
+
+
+def test_fp8_under_tp_adds_its_amax_all_reduces():
+    """Under tp each block linear all-reduces two amaxes per micro-batch (its weight's, and
+    its split input's or output gradient's: strategies/float8.SplitFloat8), 4 bytes each
+    (rowwise: one per token of the micro-batch): 2 x 7 linears x 4 layers all-reduces over
+    tp beside bf16's collectives."""
+    cluster = hardware.make_cluster("H100-80GB", 1, 8, precision="fp8")
+    setup = {p: Setup(global_batch=8, micro_batch=2, precision=p, recompute="none")
+             for p in ("bf16", "fp8")}
+    plans = {"bf16": Plan(tp=2, precision="bf16"), "fp8": Plan(tp=2, precision="fp8"),
+             "rowwise": Plan(tp=2, precision="fp8", fp8_recipe="rowwise")}
+    times = {k: tp_comm_time(SPEC, Candidate(p, 2, "none"), setup[p.precision], cluster, 2)
+             for k, p in plans.items()}
+    for recipe, nbytes in (("fp8", 4), ("rowwise", 4 * 2 * S)):
+        amax = cluster.collective_time("all_reduce", nbytes, 2, 2)
+        assert amax > 0
+        assert times[recipe] - times["bf16"] == pytest.approx(2 * 7 * L * amax, rel=1e-9)

@@ -108,8 +108,13 @@ class Exit:
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            conv1d: bool) -> torch.Tensor:
-    """x·Wᵀ + b for nn.Linear's (out, in) layout, x·W + b for Conv1D's (in, out)."""
+            conv1d: bool, float8=None) -> torch.Tensor:
+    """x·Wᵀ + b for nn.Linear's (out, in) layout, x·W + b for Conv1D's (in, out); the
+    product in float8 where `float8` (strategies/float8.SplitFloat8: nn.Linear's layout)
+    is given."""
+    if float8 is not None:
+        y = float8(x, weight)
+        return y + bias if bias is not None else y
     if not conv1d:
         return F.linear(x, weight, bias)
     shape = (*x.shape[:-1], weight.shape[1])                       # (..., out)
@@ -118,12 +123,18 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y.view(shape)
 
 
+def _float8(layer: "_Sharded") -> str:
+    return f", {layer.float8!r}" if layer.float8 is not None else ""
+
+
 def _parameter(t: torch.Tensor) -> nn.Parameter:
     """`t` itself if it is a Parameter (a tied slice stays one object), else one made of it."""
     return t if isinstance(t, nn.Parameter) else nn.Parameter(t)
 
 
 class _Sharded(nn.Module):
+    float8_split: str   # which operand of the product is a slice over tp besides the weight
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, conv1d: bool,
                  full_in: int, full_out: int, rank: int, size: int) -> None:
         super().__init__()
@@ -132,6 +143,7 @@ class _Sharded(nn.Module):
         self.conv1d = conv1d
         self.full_in, self.full_out = full_in, full_out
         self.tp_rank, self.tp_size = rank, size
+        self.float8 = None   # the float8 product (strategies/float8.py) where precision is fp8
 
     @property
     def in_features(self) -> int:
@@ -161,6 +173,8 @@ class ColumnParallelLinear(_Sharded):
     this rank's slice of Y's gradient, which every rank computed whole.
     """
 
+    float8_split = "output"
+
     def __init__(self, weight, bias, *, conv1d: bool, full_in: int, full_out: int, rank: int,
                  size: int, enter: Enter | None, blocks: int = 1, valid: int | None = None,
                  reads: Enter | None = None, gather: bool = False):
@@ -174,9 +188,10 @@ class ColumnParallelLinear(_Sharded):
             x = self.enter(x)
         gathered = self.reads.gathered_slice(x) if self.reads is not None else None
         if gathered is not None:
-            y = linear_on_gathered(x, *gathered, self.weight, self.bias, self.conv1d)
+            y = linear_on_gathered(x, *gathered, self.weight, self.bias, self.conv1d,
+                                   self.float8)
         else:
-            y = _matmul(x, self.weight, self.bias, self.conv1d)
+            y = _matmul(x, self.weight, self.bias, self.conv1d, self.float8)
         if self.valid is not None:   # vocabulary padding: never a probability
             y = torch.cat([y[..., :self.valid],
                            y.new_full((*y.shape[:-1], self.out_features - self.valid),
@@ -192,7 +207,7 @@ class ColumnParallelLinear(_Sharded):
         gather = ", output all-gathered" if self.gather else ""
         return (f"in_features={self.in_features}, out_features={self.out_features} of "
                 f"{self.full_out}{parts}{pad} (tp rank {self.tp_rank}/{self.tp_size}), "
-                f"bias={self.bias is not None}, enter={self.enter!r}{gather}")
+                f"bias={self.bias is not None}, enter={self.enter!r}{gather}{_float8(self)}")
 
 
 class RowParallelLinear(_Sharded):
@@ -207,6 +222,8 @@ class RowParallelLinear(_Sharded):
     this rank takes its slice X_i itself; backward all-gathers dL/dX_i into dL/dX.
     """
 
+    float8_split = "input"
+
     def __init__(self, weight, bias, *, conv1d: bool, full_in: int, full_out: int, rank: int,
                  size: int, exit: Exit, split_input: bool = False):
         super().__init__(weight, bias, conv1d, full_in, full_out, rank, size)
@@ -215,14 +232,14 @@ class RowParallelLinear(_Sharded):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_input:
             x = scatter_to_tp(x, self.exit.comm, -1, f"{self.exit.tag}:split-input")
-        y = self.exit(_matmul(x, self.weight, None, self.conv1d))
+        y = self.exit(_matmul(x, self.weight, None, self.conv1d, self.float8))
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
         split = "input split here, " if self.split_input else ""
         return (f"in_features={self.in_features} of {self.full_in}, out_features="
                 f"{self.out_features} (tp rank {self.tp_rank}/{self.tp_size}), "
-                f"bias={self.bias is not None}, {split}exit={self.exit!r}")
+                f"bias={self.bias is not None}, {split}exit={self.exit!r}{_float8(self)}")
 
 
 class VocabParallelEmbedding(nn.Module):

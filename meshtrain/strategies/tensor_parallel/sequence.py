@@ -60,15 +60,21 @@ class Regather:
 class _LinearOnGathered(torch.autograd.Function):
     """Forward: Y = X·Aᵀ + b (nn.Linear's (out, in) A) or X·A + b (Conv1D's (in, out)) on
     the gathered X, saving only this rank's slice of it. Backward: all-gather the slice again
-    (overlapping dX's matmul), dX = dY·A (or dY·Aᵀ), dA = dYᵀ·X (or Xᵀ·dY), db = Σ dY."""
+    (overlapping dX's matmul), dX = dY·A (or dY·Aᵀ), dA = dYᵀ·X (or Xᵀ·dY), db = Σ dY.
+    `float8` (strategies/float8.SplitFloat8, nn.Linear's layout): the three products in
+    float8, X regathered in bf16 and cast again with forward's scale."""
 
     @staticmethod
-    def forward(ctx, x, piece, regather, weight, bias, conv1d):
+    def forward(ctx, x, piece, regather, weight, bias, conv1d, float8):
         ctx.regather, ctx.conv1d, ctx.has_bias = regather, conv1d, bias is not None
+        ctx.float8 = float8
         ctx.save_for_backward(piece, weight)
         regather.readers += 1
-        w = weight if conv1d else weight.t()                          # (in, out)
-        y = x.reshape(-1, x.size(-1)) @ w                             # (tokens, out)
+        x2 = x.reshape(-1, x.size(-1))                                # (tokens, in)
+        if float8 is not None:
+            y, ctx.scales = float8.forward(x2, weight)                # (tokens, out)
+        else:
+            y = x2 @ (weight if conv1d else weight.t())               # (tokens, out)
         if bias is not None:
             y += bias
         return y.view(*x.shape[:-1], y.size(-1))
@@ -76,28 +82,34 @@ class _LinearOnGathered(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         piece, weight = ctx.saved_tensors
-        regather, need_x = ctx.regather, ctx.needs_input_grad[3]
+        regather, need_x, f8 = ctx.regather, ctx.needs_input_grad[3], ctx.float8
         if need_x:
             regather.start(piece)             # in flight while dX is computed
         g = grad.reshape(-1, grad.size(-1))                             # (tokens, out)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            w = weight.t() if ctx.conv1d else weight                    # (out, in)
-            grad_x = (g @ w).view(*grad.shape[:-1], w.size(-1))
+            if f8 is not None:
+                grad_x = f8.grad_input(g, weight, ctx.scales)
+            else:
+                grad_x = g @ (weight.t() if ctx.conv1d else weight)     # (tokens, in)
+            grad_x = grad_x.view(*grad.shape[:-1], grad_x.size(-1))
         grad_w = grad_b = None
         if need_x:
             x = regather.whole(piece)
             x = x.reshape(-1, x.size(-1))                               # (tokens, in)
-            grad_w = x.t() @ g if ctx.conv1d else g.t() @ x
+            if f8 is not None:
+                grad_w = f8.grad_weight(g, x, ctx.scales)
+            else:
+                grad_w = x.t() @ g if ctx.conv1d else g.t() @ x
         if ctx.has_bias and ctx.needs_input_grad[4]:
             grad_b = g.sum(0)
         regather.release()
-        return grad_x, None, None, grad_w, grad_b, None
+        return grad_x, None, None, grad_w, grad_b, None, None
 
 
 def linear_on_gathered(x: torch.Tensor, piece: torch.Tensor, regather: Regather,
                        weight: torch.Tensor, bias: torch.Tensor | None,
-                       conv1d: bool) -> torch.Tensor:
+                       conv1d: bool, float8=None) -> torch.Tensor:
     """A column-parallel matmul on `x`, the whole sequence gathered from `piece` (this rank's
-    slice), that saves `piece` for backward and not `x`."""
-    return _LinearOnGathered.apply(x, piece, regather, weight, bias, conv1d)
+    slice), that saves `piece` for backward and not `x`; in float8 where `float8` is given."""
+    return _LinearOnGathered.apply(x, piece, regather, weight, bias, conv1d, float8)
