@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import product
 
-from meshtrain.core.plan import Plan
+from meshtrain.core.admit import check_plan
+from meshtrain.core.plan import Plan, PlanError
 from meshtrain.planner.context_parallel import styles as cp_styles
 from meshtrain.planner.experts import ep_sizes
 from meshtrain.planner.flops import model_flops
@@ -135,8 +136,20 @@ def candidates_for(spec: ModelSpec, setup: Setup, cluster: Cluster):
                                         zero=zero, offload=offload, microbatches=m,
                                         schedule=schedule, virtual_stages=v,
                                         precision=setup.precision)
-                            group.append(Candidate(plan, b, rc, setup.sequence_parallel))
-                    yield group
+                            if runnable(plan):
+                                group.append(Candidate(plan, b, rc, setup.sequence_parallel))
+                    if group:
+                        yield group
+
+
+def runnable(plan: Plan) -> bool:
+    """Whether meshtrain can run `plan` (core/admit.check_plan): the advice ranks only plans
+    that `meshtrain train` and `plan --verify` take."""
+    try:
+        check_plan(plan)
+    except PlanError:
+        return False
+    return True
 
 
 def advise(spec: ModelSpec, setup: Setup, cluster: Cluster) -> Advice:

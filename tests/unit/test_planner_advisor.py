@@ -206,3 +206,18 @@ def test_cli_verify_refuses_a_profile_without_the_worlds_it_runs(capsys, tmp_pat
     rc, out, err = _cli(capsys, "--verify", "--profile", str(partial))
     assert rc == 2 and "no measurements at [4] ranks" in err and "--nproc 4" in err
     assert out == ""
+
+
+def test_the_advice_ranks_only_plans_meshtrain_runs():
+    """A mixture in float8: expert parallel does not run in fp8 (core/admit refuses it), so
+    the advice holds no ep plan in fp8, and holds them in bf16."""
+    from meshtrain.core.admit import check_plan
+
+    ranked = {precision: [ev.cand.plan for ev in _plan("gpt-moe-tiny", gpn=4, gpu="H100-80GB",
+                                                        global_batch=8,
+                                                        precision=precision).ranked]
+              for precision in ("bf16", "fp8")}
+    for plan in ranked["bf16"] + ranked["fp8"]:
+        check_plan(plan)   # every ranked plan is one meshtrain takes
+    assert any(p.ep > 1 for p in ranked["bf16"])
+    assert ranked["fp8"] and not any(p.ep > 1 for p in ranked["fp8"])
