@@ -1,5 +1,5 @@
-"""What crosses a stage boundary: one tensor, or a tuple of tensors (a transformers mixture
-of experts carries its routing sums beside the hidden state: models/hf_stages.py).
+"""What crosses a stage boundary: one tensor, or a tuple of tensors (a mixture of experts
+carries its routing sums beside the hidden state: models/moe_stages.py).
 
 Forward sends each tensor of a stage's output; backward sends the gradient of each tensor
 of the next stage's input, shaped as that tensor (zeros where it took no part in the loss),
