@@ -89,6 +89,7 @@ def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool, comm: Comm) -> 
                 and not module.conv1d and all(getattr(module, d) % 16 == 0 for d in dims))
 
     names = [n for n, m in model.named_modules() if eligible(m, n) or eligible_split(m)]
+    _warn_split_in_bf16(model, kept)
     if recipe == "tensorwise":
         config = Float8LinearConfig(emulate=emulate)
     else:
@@ -99,6 +100,24 @@ def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool, comm: Comm) -> 
         if eligible_split(module):
             module.float8 = SplitFloat8(config, comm, module.float8_split)
     return names
+
+
+def _warn_split_in_bf16(model: nn.Module, kept: set[int]) -> None:
+    """Say which tensor-parallel linears one process would run in float8 (the whole layer's
+    dims are multiples of 16) but whose slice here is not, so they stay in bf16."""
+    import warnings
+
+    whole = ("full_in", "full_out")
+    left = [n for n, m in model.named_modules()
+            if getattr(m, "float8_split", None) is not None and id(m) not in kept
+            and not m.conv1d and all(getattr(m, d) % 16 == 0 for d in whole)
+            and (m.in_features % 16 or m.out_features % 16)]
+    if left:
+        warnings.warn(f"precision='fp8' with tp: {', '.join(left[:4])}"
+                      f"{' ...' if len(left) > 4 else ''} stay in bf16: their slices are not "
+                      "multiples of 16 (torchao's float8 matmul needs them), though the whole "
+                      "layers' are, so these differ from one process's float8; use a tp that "
+                      "keeps each slice a multiple of 16", stacklevel=3)
 
 
 class SplitFloat8:

@@ -105,3 +105,4 @@ def test_fp8_under_tp_adds_its_amax_all_reduces():
         amax = cluster.collective_time("all_reduce", nbytes, 2, 2)
         assert amax > 0
         assert times[recipe] - times["bf16"] == pytest.approx(2 * 7 * L * amax, rel=1e-9)
+
