@@ -296,12 +296,12 @@ def check_bench_args(args) -> str | None:
 def check_ep_args(args) -> str | None:
     """bench ep's own refusals (it runs a transformers MoE preset, ep = world)."""
     from meshtrain.models.hf_presets import MOE, config_of
-    from meshtrain.models.moe import router_of
+    from meshtrain.models.moe import router_of_config
 
     args.model = args.model or "mixtral-tiny"
     if args.model not in MOE:
         return f"--model {args.model!r}: bench ep runs a MoE preset ({', '.join(MOE)})"
-    experts = router_of(type("M", (), {"config": config_of(args.model)})).experts
+    experts = router_of_config(config_of(args.model)).experts
     uneven = [w for w in args.world if experts % w]
     if uneven:
         return (f"--world {' '.join(map(str, uneven))}: ep = world must divide "

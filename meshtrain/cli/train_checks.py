@@ -28,13 +28,13 @@ def check_model_plan(config, plan: Plan) -> None:
     check_fp8(plan.precision, plan.fp8_emulate, config.device)
     kind = kind_of(config.model)
     gpt = gpt_config(config.model, **config.model_overrides) if kind == "gpt" else None
-    if plan.ep > 1 and (kind == "callable" or gpt is not None and not gpt.experts):
+    no_experts = kind == "callable" or gpt is not None and not gpt.experts
+    if plan.ep > 1 and no_experts:
         raise PlanError(f"--ep {plan.ep} splits the experts of mixture-of-experts layers, and "
                         f"{config.model!r} has none; use --ep 1, or a MoE model (--model "
                         "gpt-moe-tiny, mixtral-tiny, qwen3-moe-tiny, olmoe-tiny; a GPT preset "
                         "with --experts N)")
-    if plan.capacity_factor is not None and (kind == "callable"
-                                             or gpt is not None and not gpt.experts):
+    if plan.capacity_factor is not None and no_experts:
         raise PlanError(f"--capacity-factor {plan.capacity_factor} limits the tokens each "
                         f"expert of a mixture-of-experts layer takes, and {config.model!r} has "
                         "none; drop --capacity-factor, or use a MoE model (--model "

@@ -57,7 +57,11 @@ def router_of(model) -> Router | None:
     """The routing of a transformers mixture-of-experts causal LM or of meshtrain's GPT with
     experts (its loss always asked for, where its coefficient is not 0), None for any other
     model."""
-    config = getattr(model, "config", None)
+    return router_of_config(getattr(model, "config", None))
+
+
+def router_of_config(config) -> Router | None:
+    """`router_of` from the model's config alone (a transformers config or a GPTConfig)."""
     if isinstance(config, GPTConfig):
         coef = config.router_aux_coef or None
         return Router(config.experts, config.top_k, coef) if config.experts else None

@@ -83,9 +83,9 @@ def check_model_spec(spec: str, overrides: dict) -> None:
                                  f"experts, and {spec!r} has none (dense MLPs); add --experts "
                                  "N, or use --model gpt-moe-tiny")
     elif {"experts", "top_k"} & set(overrides) and kind != "callable":
-        from meshtrain.models.moe import router_of
+        from meshtrain.models.moe import router_of_config
 
-        router = router_of(type("Built", (), {"config": transformers_config(spec)}))
+        router = router_of_config(transformers_config(spec))
         has = (f"{router.experts} experts per layer, top-{router.top_k}" if router else
                "no experts (dense MLPs)")
         raise ModelSpecError(f"--experts/--top-k shape meshtrain's GPT presets only; {spec!r} "
