@@ -254,8 +254,7 @@ class GPT(nn.Module):
         logits = self.head(x)                      # (B, T, V)
         if not self.config.experts:
             return logits
-        return MoEOutput(logits, tuple(m.take_router_logits() for m in self.modules()
-                                       if isinstance(m, MoEFeedForward)))
+        return MoEOutput(logits, tuple(b.mlp.take_router_logits() for b in self.blocks))
 
     def loss(self, output: torch.Tensor | MoEOutput, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over all B*T tokens: logits (B, T, V) (or an MoEOutput's),

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from meshtrain.models.gpt import GPT
-from meshtrain.models.gpt_moe import MoEFeedForward
 from meshtrain.models.moe import Router, layer_routing, router_of, router_recorder
 
 _TAP = "_meshtrain_router_tap"
@@ -114,11 +113,8 @@ class _GPTBlock(nn.Module):
     def forward(self, x):
         hidden, routing = x
         hidden = self.block(hidden)
-        for mixture in self.block.modules():
-            if isinstance(mixture, MoEFeedForward):
-                counts, prob_sum = layer_routing(mixture.take_router_logits(), self.router)
-                routing = routing + torch.cat([counts, prob_sum])
-        return hidden, routing
+        counts, prob_sum = layer_routing(self.block.mlp.take_router_logits(), self.router)
+        return hidden, routing + torch.cat([counts, prob_sum])
 
 
 class _GPTEnd(nn.Module):
