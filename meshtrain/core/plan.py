@@ -177,10 +177,6 @@ class Plan:
                             f"{self.pp} stages in groups of pp: microbatches="
                             f"{self.microbatches} must be a multiple of pp={self.pp} (e.g. "
                             f"microbatches={self.pp * max(1, round(self.microbatches / self.pp))})")
-        if self.zero == 3 and self.pp > 1:
-            raise PlanError(f"Plan.zero=3 with pp={self.pp}: ZeRO-3 gathers parameters unit "
-                            "by unit inside one stage's forward and backward, which pipeline "
-                            "schedules interleave; use zero=1 or 2 with pipeline stages")
         if not isinstance(self.sequence_parallel, bool):
             raise PlanError(f"Plan.sequence_parallel={self.sequence_parallel!r}: must be True "
                             "or False")

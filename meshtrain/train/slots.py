@@ -98,7 +98,8 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
     if zero3:
         return ZeRO3(stages.model, params, buffers, comm, plan,
                      unit_names=_list(plan.zero3_units), axis=axis,
-                     offload_dir=plan.offload_dir, fill=fill, replicas=replicas)
+                     offload_dir=plan.offload_dir, fill=fill, replicas=replicas,
+                     entries=stages.modules(), shared=list(stages.shared))
     if plan.zero in (1, 2):
         return ZeRO(params, buffers, comm, plan, shared=list(stages.shared), axis=axis,
                     offload_dir=plan.offload_dir, replicas=replicas)

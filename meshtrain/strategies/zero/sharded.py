@@ -89,13 +89,18 @@ class ZeRO(GradientSync):
                             if self.stage == 1 else
                             [torch.zeros(self.layout.shard_size(b.index), dtype=compute,
                                          device=b.device) for b in self.buckets])
+        self.each_microbatch = self._reduces_each_microbatch(plan)
         self.grads = GradientBuckets(self.params, self.buckets, self._launch,
-                                     scale=1.0 / self.n, launch_in_no_sync=self.stage >= 2,
+                                     scale=1.0 / self.n, launch_in_no_sync=self.each_microbatch,
                                      in_flight=2)
         self._rounds = 0
         self._skipped: list[str] = []
         self._stepped: set[str] = set()   # parameters the optimizer has stepped, ever
         self.zero_grad()
+
+    def _reduces_each_microbatch(self, plan: Plan) -> bool:
+        """Whether a round is a micro-batch (ZeRO-2) or the step: see [Note: rounds]."""
+        return self.stage >= 2
 
     def _make_buckets(self, plan: Plan, compute: torch.dtype, shared) -> list[Bucket]:
         """Buckets of about Plan.bucket_mb, in backward order; shared weights on their own."""
@@ -140,7 +145,7 @@ class ZeRO(GradientSync):
             with self.grads.paused():
                 yield
         finally:
-            if self.stage >= 2:
+            if self.each_microbatch:
                 self._end_round()
 
     def _end_round(self) -> None:

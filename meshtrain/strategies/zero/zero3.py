@@ -28,6 +28,21 @@ one storage for its life, resized to nothing when freed and back to the unit's s
 gathered (as PyTorch's FSDP does): the saved views hold no memory between, and see the
 gathered values again in backward.
 
+[Note: ZeRO-3 under pipeline stages]
+A pipeline schedule runs a stage's micro-batches' forwards and backwards interleaved (1F1B
+runs forward k+1 before backward k), so "backward follows forward at once" no longer holds.
+The policy is torchtitan's with FSDP2 under pp (`reshard_after_forward=False`, gradient
+sync on the last micro-batch only): each of the stage's units is gathered when its first
+forward needs it and kept until the stage's last backward; gradients accumulate whole in
+the unit's bucket over the micro-batches (a round is the step, as ZeRO-1's) and are
+reduce-scattered once, the unit freed as its bucket is launched. Per step and rank: one
+all-gather and one reduce-scatter of the stage's Psi_s (DDP's bytes, whatever M); at rest
+the stage's 16 Psi_s / N (fp32 AdamW); during a step, on top, the stage's whole
+parameters and gradients (4 + 4 bytes x Psi_s in fp32). The hooks sit on each chunk this
+rank runs (not the model, which a pipeline never calls); weights tied across stages are a
+root bucket of their own, laid out alike on every holder. Gathering per micro-batch (ZeRO-3's
+memory, M x the gathers) is not built.
+
 Parameter storage follows a state machine named by what is in memory (`Held`): SHARDED (the
 shard alone; the parameters point at empty tensors), GATHERING (an all-gather in flight into
 a whole buffer), GATHERED (the parameters are views into it). Autograd saves a parameter by
@@ -164,15 +179,23 @@ class ZeRO3(ZeRO):
     def __init__(self, model: nn.Module, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, plan: Plan,
                  unit_names: list[str] | None = None, axis: str = "dp",
-                 offload_dir=None, fill=None, replicas=None) -> None:
+                 offload_dir=None, fill=None, replicas=None,
+                 entries: list[nn.Module] | None = None, shared: list[str] = ()) -> None:
+        """`entries`: the modules a step calls (the model, or this rank's pipeline chunks);
+        `shared`: parameters several pipeline stages hold (a bucket of their own, laid out
+        alike on each). Under pp > 1 see [Note: ZeRO-3 under pipeline stages]."""
         self._unit_modules = wrapping_units(model, unit_names)
+        self.keep_gathered = plan.pp > 1
         self._fill = fill   # a model on the meta device: its values stream into the shards
         self._frozen = {n: p for n, p in named_params if not p.requires_grad}
         self.gathered_bytes = self.gathered_peak = 0
         self.unit_events: list[tuple[str, str, float]] = []   # (what, unit, time): prefetch log
-        super().__init__(named_params, buffers, comm, plan, axis=axis, offload_dir=offload_dir,
-                         replicas=replicas)
-        self._hook(model)
+        super().__init__(named_params, buffers, comm, plan, shared=shared, axis=axis,
+                         offload_dir=offload_dir, replicas=replicas)
+        self._hook(entries or [model])
+
+    def _reduces_each_microbatch(self, plan: Plan) -> bool:
+        return plan.pp == 1   # under stages: once per step, see [Note: ZeRO-3 under pipeline stages]
 
     # ---- layout: one bucket per unit, the root last ---------------------------------------------
     def _make_buckets(self, plan: Plan, compute: torch.dtype, shared) -> list[Bucket]:
@@ -183,12 +206,15 @@ class ZeRO3(ZeRO):
         in_unit = [[p for p in self.params if owners.get(id(p)) == [i]]
                    for i in range(len(self._unit_modules))]
         root = [p for p in self.params if len(owners.get(id(p), [])) != 1]
-        # backward order: the last unit's gradients come first; the root's at the very end
-        order = [i for i in reversed(range(len(in_unit))) if in_unit[i]] + (
-            [None] if root else [])
+        tied = {id(self.named[n]) for n in shared if n in self.named}
+        # backward order: the last unit's gradients come first; the root's at the very end,
+        # weights tied across stages in a bucket of their own (laid out alike on each holder)
+        roots = [[p for p in root if id(p) not in tied], [p for p in root if id(p) in tied]]
+        order = [(i, in_unit[i]) for i in reversed(range(len(in_unit))) if in_unit[i]] + [
+            (None, r) for r in roots if r]
         groups, self._unit_of_bucket = [], []
-        for i in order:   # a bucket per group a unit's parameters are sharded over
-            for part in self._split_by_replicas(root if i is None else in_unit[i]):
+        for i, params in order:   # a bucket per group a unit's parameters are sharded over
+            for part in self._split_by_replicas(params):
                 groups.append(part)
                 self._unit_of_bucket.append(i)
         buckets = build_buckets([], float("inf"), pad_to=self.n, dtype=compute, lazy=True,
@@ -251,9 +277,13 @@ class ZeRO3(ZeRO):
         return "root" if i is None else self._unit_modules[i][0]
 
     # ---- the hooks that gather and free -----------------------------------------------------------
-    def _hook(self, model: nn.Module) -> None:
-        model.register_forward_pre_hook(lambda m, args: self._model_starts())
-        model.register_forward_hook(lambda m, args, out: self._model_ends())
+    def _hook(self, entries: list[nn.Module]) -> None:
+        for entry in entries:   # the model, or each pipeline chunk this rank runs
+            inside = {id(m) for m in entry.modules()}
+            first = next((i for i, (_, m) in enumerate(self._unit_modules)
+                          if id(m) in inside and i in self._by_module_index), None)
+            entry.register_forward_pre_hook(lambda m, args, i=first: self._model_starts(i))
+            entry.register_forward_hook(lambda m, args, out: self._model_ends())
         self._last = max(self._by_module_index, default=None)
         for i, (_, module) in enumerate(self._unit_modules):
             if i in self._by_module_index:
@@ -269,10 +299,9 @@ class ZeRO3(ZeRO):
             j += step
         return None
 
-    def _model_starts(self) -> None:
-        first = self._neighbour(-1, +1)
+    def _model_starts(self, first: int | None) -> None:
         if first is not None:
-            first.gather()   # its all-gather overlaps the root's
+            self._by_module_index[first].gather()   # its all-gather overlaps the root's
         if self.root is not None:
             self.root.wait()
 
@@ -295,7 +324,7 @@ class ZeRO3(ZeRO):
         if not torch.is_grad_enabled():
             unit.free()
             return
-        if i != self._last:
+        if i != self._last and not self.keep_gathered:
             unit.free()
         tensors = [t for t in _tensors(output) if t.requires_grad]
         if tensors:
