@@ -10,8 +10,9 @@ recomputation), pruned so a 64-GPU cluster takes well under a second:
   sequences hold, compute and reduce the same, without cp's exchange;
 - ep divides dp and the experts, where the model has experts;
 - pp divides the layers' count at most, dp = world / (tp pp) divides the global batch;
-- ZeRO-2/3 only without pipelining (their per-micro-batch gradient sharding fights
-  pipelined accumulation; DeepSpeed refuses the combination);
+- ZeRO-2 only without pipelining (its per-micro-batch gradient sharding fights pipelined
+  accumulation; DeepSpeed refuses the combination); ZeRO-3 with pipelining as torchtitan
+  runs FSDP under pp: units gathered once a step, gradients reduce-scattered once;
 - offload and recomputation are tried only when the plain variant does not fit: each is
   strictly slower with everything else equal, so it can never outrank it; of the variants
   that fit, only the fastest is ranked.
@@ -121,7 +122,7 @@ def candidates_for(spec: ModelSpec, setup: Setup, cluster: Cluster):
             m = setup.global_batch // (dp * b)
             for (schedule, v), style, ep in product(_schedules(spec, pp, m),
                                                     cp_styles(spec, cp, tp), ep_sizes(spec, dp)):
-                zeros = (0, 1) if pp > 1 else (0, 1, 2, 3)
+                zeros = (0, 1, 3) if pp > 1 else (0, 1, 2, 3)
                 for zero in zeros:
                     # ZeRO shards over dp x cp (the ranks that hold the same parameters)
                     if zero and dp * cp == 1 and zero < 3:

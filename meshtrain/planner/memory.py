@@ -131,7 +131,11 @@ def _zero_buffers(spec: ModelSpec, cand: Candidate, setup: Setup, psi: float,
         # when the next backward fills a fresh one (seen in the allocator's events)
         bucket = bucket_bytes if bucket_bytes is not None else p.bucket_mb * 2**20
         buffers = min(bucket, psi * setup.grad_bytes) * (2 if p.microbatches > 1 else 1)
-    if p.zero == 3:  # a gathered unit and the prefetched next one, and its full gradient
+    if p.zero == 3 and p.pp > 1:   # under stages the stage's units stay gathered and its
+        # gradients accumulate whole from its first forward to its last backward (zero3.py,
+        # [Note: ZeRO-3 under pipeline stages])
+        buffers += psi * (setup.param_bytes + setup.grad_bytes)
+    elif p.zero == 3:  # a gathered unit and the prefetched next one, and its full gradient
         unit = spec.largest_layer_params / p.tp
         buffers += unit * (2 * setup.param_bytes + setup.grad_bytes)
     return buffers

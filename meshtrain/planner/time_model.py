@@ -242,6 +242,13 @@ def dp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluste
         # to hide it behind (DeepSpeed stage 2 runs it after the step)
         last = coll("reduce_scatter", last_bucket) + coll("all_gather", param_bytes)
         t_dp = m * coll("reduce_scatter", grad_bytes) + coll("all_gather", param_bytes)
+    elif p.pp > 1:
+        # under stages, the torchtitan policy (zero3.py, [Note: ZeRO-3 under pipeline
+        # stages]): each unit gathered once a step, the gradients scattered once, after the
+        # stage's last backward
+        t_dp = coll("all_gather", param_bytes) + coll("reduce_scatter", grad_bytes)
+        unit = spec.largest_layer_params / p.tp * setup.param_bytes
+        last = coll("all_gather", unit) + coll("reduce_scatter", last_bucket)
     else:
         t_dp = m * (2 * coll("all_gather", param_bytes) + coll("reduce_scatter", grad_bytes))
         # nothing is computed before the first unit's gather, nor after the last bucket
@@ -392,6 +399,9 @@ def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None
             sent = share * (grads + params)
         elif q.zero == 2:   # a reduce-scatter every micro-batch, one all-gather
             sent = share * (m * grads + params)
+        elif q.pp > 1:   # ZeRO-3 under stages: gathered once, scattered once a step
+            # (zero3.py, [Note: ZeRO-3 under pipeline stages])
+            sent = share * (params + grads)
         else:   # gathered for forward and again for backward (but what is gathered once),
             # scattered, every micro-batch
             once = spec.gathered_once_params / q.tp * setup.param_bytes

@@ -156,11 +156,6 @@ def test_wrapping_units_without_zero3_are_refused():
         mt.Trainer(eq.gpt(), mt.Plan(zero=2, zero3_units=["embed"]), optimizer=eq.sgd)
 
 
-def test_zero3_with_pipeline_stages_is_refused():
-    with pytest.raises(mt.PlanError, match="Plan.zero=3 with pp=2"):
-        mt.Plan(pp=2, zero=3)
-
-
 def named_units_train() -> list[float]:
     torch.manual_seed(0)
     trainer = mt.Trainer(eq.gpt(), mt.Plan(dp=eq.world_size(), zero=3,

@@ -105,7 +105,6 @@ CASES = [
     ("train --dp 2 --pp 2 --tp 2 --nproc 4", "needs dp*pp*tp = 8 ranks but the world has 4"),
     ("train --dp 2 --pp 2 --tp 2 --nproc 8 --heads 3 --d-model 48",
      "tp=2 does not divide the GPT's n_head=3"),
-    ("train --dp 2 --pp 2 --tp 2 --nproc 8 --zero 3", "Plan.zero=3 with pp=2"),
     ("train --pp 2 --nproc 2 --layers 1 --schedule interleaved --virtual-stages 2 "
      "--microbatches 2", "--pp 2 x --virtual-stages 2 = 4 stages, but 'tiny' has 3 layers"),
     ("train --dp 2 --pp 2 --nproc 4 --batch 4 --microbatches 4",
