@@ -212,7 +212,7 @@ def dp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluste
     all-gather) per step; ZeRO-2 reduce-scatters every micro-batch (it keeps only a gradient
     shard) and all-gathers parameters once; ZeRO-3 all-gathers parameters in forward and in
     backward and reduce-scatters gradients, every micro-batch: 1.5x DDP's volume per
-    micro-batch."""
+    micro-batch (under pipeline stages once a step each: DDP's volume)."""
     p = cand.plan
     m = p.microbatches
     grad_bytes = psi * setup.grad_bytes
@@ -242,18 +242,11 @@ def dp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluste
         # to hide it behind (DeepSpeed stage 2 runs it after the step)
         last = coll("reduce_scatter", last_bucket) + coll("all_gather", param_bytes)
         t_dp = m * coll("reduce_scatter", grad_bytes) + coll("all_gather", param_bytes)
-    elif p.pp > 1:
-        # under stages, the torchtitan policy (zero3.py, [Note: ZeRO-3 under pipeline
-        # stages]): each unit gathered once a step, the gradients scattered once, after the
-        # stage's last backward
-        t_dp = coll("all_gather", param_bytes) + coll("reduce_scatter", grad_bytes)
-        unit = spec.largest_layer_params / p.tp * setup.param_bytes
-        last = coll("all_gather", unit) + coll("reduce_scatter", last_bucket)
-    else:
-        t_dp = m * (2 * coll("all_gather", param_bytes) + coll("reduce_scatter", grad_bytes))
-        # nothing is computed before the first unit's gather, nor after the last bucket
-        unit = spec.largest_layer_params / p.tp * setup.param_bytes
-        last = coll("all_gather", unit) + coll("reduce_scatter", last_bucket)
+    else:   # under stages once a step each (zero3.py, [Note: ZeRO-3 under pipeline stages])
+        ag, rs = coll("all_gather", param_bytes), coll("reduce_scatter", grad_bytes)
+        t_dp = ag + rs if p.pp > 1 else m * (2 * ag + rs)
+        unit = spec.largest_layer_params / p.tp * setup.param_bytes   # exposed: nothing runs
+        last = coll("all_gather", unit) + coll("reduce_scatter", last_bucket)   # beside them
     if p.dp_mode.startswith("ps-") or p.dp_mode == "dp":
         t_dp, last = family_exchange(psi, setup, p, cluster), 0.0
     if p.compression == "powersgd" and p.dp > 1:
@@ -395,13 +388,10 @@ def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None
             sent = 2 * share * (t.whole + t.p + t.q) * setup.grad_bytes
         elif q.zero == 0:
             sent = 2 * share * grads
-        elif q.zero == 1:
+        elif q.zero == 1 or q.pp > 1:   # ZeRO-1; ZeRO-3 under stages: once a step each
             sent = share * (grads + params)
         elif q.zero == 2:   # a reduce-scatter every micro-batch, one all-gather
             sent = share * (m * grads + params)
-        elif q.pp > 1:   # ZeRO-3 under stages: gathered once, scattered once a step
-            # (zero3.py, [Note: ZeRO-3 under pipeline stages])
-            sent = share * (params + grads)
         else:   # gathered for forward and again for backward (but what is gathered once),
             # scattered, every micro-batch
             once = spec.gathered_once_params / q.tp * setup.param_bytes

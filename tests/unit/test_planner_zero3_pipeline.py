@@ -1,0 +1,56 @@
+"""The planner's pricing of ZeRO-3 under pipeline stages (zero3.py, [Note: ZeRO-3 under
+pipeline stages]): each unit gathered once a step and kept to the stage's last backward,
+gradients accumulated whole and reduce-scattered once. Expected values are written from
+that policy, never computed by the function under test."""
+import pytest
+
+from meshtrain.core.admit import check_plan
+from meshtrain.core.plan import Plan
+from meshtrain.planner import from_description, make_cluster
+from meshtrain.planner.advisor import candidates_for
+from meshtrain.planner.memory import stage_memories
+from meshtrain.planner.setup import Candidate, Setup
+from meshtrain.planner.states import stage_params
+from meshtrain.planner.time_model import axis_bytes
+
+# 8 layers, h 1024, 16 heads, a vocabulary of 32000, 2048 tokens a sequence
+SPEC = from_description(8, 1024, 16, 32000, 2048)
+SETUP = Setup(global_batch=32)
+
+
+def _cand(**plan):
+    return Candidate(Plan(**plan), 1, "none")
+
+
+@pytest.mark.parametrize("m", [2, 8])
+def test_bytes_per_step_are_one_gather_and_one_scatter_of_the_stage_whatever_m(m):
+    psi = stage_params(SPEC, 2, 1)   # the busiest stage's parameters
+    per_step = 3 / 4 * psi * (SETUP.param_bytes + SETUP.grad_bytes)   # ring halves over dp 4
+    out = axis_bytes(SPEC, _cand(dp=4, pp=2, zero=3, microbatches=m), SETUP)
+    assert out["dp"] == pytest.approx(per_step)
+    # DDP's volume (ZeRO-1's), where ZeRO-3 without stages moves about 1.5x that per
+    # micro-batch
+    assert out["dp"] == pytest.approx(axis_bytes(SPEC, _cand(dp=4, pp=2, zero=1,
+                                                             microbatches=m), SETUP)["dp"])
+    alone = axis_bytes(SPEC, _cand(dp=4, zero=3, microbatches=m), SETUP)["dp"]
+    assert alone > m * per_step
+
+
+def test_memory_per_stage_is_sharded_at_rest_and_whole_during_the_step():
+    cand = _cand(dp=4, pp=2, zero=3, microbatches=4)
+    for stage, mem in enumerate(stage_memories(SPEC, cand, SETUP)):
+        psi = stage_params(SPEC, 2, 1, stage)
+        assert mem.params == pytest.approx(psi * SETUP.param_bytes / 4)
+        assert mem.grads == pytest.approx(psi * SETUP.grad_bytes / 4)
+        assert mem.optim == pytest.approx(psi * SETUP.optim_bytes / 4)
+        # the stage's units all gathered and its gradients whole from the first forward to
+        # the last backward
+        assert mem.buffers == pytest.approx(psi * (SETUP.param_bytes + SETUP.grad_bytes))
+
+
+def test_the_plan_is_admitted_and_the_advisor_enumerates_it():
+    plan = Plan(dp=2, pp=2, tp=2, zero=3, microbatches=4, schedule="zb-h1")
+    check_plan(plan, world_size=8)
+    cluster = make_cluster("H100-80GB", 1, 8)
+    plans = [c.plan for group in candidates_for(SPEC, SETUP, cluster) for c in group]
+    assert any(p.zero == 3 and p.pp > 1 for p in plans)
