@@ -51,10 +51,12 @@ def test_zero3_in_one_process_matches_plain_torch(references):
 
 
 # ---- memory and traffic ---------------------------------------------------------------------
-def step_accounting(microbatches: int) -> dict:
-    world = dist.get_world_size()
+def step_accounting(microbatches: int, plan: dict | None = None) -> dict:
+    """The second step's bytes per collective, memory and unit events under `plan` (None:
+    dp over every rank, zero=3)."""
+    plan = plan or dict(dp=dist.get_world_size(), zero=3)
     torch.manual_seed(0)
-    trainer = mt.Trainer(eq.gpt(), mt.Plan(dp=world, zero=3, microbatches=microbatches),
+    trainer = mt.Trainer(eq.gpt(), mt.Plan(**plan, microbatches=microbatches),
                          optimizer=eq.adamw)
     sync = trainer.data_parallel
     steps = eq.batches("gpt", 2, trainer.dp_rank, trainer.dp_size)
@@ -65,6 +67,7 @@ def step_accounting(microbatches: int) -> dict:
     stats = trainer.comm.stats
     return {"rank": trainer.dp_rank, "report": trainer.memory_report().to_dict(),
             "units": [(u.name, u.bucket.numel) for u in sync.units],
+            "stage": [n for n, _ in trainer.stages.named_parameters()],
             "gathered_now": sync.gathered_bytes, "gathered_peak": sync.gathered_peak,
             "ag": vars(stats.total(op="all_gather", tag="param")),
             "rs": vars(stats.total(op="reduce_scatter", tag="grad")),
