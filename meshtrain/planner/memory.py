@@ -153,7 +153,7 @@ def _rerun_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, block: float,
     if cand.recompute == "selective":
         rerun -= selective_layer_bytes(spec, spec.seq, cand.micro_batch, cand.plan.tp, cand.sp,
                                        setup.act_bytes)
-    if cand.plan.zero == 3:
+    if cand.plan.zero == 3 and cand.plan.pp == 1:   # under stages: whole, in the buffers
         unit_grad = setup.grad_bytes * spec.largest_layer_params / cand.plan.tp
         rerun += 2 * unit_grad * (2 if host_is_device else 1)
     return rerun

@@ -42,9 +42,18 @@ def hf_case() -> dict | None:
                     steps=STEPS)
 
 
+def spanning_unit_refused() -> str:
+    """A wrapping unit no stage calls whole (the GPT's block list, spread over stages)."""
+    try:
+        mt.Trainer(eq.gpt(), mt.Plan(**DP2_PP2, zero3_units=["blocks"]), optimizer=eq.sgd)
+    except mt.PlanError as exc:
+        return str(exc)
+    return "accepted"
+
+
 def four_ranks(path: str) -> dict:
     # the peer for AdamW's tolerance: torch's DDP on the same batches, 2 micro-batches
-    return {"cases": train_cases(CASES), "hf": hf_case(),
+    return {"cases": train_cases(CASES), "hf": hf_case(), "refused": spanning_unit_refused(),
             "accounting": step_accounting(4, dict(**DP2_PP2, schedule="1f1b")),
             "peer": eq.train_torch_ddp("gpt", "adamw", steps=STEPS, microbatches=2),
             "checkpoints": save_and_resume(path)}
@@ -141,3 +150,10 @@ def test_checkpoints_load_across_plans(four):
             for key, value in ref["state"].items():
                 torch.testing.assert_close(got["state"][key], value, rtol=0, atol=1e-5,
                                            msg=f"{name} {key}")
+
+
+# ---- bad input -------------------------------------------------------------------------------
+def test_a_unit_spanning_stages_is_refused_by_name(four):
+    for r in four:
+        assert r["refused"].startswith("ZeRO-3 wrapping units ['blocks'] are not called "
+                                       "inside one pipeline stage"), r["refused"]

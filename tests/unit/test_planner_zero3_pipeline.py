@@ -5,7 +5,7 @@ that policy, never computed by the function under test."""
 import pytest
 
 from meshtrain.core.admit import check_plan
-from meshtrain.core.plan import Plan
+from meshtrain.core.plan import Plan, PlanError
 from meshtrain.planner import from_description, make_cluster
 from meshtrain.planner.advisor import candidates_for
 from meshtrain.planner.memory import stage_memories
@@ -54,3 +54,9 @@ def test_the_plan_is_admitted_and_the_advisor_enumerates_it():
     cluster = make_cluster("H100-80GB", 1, 8)
     plans = [c.plan for group in candidates_for(SPEC, SETUP, cluster) for c in group]
     assert any(p.zero == 3 and p.pp > 1 for p in plans)
+
+
+def test_what_is_not_built_with_it_is_still_refused_by_name():
+    # CUDA graphs replay fixed addresses: ZeRO-3's regathered units are named first
+    with pytest.raises(PlanError, match="compile='cudagraphs' with this plan: zero=3 frees"):
+        check_plan(Plan(dp=2, pp=2, zero=3, compile="cudagraphs"))

@@ -51,6 +51,7 @@ backward the same values.
 """
 from __future__ import annotations
 
+import collections
 import enum
 import time
 
@@ -186,6 +187,7 @@ class ZeRO3(ZeRO):
         alike on each). Under pp > 1 see [Note: ZeRO-3 under pipeline stages]."""
         self._unit_modules = wrapping_units(model, unit_names)
         self.keep_gathered = plan.pp > 1
+        _check_units_run(self._unit_modules, entries or [model], named_params)
         self._fill = fill   # a model on the meta device: its values stream into the shards
         self._frozen = {n: p for n, p in named_params if not p.requires_grad}
         self.gathered_bytes = self.gathered_peak = 0
@@ -371,6 +373,21 @@ class ZeRO3(ZeRO):
         out = super().memory()
         out["offloaded"] += self.offload.offloaded_bytes(self.shards)
         return {**out, "gathered_peak": self.gathered_peak}
+
+
+def _check_units_run(units, entries: list[nn.Module], named_params) -> None:
+    """Each unit holding parameters of its own here must be called inside what a step calls
+    (a unit spanning pipeline stages never is: its hooks would never gather it). Parameters
+    of several units (tied) are the root's, gathered by the entries' own hooks."""
+    inside = {id(m) for entry in entries for m in entry.modules()}
+    units_of_param = collections.Counter(id(p) for _, m in units for p in m.parameters())
+    own = {id(p) for _, p in named_params if units_of_param[id(p)] == 1}
+    stray = [n for n, m in units
+             if id(m) not in inside and any(id(p) in own for p in m.parameters())]
+    if stray:
+        raise PlanError(f"ZeRO-3 wrapping units {stray} are not called inside one pipeline "
+                        "stage (a unit spanning stages, or a container never called); name "
+                        "modules inside the stages' layers in zero3_units, or leave it unset")
 
 
 def _tensors(output) -> list[torch.Tensor]:
