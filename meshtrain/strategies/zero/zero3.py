@@ -29,19 +29,17 @@ gathered (as PyTorch's FSDP does): the saved views hold no memory between, and s
 gathered values again in backward.
 
 [Note: ZeRO-3 under pipeline stages]
-A pipeline schedule runs a stage's micro-batches' forwards and backwards interleaved (1F1B
-runs forward k+1 before backward k), so "backward follows forward at once" no longer holds.
-The policy is torchtitan's with FSDP2 under pp (`reshard_after_forward=False`, gradient
-sync on the last micro-batch only): each of the stage's units is gathered when its first
-forward needs it and kept until the stage's last backward; gradients accumulate whole in
-the unit's bucket over the micro-batches (a round is the step, as ZeRO-1's) and are
-reduce-scattered once, the unit freed as its bucket is launched. Per step and rank: one
-all-gather and one reduce-scatter of the stage's Psi_s (DDP's bytes, whatever M); at rest
-the stage's 16 Psi_s / N (fp32 AdamW); during a step, on top, the stage's whole
-parameters and gradients (4 + 4 bytes x Psi_s in fp32). The hooks sit on each chunk this
-rank runs (not the model, which a pipeline never calls); weights tied across stages are a
-root bucket of their own, laid out alike on every holder. Gathering per micro-batch (ZeRO-3's
-memory, M x the gathers) is not built.
+A schedule interleaves a stage's micro-batches (1F1B runs forward k+1 before backward k), so
+backward no longer follows forward at once. The policy is torchtitan's FSDP2 under pp
+(`reshard_after_forward=False`, gradient sync on the last micro-batch only): each of the
+stage's units is gathered when its first forward needs it and kept until the stage's last
+backward; gradients accumulate whole in the unit's bucket (a round is the step, as ZeRO-1's)
+and are reduce-scattered once, the unit freed as its bucket is launched. Per step and rank:
+one all-gather and one reduce-scatter of the stage's Psi_s (DDP's bytes, whatever M); at
+rest 16 Psi_s / N (fp32 AdamW); during a step, on top, the stage's whole parameters and
+gradients (8 Psi_s in fp32). The hooks sit on each chunk this rank runs (a pipeline never
+calls the model); weights tied across stages are a root bucket of their own, laid out alike
+on every holder. Gathering per micro-batch (ZeRO-3's memory, M x the gathers) is not built.
 
 Parameter storage follows a state machine named by what is in memory (`Held`): SHARDED (the
 shard alone; the parameters point at empty tensors), GATHERING (an all-gather in flight into
