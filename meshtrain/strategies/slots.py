@@ -23,6 +23,7 @@ from torch import nn
 
 from meshtrain.core.device import to_device
 from meshtrain.core.plan import PlanError
+from meshtrain.core.regions import Region, whole
 
 
 class LayerSharding(Protocol):
@@ -34,6 +35,14 @@ class LayerSharding(Protocol):
 
     def local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the whole tensor `name` (no communication)."""
+
+    def region(self, name: str, shape: tuple[int, ...]) -> Region:
+        """Which parts of the whole tensor `name` (of `shape`: a parameter, or a state
+        shaped like it) make this rank's slice: what a checkpoint load reads of it."""
+
+    def cuts(self, name: str, shape: tuple[int, ...]) -> list[list[int]]:
+        """Per dim, where any rank's slice of the whole tensor `name` begins or ends: where
+        a checkpoint cuts it into chunks ([] per dim: nowhere)."""
 
     def counts(self, name: str) -> bool:
         """Whether this rank counts `name` in a sum over tp ranks (a replicated tensor is
@@ -148,7 +157,14 @@ class GradientSync(ABC):
 
     @abstractmethod
     def load_local(self, params: dict[str, torch.Tensor],
-                   optimizer_state: tuple[dict[str, dict], list[dict]] | None) -> None: ...
+                   optimizer_state: tuple[dict[str, dict], list[dict]] | None) -> None:
+        """Take this rank's parameters and their optimizer states: each whole along dp, or
+        where `flat_regions` names a range, that range alone (flattened)."""
+
+    def flat_regions(self, name: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        """The element ranges of parameter `name` (flattened, as slot 1 slices it) this rank
+        keeps: (of the parameter, of its optimizer states); None: all of it. Default: all."""
+        return None, None
 
     @abstractmethod
     def memory(self) -> dict[str, int]:
@@ -216,6 +232,12 @@ class NoSharding:
 
     def local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         return full
+
+    def region(self, name: str, shape: tuple[int, ...]) -> Region:
+        return whole(shape)
+
+    def cuts(self, name: str, shape: tuple[int, ...]) -> list[list[int]]:
+        return [[] for _ in shape]
 
     def counts(self, name: str) -> bool:
         return True

@@ -40,7 +40,9 @@ import torch.distributed.checkpoint as dcp
 from meshtrain.train.checkpoint_reader import (CheckpointError, SafeFileSystemReader,
                                                SafeLoadPlanner, UnsafeCheckpoint,
                                                check_checkpoint_files)
-from meshtrain.train import faults
+from meshtrain.train import checkpoint_regions, faults
+from meshtrain.train.checkpoint_regions import (ChunkedSavePlanner, CutsOf, RegionLoadPlanner,
+                                                RegionOf)
 from meshtrain.core.state import StateLayout
 
 META = "meshtrain.json"
@@ -60,10 +62,12 @@ def _barrier() -> None:
 
 
 def save(path, model_state: dict[str, torch.Tensor], optimizer_state: dict | None, plan,
-         extra: dict, shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+         extra: dict, shapes: dict[str, tuple[int, ...]] | None = None,
+         cuts_of: CutsOf | None = None) -> None:
     """Write the consolidated state: every rank passes its share of it (DCP writes the union,
     each tensor once), or all the same; `optimizer_state` is None before the first optimizer
-    step. `shapes`: every state-dict key's shape (default: `model_state`'s)."""
+    step. `shapes`: every state-dict key's shape (default: `model_state`'s). `cuts_of`:
+    where the saving plan cuts each tensor ([Note: a checkpoint in chunks]; default: none)."""
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     if _rank() == 0:
@@ -74,7 +78,8 @@ def save(path, model_state: dict[str, torch.Tensor], optimizer_state: dict | Non
     if optimizer_state is not None:
         state["optim"] = optimizer_state
     with _single_process_quiet():
-        dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed())
+        dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed(),
+                 planner=ChunkedSavePlanner(cuts_of or _no_cuts, checkpoint_regions.CHUNK_BYTES))
     faults.maybe_kill(_rank(), int(extra.get("steps_done", -1)), "checkpoint")
     _barrier()
     if _rank() == 0:
@@ -186,14 +191,36 @@ def check_shapes(meta: dict, layout: StateLayout, path) -> None:
 
 def load(path, layout: StateLayout) -> tuple[dict, dict | None, dict]:
     """The consolidated state saved at `path`: (model state by state-dict key, optimizer
-    state by parameter name or None, extras). Every rank reads all of it."""
+    state by parameter name or None, extras). This process reads all of it (export,
+    generate); a resumed rank reads its part (`load_regions`)."""
     meta = inspect(path)   # a refused .metadata stops here, before DCP reads anything
     check_shapes(meta, layout, path)
     planner = SafeLoadPlanner(path)
+    _read(path, planner, SafeFileSystemReader(str(path)))
+    state = planner.original_state_dict   # rebuilt from the checkpoint's own metadata
+    return state["model"], state.get("optim"), meta.get("extra", {})
+
+
+def load_regions(path, layout: StateLayout, region_of: RegionOf
+                 ) -> tuple[dict, dict | None, dict, int]:
+    """What this rank keeps of the state saved at `path`: (model state by state-dict key,
+    optimizer state by parameter name or None, extras, tensor bytes read). Of each tensor, only
+    the region `region_of(entry path, shape)` names is read (None: none of it), and given
+    as that region assembles it ([Note: a checkpoint in chunks])."""
+    meta = inspect(path)
+    check_shapes(meta, layout, path)
+    planner = RegionLoadPlanner(path, region_of)
+    reader = SafeFileSystemReader(str(path))
+    _read(path, planner, reader)
+    state = planner.state()
+    return state.get("model", {}), state.get("optim"), meta.get("extra", {}), reader.tensor_bytes
+
+
+def _read(path, planner, reader) -> None:
+    """dcp.load through `planner` and `reader`, its failures said as CheckpointError."""
     try:
         with _single_process_quiet():
-            dcp.load({}, storage_reader=SafeFileSystemReader(str(path)), planner=planner,
-                     no_dist=not _distributed())
+            dcp.load({}, storage_reader=reader, planner=planner, no_dist=not _distributed())
     # DCP's own errors are long and deep: name the file and the fix. Its CheckpointException
     # (what a corrupted shard raises) derives from BaseException, not Exception.
     except (Exception, dcp.CheckpointException) as exc:
@@ -202,8 +229,10 @@ def load(path, layout: StateLayout) -> tuple[dict, dict | None, dict]:
             raise type(cause)(str(cause)) from None
         raise CheckpointError(f"checkpoint {path} could not be read ({_describe(cause)}); it "
                               "is corrupted or incomplete: use an earlier checkpoint") from None
-    state = planner.original_state_dict   # rebuilt from the checkpoint's own metadata
-    return state["model"], state.get("optim"), meta.get("extra", {})
+
+
+def _no_cuts(entry, shape: tuple[int, ...]) -> list[list[int]]:
+    return []
 
 
 def tensor_entries(path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -19,6 +19,7 @@ A refusal is an `UnsafeCheckpoint` naming the file and the global it would have 
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from pathlib import Path
 
@@ -74,7 +75,24 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader, with `.metadata` read by `RestrictedUnpickler`."""
+    """DCP's file reader, with `.metadata` read by `RestrictedUnpickler`. `tensor_bytes`
+    counts the tensor payload its reads take from the files: each stored chunk a read
+    touches, whole (DCP reads it whole); plain values (a few hundred bytes) are left out."""
+
+    tensor_bytes = 0
+
+    def set_up_storage_reader(self, metadata: Metadata, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, *args, **kwargs)
+        self._tensors = metadata.state_dict_metadata
+
+    def read_data(self, plan, planner):
+        for item in plan.items:
+            entry, index = self._tensors[item.storage_index.fqn], item.storage_index
+            if not isinstance(entry, BytesStorageMetadata):
+                chunk = (entry.chunks[index.index] if index.index is not None else
+                         next(c for c in entry.chunks if c.offsets == index.offset))
+                self.tensor_bytes += math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+        return super().read_data(plan, planner)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))

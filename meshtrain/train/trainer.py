@@ -38,7 +38,7 @@ from meshtrain.strategies.materialise import init_source, materialise
 from meshtrain.strategies.float8 import check_fp8, convert_to_fp8
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.tensor_parallel.sharding import is_token_cross_entropy
-from meshtrain.train import checkpoint
+from meshtrain.train import checkpoint, resume
 from meshtrain.train.slots import (check_layer_sharding, drive_steps, keep_stages, routing_sums,
                                    shard_layers, split_context, sync_gradients)
 from meshtrain.core.state import StateLayout
@@ -124,6 +124,7 @@ class Trainer:
         self._held = {name for name, _ in self.stages.named_parameters()}   # this rank's
         self.build_peak = peak_process_bytes()   # the training peak is told apart from it
         self.train_peak = self.checkpoint_peak = self.checkpoint_share = self.steps_done = 0
+        self.checkpoint_read = 0   # tensor bytes the last load read (train/resume.py)
         reset_process_peak()
         self._grad_norm: torch.Tensor | None = None   # read by `last_grad_norm`
 
@@ -315,7 +316,8 @@ class Trainer:
             self.comm.all_reduce(stepped, axis, tag="save")
         optimizer_state = {"state": states, "param_groups": groups} if stepped.item() else None
         checkpoint.save(path, params, optimizer_state, self.plan,
-                        dict(extra or {}, steps_done=self.steps_done), shapes=self.layout.shapes)
+                        dict(extra or {}, steps_done=self.steps_done), shapes=self.layout.shapes,
+                        cuts_of=resume.cuts_of(self))
         self.checkpoint_peak = max(self.checkpoint_peak, peak_process_bytes())
         reset_process_peak()   # what follows is training again
 
@@ -347,9 +349,7 @@ class Trainer:
 
     def load(self, path) -> dict:
         """Restore model and optimizer from `path` (saved under any plan); returns its extras."""
-        model_state, optimizer_state, extra = checkpoint.load(path, self.layout)
-        saved_mode = checkpoint.read_meta(path).get("plan", {}).get("dp_mode")
-        self.load_full_state(model_state, optimizer_state, saved_mode)
+        extra = resume.load(self, path)   # this rank's regions alone: train/resume.py
         self.steps_done = int(extra.get("steps_done", 0))
         self.data_parallel.resume_at(self.steps_done)
         return extra

@@ -137,6 +137,11 @@ HOST_ON_PURPOSE = {
                                     "prices what a CPU rank's step consumes",
     ("train/checkpoint.py", "read_tensors"): "a checkpoint read tensor by tensor into host "
                                              "memory (export, one process, no device)",
+    ("train/checkpoint_regions.py", "set_up_planner"): "a rank's regions of a checkpoint "
+        "read into host memory (DCP reads every chunk there); its slots copy them in place",
+    ("core/regions.py", "assemble"): "a rank's value assembled where its regions were read: "
+                                     "host memory",
+    ("core/regions.py", "share"): "a count of elements, on the host",
 }
 
 

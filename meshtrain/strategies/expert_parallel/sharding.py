@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from meshtrain.core.comm import Comm
+from meshtrain.core.regions import Region, slice_along
 from meshtrain.strategies.expert_parallel.dispatch import ShardedExperts
 from meshtrain.strategies.shared.replicas import ReplicaGroup
 
@@ -42,6 +43,17 @@ class ExpertParallel:
             return self.inner.local(name, full)
         rows = full.shape[0] // self.ep
         return full.narrow(0, self.comm.mesh.axis_rank("ep") * rows, rows)
+
+    def region(self, name: str, shape: tuple[int, ...]) -> Region:
+        if name not in self.experts:
+            return self.inner.region(name, shape)
+        rows = shape[0] // self.ep
+        return slice_along(shape, 0, self.comm.mesh.axis_rank("ep") * rows, rows)
+
+    def cuts(self, name: str, shape: tuple[int, ...]) -> list[list[int]]:
+        if name not in self.experts:
+            return self.inner.cuts(name, shape)
+        return [list(range(0, shape[0], shape[0] // self.ep)), *([] for _ in shape[1:])]
 
     def counts(self, name: str) -> bool:
         return self.inner.counts(name)   # experts are whole over tp: replicated there

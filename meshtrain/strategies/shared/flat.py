@@ -65,6 +65,29 @@ class FlatLayout:
             return 0, 0
         return lo - rank * k, hi - rank * k
 
+    def owned_range(self, name: str) -> tuple[int, int]:
+        """The part of parameter `name` in this rank's shard, as a range of its elements."""
+        piece = self.by_name[name]
+        lo, hi = self.owned(piece)
+        base = self.shard_size(piece.bucket) * self.split_of(piece.bucket)[1] - piece.start
+        return (lo + base, hi + base) if hi > lo else (0, 0)
+
+    def shards_of(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                  device: torch.device) -> list[torch.Tensor]:
+        """This rank's shard of each bucket from each parameter's tensor, whole or only its
+        `owned_range` (flattened); padding and absent parameters zero."""
+        shards = [torch.zeros(self.shard_size(i), dtype=dtype, device=device)
+                  for i in range(len(self.lengths))]
+        for piece in self.pieces:
+            lo, hi = self.owned(piece)
+            if hi <= lo or piece.name not in tensors:
+                continue
+            value = tensors[piece.name].reshape(-1)
+            if value.numel() == piece.numel:   # whole: cut out this rank's range
+                value = value[slice(*self.owned_range(piece.name))]
+            shards[piece.bucket][lo:hi] = value
+        return shards
+
     def shard_view(self, shards: list[torch.Tensor], name: str) -> torch.Tensor:
         """This rank's part of parameter `name` in per-bucket shard tensors (maybe empty)."""
         piece = self.by_name[name]

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain.core.comm import Comm
+from meshtrain.core.regions import Box, Region, whole
 from meshtrain.strategies.tensor_parallel.communications import gather_from_tp
 from meshtrain.strategies.tensor_parallel.cross_entropy import (VocabParallelLoss, logits_of,
                                                                 token_cross_entropy)
@@ -40,6 +41,26 @@ class Split:
             whole = F.pad(whole, pad)
         parts = whole.chunk(self.blocks, self.dim)
         return torch.cat([p.chunk(size, self.dim)[rank] for p in parts], self.dim).clone()
+
+    def starts(self, size: int) -> list[tuple[int, int, int]]:
+        """(rank, block, start along dim) of every rank's part of every block."""
+        part = self.padded // self.blocks // size
+        return [(r, b, b * self.padded // self.blocks + r * part)
+                for b in range(self.blocks) for r in range(size)]
+
+    def region(self, shape: tuple[int, ...], rank: int, size: int) -> Region:
+        """Which parts of the whole tensor rank `rank`'s slice holds (the padding: none)."""
+        part = self.padded // self.blocks // size
+        local = tuple(self.blocks * part if d == self.dim else n for d, n in enumerate(shape))
+        boxes = []
+        for r, b, start in self.starts(size):
+            length = min(part, self.full - start)
+            if r != rank or length <= 0:
+                continue
+            offsets, sizes, at = [0] * len(shape), list(shape), [0] * len(shape)
+            offsets[self.dim], sizes[self.dim], at[self.dim] = start, length, b * part
+            boxes.append(Box(tuple(offsets), tuple(sizes), tuple(at)))
+        return Region(local, tuple(boxes))
 
     def assemble(self, gathered: torch.Tensor) -> torch.Tensor:
         """The whole tensor from every rank's slice stacked in rank order: (T, *slice)."""
@@ -78,6 +99,15 @@ class TensorParallel:
     def local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         split = self.splits.get(name)
         return full if split is None else split.local(full, self.rank, self.size)
+
+    def region(self, name: str, shape: tuple[int, ...]) -> Region:
+        split = self.splits.get(name)
+        return whole(shape) if split is None else split.region(shape, self.rank, self.size)
+
+    def cuts(self, name: str, shape: tuple[int, ...]) -> list[list[int]]:
+        split = self.splits.get(name)
+        along = [] if split is None else sorted({s for _, _, s in split.starts(self.size)})
+        return [along if split is not None and d == split.dim else [] for d in range(len(shape))]
 
     def counts(self, name: str) -> bool:
         return name in self.splits or self.rank == 0

@@ -280,12 +280,17 @@ class ZeRO(GradientSync):
         if self.stage < 3:   # whole parameters live on every rank
             for name, p in self.named.items():
                 p.copy_(params[name])
-        exact = self.layout.join(params, self.masters.masters[0].dtype, self.comm.mesh.device)
-        self.masters.load(self.layout.my_shards(exact))
+        self.masters.load(self.layout.shards_of(params, self.masters.masters[0].dtype,
+                                                self.comm.mesh.device))
         self.zero_grad()
         if optimizer_state is not None:
             self._load_optimizer(*optimizer_state)
             self._stepped = set(optimizer_state[0]) & set(self.named)
+
+    def flat_regions(self, name: str) -> tuple[tuple[int, int] | None, tuple[int, int]]:
+        """ZeRO-1/2 keep whole parameters; every stage keeps its shard of the states."""
+        owned = self.layout.owned_range(name)
+        return (owned if self.stage == 3 else None), owned
 
     def _load_optimizer(self, state: dict[str, dict], groups: list[dict]) -> None:
         keys = {k for s in state.values() for k in s}
@@ -293,11 +298,9 @@ class ZeRO(GradientSync):
         for key in sorted(keys):
             first = next(s[key] for s in state.values() if key in s)
             if isinstance(first, torch.Tensor) and first.dim() > 0:
-                full = {n: state.get(n, {}).get(key, torch.zeros(self.layout.by_name[n].shape,
-                                                              device=self.comm.mesh.device))
-                        for n in self.named}
-                shards = self.layout.my_shards(self.layout.join(
-                    full, self.masters.masters[0].dtype, self.comm.mesh.device))
+                given = {n: state[n][key] for n in self.named if key in state.get(n, {})}
+                shards = self.layout.shards_of(given, self.masters.masters[0].dtype,
+                                               self.comm.mesh.device)
                 for i, shard in enumerate(shards):
                     out[i][key] = shard.clone()
             else:   # one value per bucket: its first parameter's (all equal when ZeRO saved)
