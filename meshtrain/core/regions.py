@@ -74,9 +74,13 @@ class Region:
         if not self.shape:
             return parts[0] if parts else torch.zeros((), dtype=dtype, device="cpu")
         lo, hi = self._rows()
-        out = torch.zeros((hi - lo, *self.shape[1:]), dtype=dtype, device="cpu")
-        for box, part in zip(reads, parts):
-            out[tuple(slice(o, o + s) for o, s in zip(box.local, box.sizes))] = part
+        rows = (hi - lo, *self.shape[1:])
+        if len(parts) == 1 and reads[0].sizes == rows:
+            out = parts[0]   # one box covers the rows: as read, no copy
+        else:
+            out = torch.zeros(rows, dtype=dtype, device="cpu")
+            for box, part in zip(reads, parts):
+                out[tuple(slice(o, o + s) for o, s in zip(box.local, box.sizes))] = part
         if self.flat is None:
             return out
         start = self.flat[0] - lo * math.prod(self.shape[1:])
