@@ -16,8 +16,9 @@ Each slot converts between its own layout and the next one's, always per paramet
   all-gather over tp), and back (a slice);
 - stages (slot 2) merge what each pipeline stage holds into every name (over pp), and keep
   only this stage's names on the way back.
-Splitting a full state back runs the same chain in reverse, with no communication: every
-rank reads the whole consolidated state and keeps its part.
+Splitting a full state back runs the same chain in reverse, with no communication. A
+resumed rank reads of a checkpoint only its part: each slot names its region of a whole
+tensor (core/regions.py, train/resume.py).
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ Layout of a checkpoint folder:
 What is saved is the consolidated, one-process state (core/state.py): the model's own
 state-dict keys at full shapes, and the optimizer's state keyed by parameter name. So a
 checkpoint does not depend on the plan that wrote it: it loads under any other plan, each
-rank reading the whole state and keeping its part. Each rank hands DCP its share of the
+rank reading only the regions of each tensor it keeps (`load_regions`, written in chunks for
+that: [Note: a checkpoint in chunks] in checkpoint_regions.py). Each rank hands DCP its share of the
 state (Trainer.save: no rank holds it whole); DCP writes their union.
 
 [Note: atomic save]
