@@ -301,8 +301,8 @@ class ZeRO(GradientSync):
                 given = {n: state[n][key] for n in self.named if key in state.get(n, {})}
                 shards = self.layout.shards_of(given, self.masters.masters[0].dtype,
                                                self.comm.mesh.device)
-                for i, shard in enumerate(shards):
-                    out[i][key] = shard.clone()
+                for i, shard in enumerate(shards):   # fresh tensors: kept as they are
+                    out[i][key] = shard
             else:   # one value per bucket: its first parameter's (all equal when ZeRO saved)
                 for i in range(len(self.buckets)):
                     name = next(p.name for p in self.layout.pieces if p.bucket == i)
