@@ -47,6 +47,7 @@ from meshtrain.train.checkpoint_regions import (ChunkedSavePlanner, CutsOf, Regi
 from meshtrain.core.state import StateLayout
 
 META = "meshtrain.json"
+METADATA = ".metadata"   # DCP's own
 
 
 def _distributed() -> bool:
@@ -120,9 +121,11 @@ def read_meta(path) -> dict:
     return meta
 
 
-def manifest(folder: Path) -> dict[str, dict]:
-    """Every file of a checkpoint (but meshtrain.json) with its size and SHA-256."""
-    return {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+def manifest(folder: Path, hashed: set[str] | None = None) -> dict[str, dict]:
+    """Every file of a checkpoint (but meshtrain.json) with its size and SHA-256 (only of
+    the files named in `hashed`, where given)."""
+    return {f.name: {"bytes": f.stat().st_size,
+                     **({"sha256": _sha256(f)} if hashed is None or f.name in hashed else {})}
             for f in sorted(Path(folder).iterdir()) if f.is_file() and f.name != META
             and not f.name.endswith(".tmp")}
 
@@ -135,23 +138,24 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify_manifest(path, meta: dict) -> None:
+def verify_manifest(path, meta: dict, hashed: set[str] | None = None) -> None:
     """Refuse a checkpoint whose files differ from its manifest: missing, truncated,
-    changed or added after the save. (Checkpoints of format 2 carry no manifest.)"""
+    changed or added after the save; the checksums of the files in `hashed` only, where
+    given (a rank's reads). (Checkpoints of format 2 carry no manifest.)"""
     listed = meta.get("files")
     if listed is None:
         return
     if not isinstance(listed, dict):
         raise CheckpointError(f"{Path(path) / META} is corrupted (its manifest is not a "
                               "mapping); use an earlier checkpoint")
-    present = manifest(path) if Path(path).is_dir() else {}
+    present = manifest(path, hashed) if Path(path).is_dir() else {}
     for name, want in listed.items():
         got = present.get(name)
         if got is None:
             problem = "is missing"
         elif got["bytes"] != want.get("bytes"):
             problem = f"has {got['bytes']} bytes, the manifest says {want.get('bytes')} (truncated?)"
-        elif got["sha256"] != want.get("sha256"):
+        elif "sha256" in got and got["sha256"] != want.get("sha256"):
             problem = "does not match its checksum (corrupted)"
         else:
             continue
@@ -163,12 +167,13 @@ def verify_manifest(path, meta: dict) -> None:
                               "use an earlier checkpoint")
 
 
-def inspect(path) -> dict:
+def inspect(path, hashed: set[str] | None = None) -> dict:
     """Check, in this process alone, what can be checked before any rank loads:
-    meshtrain.json, every file against the manifest's size and checksum, and everything DCP
-    would unpickle, read the restricted way. Returns meshtrain.json."""
+    meshtrain.json, every file against the manifest's size and checksum (of the files in
+    `hashed` only, where given), and everything DCP would unpickle, read the restricted way.
+    Returns meshtrain.json."""
     meta = read_meta(path)
-    verify_manifest(path, meta)
+    verify_manifest(path, meta, hashed)
     check_checkpoint_files(path)
     return meta
 
@@ -207,10 +212,13 @@ def load_regions(path, layout: StateLayout, region_of: RegionOf
     """What this rank keeps of the state saved at `path`: (model state by state-dict key,
     optimizer state by parameter name or None, extras, tensor bytes read). Of each tensor, only
     the region `region_of(entry path, shape)` names is read (None: none of it), and given
-    as that region assembles it ([Note: a checkpoint in chunks])."""
-    meta = inspect(path)
+    as that region assembles it ([Note: a checkpoint in chunks]). Every file's size is
+    checked against the manifest, the checksums of the files this rank reads (once its
+    reads are planned: a refusal on any rank is every rank's)."""
+    meta = inspect(path, hashed={METADATA})
     check_shapes(meta, layout, path)
-    planner = RegionLoadPlanner(path, region_of)
+    planner = RegionLoadPlanner(path, region_of,
+                                lambda files: verify_manifest(path, meta, hashed=files))
     reader = SafeFileSystemReader(str(path))
     _read(path, planner, reader)
     state = planner.state()

@@ -12,7 +12,8 @@ grid of chunks (DCP's multi-chunk tensors, as a sharded DTensor is written):
   beyond it at each end of each tensor it cuts.
 Loading (`RegionLoadPlanner`) asks DCP for the boxes of each tensor a rank's `Region`
 (core/regions.py) names, through DCP's resharding read items
-(`create_read_items_for_chunk_list`); the storage reader counts the bytes it reads.
+(`create_read_items_for_chunk_list`); the storage reader counts the bytes it reads. A rank
+checksums only the files its reads touch (the sizes of all against the manifest).
 A checkpoint written whole (one chunk a tensor, before this) still loads: it reads more.
 """
 from __future__ import annotations
@@ -101,9 +102,11 @@ class RegionLoadPlanner(DefaultLoadPlanner):
     it), and every non-tensor value (plain data, read weights-only). `state()` gives the
     nested state dict of what was read, each tensor as its region assembles it."""
 
-    def __init__(self, path, region_of: RegionOf) -> None:
+    def __init__(self, path, region_of: RegionOf,
+                 verify: Callable[[set[str]], None] = lambda files: None) -> None:
+        """`verify(files)`: checks the files the plan reads, before any is read."""
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.path, self.region_of = path, region_of
+        self.path, self.region_of, self.verify = path, region_of, verify
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         self.metadata, self.is_coordinator = metadata, is_coordinator
@@ -128,6 +131,8 @@ class RegionLoadPlanner(DefaultLoadPlanner):
                       for b in region.reads()]
             items += create_read_items_for_chunk_list(
                 fqn, self.metadata.state_dict_metadata[fqn], chunks)
+        self.verify({self.metadata.storage_data[item.storage_index].relative_path
+                     for item in items})
         self.plan = LoadPlan(items)
         return self.plan
 

@@ -2,6 +2,7 @@
 share (ZeRO: rounded out to the saved row blocks), the state it loads is exactly the saving
 trainer's, and its memory peak during the load stays near its share."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from meshtrain.core.memory import peak_process_bytes, reset_process_peak, reside
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.testing import run_ranks
 from meshtrain.train import checkpoint, checkpoint_regions
+from meshtrain.train.errors import CheckpointError
 
 # about 0.94M parameters (3.8 MB in fp32, 11 MB with AdamW's two moments): a rank's share
 # stands out of a process's resident memory, and each matrix (from 147 kB) is above the
@@ -85,7 +87,22 @@ def save_then_resume(path: str) -> dict:
             fresh.load_full_state(model_state, optim_state)
             del model_state, optim_state
             out[kind]["whole_peak"] = peak_process_bytes() - before
+    out["refused"] = refused_when_changed(fresh, f"{path}/{kind}")
     return out
+
+
+def refused_when_changed(trainer: mt.Trainer, path: str) -> str:
+    """The error every rank gets loading `path` once a byte of one of its files changed
+    (its size kept: only a checksum tells): each rank checksums only what it reads."""
+    if torch.distributed.get_rank() == 0:
+        shard = sorted(Path(path).glob("*.distcp"))[0]
+        changed = bytearray(shard.read_bytes())
+        changed[len(changed) // 2] ^= 0xFF
+        shard.write_bytes(bytes(changed))
+    torch.distributed.barrier()
+    with pytest.raises(CheckpointError) as refusal:
+        trainer.load(path)
+    return str(refusal.value)
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +129,9 @@ def test_zero3_ranks_read_the_checkpoint_once_between_them_and_never_hold_it(res
         got = result["zero3"]
         # the whole read holds the whole state at once; a rank's own read about a quarter
         assert got["peak"] < whole <= got["whole_peak"], (rank, got["peak"], got["whole_peak"])
+
+
+def test_a_changed_file_is_refused_on_every_rank(resumed):
+    for result in resumed:
+        assert "__0_0.distcp does not match its checksum (corrupted); use an earlier " \
+               "checkpoint" in result["refused"]

@@ -59,3 +59,25 @@ def test_chunks_tile_the_tensor_in_row_blocks_of_at_most_the_chunk_size():
     assert torch.equal(covered, torch.ones(shape, dtype=torch.int32))   # once each
     assert len(chunks) == 10 * 2
     assert chunk_grid((), [], 4, 64) == [((), ())]   # a scalar: one chunk
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_load_checksums_the_files_it_reads(tmp_path):
+    from meshtrain.core.plan import Plan
+    from meshtrain.core.regions import whole
+    from meshtrain.core.state import StateLayout
+    from meshtrain.train import checkpoint
+    from meshtrain.train.errors import CheckpointError
+
+    value = torch.randn(10, 6)
+    checkpoint.save(tmp_path / "ck", {"w": value}, None, Plan(), {})
+    layout = StateLayout(["w"], {"w": "w"}, {"w": (10, 6)}, ["w"])
+    read = checkpoint.load_regions(tmp_path / "ck", layout, lambda entry, shape: whole(shape))
+    assert torch.equal(read[0]["w"], value) and read[3] == value.numel() * 4
+    shard = sorted((tmp_path / "ck").glob("*.distcp"))[0]
+    changed = bytearray(shard.read_bytes())
+    changed[-30] ^= 0xFF   # same size: only its checksum tells
+    shard.write_bytes(bytes(changed))
+    assert checkpoint.load_regions(tmp_path / "ck", layout, lambda e, s: None)[3] == 0
+    with pytest.raises(CheckpointError, match=f"{shard.name} does not match its checksum"):
+        checkpoint.load_regions(tmp_path / "ck", layout, lambda entry, shape: whole(shape))
