@@ -37,7 +37,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index   # as DCP im
 from meshtrain.core.regions import Region
 from meshtrain.train.checkpoint_reader import load_plain_value
 
-CHUNK_BYTES = 1 << 20   # a row block: a shard's rounding, at most 2 per tensor it cuts
+CHUNK_BYTES = 1 << 20   # a row block: a flat range reads at most one more at each end
 EntryPath = tuple   # a state-dict entry: ("model", key) or ("optim", "state", name, k)
 CutsOf = Callable[[EntryPath, tuple[int, ...]], list[list[int]]]
 RegionOf = Callable[[EntryPath, tuple[int, ...]], Region | None]
