@@ -87,16 +87,7 @@ class PipelineSchedule:
         ahead]."""
         self.shapes: dict[tuple, boundary.Shapes] = {}
         """(receiving stage, micro-batch input shape) -> the activation's shapes and dtypes:
-        see [Note: receiving ahead]
-On gloo a message moves only once its receive is posted (the receiver tells the sender
-where to write), so a receive posted as the schedule reaches it waits for that round trip
-besides the data. On CPU, as soon as a run of communication is done, the next run's
-receives are posted (where their buffers can be sized): the data lands while this rank
-computes. Messages match by tag there. NCCL ignores tags and runs one peer pair's sends
-and receives in order on one stream, so a receive moved ahead of a send to the same peer
-could deadlock: on CUDA the receives stay where the schedule puts them.
-
-[Note: activation shapes]."""
+        see [Note: activation shapes]."""
         self._marks = None   # the last step's Stopwatch and marks, read by `trace`
         self._trace: Timeline | None = None
         self.peak_held = 0
@@ -256,16 +247,7 @@ class _Step:
     # ---- communication -------------------------------------------------------------------------
     def communicate(self, actions: list[Action]) -> None:
         """Post a run's sends and receives as one batch of isend/irecv; wait for the
-        receives. A run that must first learn a shape (see [Note: receiving ahead]
-On gloo a message moves only once its receive is posted (the receiver tells the sender
-where to write), so a receive posted as the schedule reaches it waits for that round trip
-besides the data. On CPU, as soon as a run of communication is done, the next run's
-receives are posted (where their buffers can be sized): the data lands while this rank
-computes. Messages match by tag there. NCCL ignores tags and runs one peer pair's sends
-and receives in order on one stream, so a receive moved ahead of a send to the same peer
-could deadlock: on CUDA the receives stay where the schedule puts them.
-
-[Note: activation shapes]; the
+        receives. A run that must first learn a shape (see [Note: activation shapes]; the
         first step only) posts its sends before it waits for that header, as the peer may
         wait for one of these sends before it sends the header."""
         self._reap_sends()
