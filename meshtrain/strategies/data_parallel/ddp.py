@@ -30,17 +30,9 @@ A parameter unused in a step never gets a gradient; its slot is zeroed at the en
 unused on *every* rank gets `.grad = None` before the optimizer step, so the optimizer skips
 it exactly as it would in one process. Every rank learns which parameters any rank used
 from the statistics that ride in the last bucket.
-
-[Note: a lone replica]
-With one replica (dp = 1: a pipeline stage, or one process) in fp32 there is nothing to
-reduce: no hooks and no buckets, autograd accumulates each .grad as in one process (the
-first micro-batch's gradient kept, later ones added), and an unused parameter keeps
-`.grad = None`. A hook per parameter and micro-batch, and a copy into the bucket, cost host
-time for nothing there (docs/history.md).
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -71,12 +63,10 @@ class DDP(GradientSync):
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, bucket_mb: float,
                  precision: str = "fp32", axis: str = "dp",
-                 replicas: dict[str, ReplicaGroup] | None = None,
-                 buckets_when_alone: bool = False) -> None:
+                 replicas: dict[str, ReplicaGroup] | None = None) -> None:
         """`replicas`: parameters replicated over a group smaller than the dp axis (experts
         over their edp group: strategies/expert_parallel), by name; each is broadcast and
-        reduced over its own group, in buckets of its own. `buckets_when_alone`: keep the
-        buckets with one replica too (a subclass that works on them: PowerSGD)."""
+        reduced over its own group, in buckets of its own."""
         self.comm, self.axis = comm, axis
         self.replicas = replicas = dict(replicas or {})
         broadcast_tensors([p for n, p in named_params if n not in replicas] + list(buffers),
@@ -91,11 +81,6 @@ class DDP(GradientSync):
         cast_to(precision, self.params, list(buffers))
         n = comm.mesh.size(axis)
         self.mixed = precision != "fp32"
-        self.lone = n == 1 and not self.mixed and not replicas and not buckets_when_alone
-        if self.lone:   # see [Note: a lone replica]
-            self.grads, self.buckets = None, []
-            self.zero_grad()
-            return
         # the last bucket's payload: this rank's loss, then one "used" flag per parameter
         # (fp32 payload; in bf16 the statistics travel in their own small all-reduce)
         buckets = build_buckets(self.params[::-1], bucket_mb * 2**20,
@@ -114,20 +99,16 @@ class DDP(GradientSync):
 
     @property
     def events(self) -> list[tuple[str, int, float]]:
-        return [] if self.lone else self.grads.events
+        return self.grads.events
 
     # ---- the step -----------------------------------------------------------------------
     def zero_grad(self) -> None:
         """Start a step: no gradients yet (each lands in its bucket as backward makes it)."""
-        if self.lone:
-            for p in self.params:
-                p.grad = None
-            return
         self.grads.start_step()
 
     def no_sync(self):
         """Accumulate gradients locally (earlier micro-batches): no communication."""
-        return nullcontext() if self.lone else self.grads.paused()
+        return self.grads.paused()
 
     def _launch(self, bucket: Bucket):
         group = self._group_of[bucket.index]
@@ -141,8 +122,6 @@ class DDP(GradientSync):
     def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
         """After the last backward: launch every bucket not yet launched (the statistics
         riding in the last), wait for all; return the global mean loss."""
-        if self.lone:   # the gradients are final where autograd left them
-            return local_loss.item()
         stats = torch.cat([local_loss.reshape(1).float(), self.grads.used_flags()])
         if not self.mixed:
             self.buckets[-1].extra.copy_(stats)
@@ -230,14 +209,11 @@ class DDP(GradientSync):
     @property
     def gradient_bytes(self) -> int:
         """The buckets (with their padding, in bf16), less the statistics' payload."""
-        if self.lone:   # autograd's .grad, one per parameter
-            return storage_bytes(self.params)
         payload = 0 if self.mixed else (1 + len(self.params)) * self.buckets[-1].dtype.itemsize
         return sum(b.nbytes for b in self.buckets) - payload
 
     def remove_hooks(self) -> None:
-        if not self.lone:
-            self.grads.remove_hooks()
+        self.grads.remove_hooks()
 
 
 class _ReduceThenGather:
