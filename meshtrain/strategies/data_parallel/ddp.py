@@ -130,7 +130,7 @@ class DDP(GradientSync):
             for p in self.params:
                 if id(p) not in self.grads.used_in_step:
                     p.grad = None
-            return local_loss.item()
+            return local_loss.float().item()   # as the statistics carry it
         stats = torch.cat([local_loss.reshape(1).float(), self.grads.used_flags()])
         if not self.mixed:
             self.buckets[-1].extra.copy_(stats)
