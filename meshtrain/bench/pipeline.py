@@ -86,55 +86,72 @@ def _token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def bench_rank(model_name: str, batch: int, cases: list[tuple[str, int, int]], steps: int,
-               reps: int, warmup: int) -> dict:
-    """Per (schedule, M, V): our step and torch pipelining's on the same GPT, the same
-    stage split (ours, balanced by parameters) and batch, alternating; seconds of each
-    timed step, and our measured bubble of the last step."""
+def _torch_pipeline(model_name: str, plan, device: torch.device):
+    """torch.distributed.pipelining's schedule over the same GPT, cut where ours is; its
+    step (one optimizer step) as a function of (x, y)."""
     import torch.distributed.pipelining as tpp
 
+    from meshtrain.models.gpt import GPT, gpt_config
+    from meshtrain.strategies.pipeline.partition import model_layers, stage_bounds
+    from meshtrain.strategies.pipeline.schedules import stage_of
+
+    pp, rank, v, m = plan.pp, dist.get_rank(), plan.virtual_stages, plan.microbatches
+    torch.manual_seed(0)
+    model = GPT(gpt_config(model_name, n_layer=N_LAYER)).to(device)
+    layers, bounds = model_layers(model), stage_bounds(model, plan)
+    stages = [tpp.PipelineStage(torch.nn.Sequential(*layers[bounds[s]:bounds[s + 1]]),
+                                s, pp * v, device)
+              for s in (stage_of(rank, c, pp) for c in range(v))]
+    optimizer = torch.optim.SGD([p for st in stages for p in st.submod.parameters()], lr=1e-4)
+    cls = getattr(tpp, TORCH_SCHEDULES[plan.schedule])
+    theirs = (cls(stages, m, loss_fn=_token_loss) if cls.__name__.startswith("ScheduleInter")
+              else cls(stages[0], m, loss_fn=_token_loss))
+    last = stage_of(rank, v - 1, pp) == pp * v - 1
+
+    def step(x, y):
+        optimizer.zero_grad()
+        if rank == 0:
+            theirs.step(x)
+        elif last:
+            theirs.step(target=y, losses=[])
+        else:
+            theirs.step()
+        optimizer.step()
+    return step
+
+
+def bench_rank(model_name: str, batch: int, cases: list[tuple[str, int, int]], steps: int,
+               reps: int, warmup: int, ours_first: bool = True) -> dict:
+    """Per (schedule, M, V): our step and torch pipelining's on the same GPT, the same
+    stage split (ours, balanced by parameters) and batch, alternating; seconds of each
+    timed step, and our measured bubble of the last step. `ours_first`: which side is
+    built first (the model built first runs slower: docs/history.md)."""
     from meshtrain.core.plan import Plan
     from meshtrain.train.trainer import Trainer
     from meshtrain.bench.device import fence, flops_basis
     from meshtrain.bench.timing import alternate
     from meshtrain.models.gpt import GPT, gpt_config
-    from meshtrain.strategies.pipeline.partition import model_layers, stage_bounds
-    from meshtrain.strategies.pipeline.schedules import stage_of
 
-    pp, rank = dist.get_world_size(), dist.get_rank()
+    pp = dist.get_world_size()
     x, y = _gpt_batch(model_name, batch)
     out = {}
     for schedule, m, v in cases:
         plan = Plan(pp=pp, schedule=schedule, microbatches=m, virtual_stages=v)
-        torch.manual_seed(0)
-        ours = Trainer(GPT(gpt_config(model_name, n_layer=N_LAYER)), plan,
-                       loss_fn=_token_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4))
 
-        torch.manual_seed(0)
-        model = GPT(gpt_config(model_name, n_layer=N_LAYER)).to(x.device)
-        layers, bounds = model_layers(model), stage_bounds(model, plan)
-        stages = [tpp.PipelineStage(torch.nn.Sequential(*layers[bounds[s]:bounds[s + 1]]),
-                                    s, pp * v, x.device)
-                  for s in (stage_of(rank, c, pp) for c in range(v))]
-        params = [p for st in stages for p in st.submod.parameters()]
-        optimizer = torch.optim.SGD(params, lr=1e-4)
-        cls = getattr(tpp, TORCH_SCHEDULES[schedule])
-        theirs = (cls(stages, m, loss_fn=_token_loss) if cls.__name__.startswith("ScheduleInter")
-                  else cls(stages[0], m, loss_fn=_token_loss))
-        last = stage_of(rank, v - 1, pp) == pp * v - 1
-
-        def torch_step():
-            optimizer.zero_grad()
-            if rank == 0:
-                theirs.step(x)
-            elif last:
-                theirs.step(target=y, losses=[])
-            else:
-                theirs.step()
-            optimizer.step()
-
-        times = alternate({"meshtrain": lambda: ours.step(x, y), "torch": torch_step}, steps,
-                          reps, warmup, fence(x.device))
+        def build_ours():
+            torch.manual_seed(0)
+            return Trainer(GPT(gpt_config(model_name, n_layer=N_LAYER)), plan,
+                           loss_fn=_token_loss,
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4))
+        if ours_first:
+            ours = build_ours()
+            torch_step = _torch_pipeline(model_name, plan, x.device)
+        else:
+            torch_step = _torch_pipeline(model_name, plan, x.device)
+            ours = build_ours()
+        times = alternate({"meshtrain": lambda: ours.step(x, y),
+                           "torch": lambda: torch_step(x, y)}, steps, reps, warmup,
+                          fence(x.device))
         out[f"{schedule} M={m} V={v}"] = {"times": times,
                                           "bubble": ours.driver.trace.bubble,
                                           "peak_held": ours.driver.peak_held}
@@ -146,7 +163,9 @@ def bench_rank(model_name: str, batch: int, cases: list[tuple[str, int, int]], s
 def bench(worlds=(2, 4), model_name: str = "tiny", batch: int = 16, microbatches=(4, 8),
           schedules=("gpipe", "1f1b", "interleaved", "zb-h1"), steps: int = 3, reps: int = 6,
           warmup: int = 2, progress=print) -> dict:
-    """Every (schedule, M) at each pp, ours against torch's; medians and ratios."""
+    """Every (schedule, M) at each pp, ours against torch's; medians and ratios. Each side
+    is built first in one of two launches of half the repetitions, the steps pooled (as
+    bench/ddp.py does)."""
     from meshtrain.bench.device import throughput
     from meshtrain.bench.timing import median
     from meshtrain.launch import launch
@@ -156,13 +175,19 @@ def bench(worlds=(2, 4), model_name: str = "tiny", batch: int = 16, microbatches
     for pp in worlds:
         cases = [(s, m, 2 if s == "interleaved" else 1) for s in schedules for m in microbatches
                  if s != "interleaved" or m % pp == 0]
-        progress(f"pp={pp}: {len(cases)} cases, meshtrain vs torch pipelining, alternating ...")
-        ranks = launch(bench_rank, pp, (model_name, batch, cases, steps, reps, warmup))
+        progress(f"pp={pp}: {len(cases)} cases, meshtrain vs torch pipelining, alternating, "
+                 "each built first in one of two launches ...")
+        launches = [launch(bench_rank, pp, (model_name, batch, cases, steps, (reps + 1) // 2,
+                                             warmup, ours_first))
+                    for ours_first in (True, False)]
+        ranks = launches[0]
         rows, basis = {}, ranks[0].pop("basis")
         result["basis"] = basis
         tokens = batch * gpt_config(model_name).seq_len
         for name, r in ranks[0].items():
-            ours, theirs = median(r["times"]["meshtrain"]), median(r["times"]["torch"])
+            pooled = {side: [t for runs in launches for t in runs[0][name]["times"][side]]
+                      for side in ("meshtrain", "torch")}
+            ours, theirs = median(pooled["meshtrain"]), median(pooled["torch"])
             rows[name] = {"meshtrain_s": ours, "torch_s": theirs, "ratio": ours / theirs,
                           "meshtrain": throughput(ours, tokens, basis, pp),
                           "torch": throughput(theirs, tokens, basis, pp),

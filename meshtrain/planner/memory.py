@@ -192,6 +192,16 @@ def stage_memories(spec: ModelSpec, cand: Candidate, setup: Setup, **terms) -> l
     return [roles[rank_role(p, stage * p.tp * p.dp)] for stage in range(p.pp)]
 
 
+def _received_ahead(spec: ModelSpec, cand: Candidate, setup: Setup, last: bool,
+                    host_is_device: bool) -> float:
+    """CPU ranks post a neighbour's next message ahead (pipeline/runtime.py [Note: receiving
+    ahead]): one boundary tensor (whole under tp) beside a stage's peak; measured, the last
+    stage's peak (the loss's backward) does not rise by it."""
+    if cand.plan.pp == 1 or not host_is_device or last:
+        return 0.0
+    return spec.seq * cand.micro_batch * spec.hidden * setup.act_bytes
+
+
 def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
                   bucket_bytes: float | None, runtime: tuple[float, ...],
                   host_is_device: bool, server: bool = False, staging: float = 0.0,
@@ -241,6 +251,7 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
             transient = max(transient, recomputed - output_bytes(spec, cand, setup))
         else:
             transient += recomputed
+    transient += _received_ahead(spec, cand, setup, last, host_is_device)
     if optimizer_step is not None:   # the step's other moment, once backward has freed the
         # activations: its own tensors beside the states (the larger moment is the peak)
         step = optimizer_step_bytes(states.optim, setup, optimizer_step)

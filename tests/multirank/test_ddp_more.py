@@ -179,7 +179,8 @@ def train_extras(world: int, steps: int = 4):
             "unused_changed": any(not torch.equal(v, unused_before[k])
                                   for k, v in model.unused.state_dict().items()),
             "unused_in_optimizer": any(p in trainer.optimizer.state
-                                       for p in model.unused.parameters())}
+                                       for p in model.unused.parameters()),
+            "lone": trainer.data_parallel.lone}
 
 
 def one_process_extras(steps: int = 4):
@@ -198,19 +199,31 @@ def one_process_extras(steps: int = 4):
     return losses, model.state_dict(), model.branch.weight.grad
 
 
-def test_unused_parameters_train_like_one_process():
-    ref_losses, ref_state, ref_branch_grad = one_process_extras()
-    results = run_ranks(2, train_extras, 2)
-    for res in results:
-        assert res["unused_grads"] == [None, None]
-        assert not res["unused_changed"] and not res["unused_in_optimizer"]
-        # rank 1 never ran the branch, yet holds the averaged gradient rank 0 produced
-        torch.testing.assert_close(res["branch_grad"], ref_branch_grad, rtol=0, atol=1e-6)
-        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref_losses),
-                                   rtol=0, atol=1e-5)
-        for name, value in ref_state.items():
-            torch.testing.assert_close(res["state"][name], value, rtol=0, atol=1e-5, msg=name)
+def assert_extras_like_one_process(res: dict, reference) -> None:
+    ref_losses, ref_state, ref_branch_grad = reference
+    assert res["unused_grads"] == [None, None]
+    assert not res["unused_changed"] and not res["unused_in_optimizer"]
+    torch.testing.assert_close(res["branch_grad"], ref_branch_grad, rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref_losses),
+                               rtol=0, atol=1e-5)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(res["state"][name], value, rtol=0, atol=1e-5, msg=name)
     assert ref_branch_grad.abs().sum() > 0
+
+
+def test_unused_parameters_train_like_one_process():
+    reference = one_process_extras()
+    for res in run_ranks(2, train_extras, 2):
+        # rank 1 never ran the branch, yet holds the averaged gradient rank 0 produced
+        assert_extras_like_one_process(res, reference)
+
+
+def test_one_replica_accumulates_in_place_like_one_process():
+    """dp=1: autograd adds each gradient into its bucket slot, no copy ([Note: one replica]
+    in gradient_buckets.py); a parameter no step uses still ends without a gradient."""
+    res, = run_ranks(1, train_extras, 1)
+    assert res["lone"]
+    assert_extras_like_one_process(res, one_process_extras())
 
 
 # ---- (f) memory -----------------------------------------------------------------------------

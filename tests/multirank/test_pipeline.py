@@ -264,3 +264,48 @@ def assert_same_state(a, b, what: str, atol: float = 0.0) -> None:
         for key, value in states.items():
             torch.testing.assert_close(optim_b["state"][name][key], value, rtol=0, atol=atol,
                                        msg=lambda m: f"{what} {name}.{key}: {m}")
+
+
+# ---- receives posted ahead of their place in the schedule (CPU) ------------------------------
+AHEAD_CASES = [("1f1b", 4, 1), ("interleaved", 4, 2)]
+
+
+def receive_ahead_or_not() -> list[dict]:
+    """Per case, training with receives posted ahead and with each at its place in the
+    schedule (as on CUDA): the values, and how many receives were posted ahead."""
+    out = []
+    for schedule, m, v in AHEAD_CASES:
+        plan = mt.Plan(pp=dist.get_world_size(), schedule=schedule, microbatches=m,
+                       virtual_stages=v)
+        runs = {}
+        for ahead in (True, False):
+            torch.manual_seed(0)
+            trainer = mt.Trainer(eq.gpt_pipe(), plan, optimizer=eq.sgd)
+            trainer.driver.receive_ahead = ahead
+            losses = [trainer.step(x, y) for x, y in eq.batches("gpt_pipe", 2)]
+            runs[ahead] = {"losses": losses, "received_ahead": trainer.driver.received_ahead,
+                           "state": {k: t.clone() for k, t in trainer.full_state_dict().items()}}
+            trainer.close()
+        actions = trainer.driver.actions
+        first_run = next(i for i, a in enumerate(actions) if a.peer is not None)
+        end = next((i for i in range(first_run, len(actions)) if actions[i].peer is None),
+                   len(actions))
+        receives = [a for a in actions if a.kind.value.startswith("recv")]
+        runs["expected_ahead"] = len(receives) - sum(
+            a.kind.value.startswith("recv") for a in actions[first_run:end])
+        out.append(runs)
+    return out
+
+
+def test_receives_posted_ahead_change_no_value():
+    """The same arithmetic either way: bit-identical losses and weights (the sweep above
+    proves them equal to one process, with receives ahead as CPU runs them)."""
+    for rank, per_case in enumerate(run_ranks(2, receive_ahead_or_not, timeout=120)):
+        for case, runs in zip(AHEAD_CASES, per_case):
+            ahead, inline = runs[True], runs[False]
+            assert ahead["losses"] == inline["losses"], (rank, case)
+            for name, value in ahead["state"].items():
+                assert torch.equal(value, inline["state"][name]), (rank, case, name)
+            # every receive but those of the step's first run is posted a run early
+            assert ahead["received_ahead"] == runs["expected_ahead"] > 0, (rank, case)
+            assert inline["received_ahead"] == 0

@@ -63,10 +63,13 @@ class DDP(GradientSync):
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, bucket_mb: float,
                  precision: str = "fp32", axis: str = "dp",
-                 replicas: dict[str, ReplicaGroup] | None = None) -> None:
+                 replicas: dict[str, ReplicaGroup] | None = None,
+                 copy_when_alone: bool = False) -> None:
         """`replicas`: parameters replicated over a group smaller than the dp axis (experts
         over their edp group: strategies/expert_parallel), by name; each is broadcast and
-        reduced over its own group, in buckets of its own."""
+        reduced over its own group, in buckets of its own. With one replica in fp32 autograd
+        accumulates in the buckets ([Note: one replica], gradient_buckets.py), unless
+        `copy_when_alone` (a subclass that works on the hooks' copies: PowerSGD)."""
         self.comm, self.axis = comm, axis
         self.replicas = replicas = dict(replicas or {})
         broadcast_tensors([p for n, p in named_params if n not in replicas] + list(buffers),
@@ -90,8 +93,9 @@ class DDP(GradientSync):
                                 first_bytes=min(DDP_FIRST_BUCKET_MB, bucket_mb) * 2**20)
         self._group_of = {b.index: replicas.get(self._name_of[id(b.params[0])])
                           for b in buckets}   # None: the whole dp axis
+        self.lone = n == 1 and not self.mixed and not replicas and not copy_when_alone
         self.grads = GradientBuckets(self.params, buckets, self._launch, scale=1.0 / n,
-                                     hold_last=not self.mixed)
+                                     hold_last=not self.mixed, in_place=self.lone)
         self.buckets = buckets
         if self.mixed:   # masters laid out as the buckets: one cast and one write-back each
             self.masters.flatten([b.params for b in buckets])
@@ -122,6 +126,11 @@ class DDP(GradientSync):
     def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
         """After the last backward: launch every bucket not yet launched (the statistics
         riding in the last), wait for all; return the global mean loss."""
+        if self.lone:   # the gradients are in their slots already
+            for p in self.params:
+                if id(p) not in self.grads.used_in_step:
+                    p.grad = None
+            return local_loss.float().item()   # as the statistics carry it
         stats = torch.cat([local_loss.reshape(1).float(), self.grads.used_flags()])
         if not self.mixed:
             self.buckets[-1].extra.copy_(stats)

@@ -53,7 +53,8 @@ class PowerSGD(DDP):
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, bucket_mb: float, rank: int,
                  min_rate: float = 2.0, warmup_steps: int = 0, axis: str = "dp") -> None:
-        super().__init__(named_params, buffers, comm, bucket_mb, precision="fp32", axis=axis)
+        super().__init__(named_params, buffers, comm, bucket_mb, precision="fp32", axis=axis,
+                         copy_when_alone=True)
         self.warmup_steps, self.steps = warmup_steps, 0
         generator = None
         self.factors: dict[int, _Factors] = {}   # id(param) -> its compression state

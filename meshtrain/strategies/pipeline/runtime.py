@@ -24,6 +24,15 @@ gradient only (torch.autograd.grad, nothing accumulates, no hook fires) and the 
 gradients (torch.autograd.backward on the graph B kept): W is what `no_sync` wraps, and the
 rank's last W is where the dp reduction starts.
 
+[Note: receiving ahead]
+On gloo a message moves only once its receive is posted (the receiver tells the sender
+where to write), so a receive posted as the schedule reaches it waits for that round trip
+besides the data. On CPU, as soon as a run of communication is done, the next run's
+receives are posted (where their buffers can be sized): the data lands while this rank
+computes. Messages match by tag there. NCCL ignores tags and runs one peer pair's sends
+and receives in order on one stream, so a receive moved ahead of a send to the same peer
+could deadlock: on CUDA the receives stay where the schedule puts them.
+
 [Note: activation shapes]
 A receiver must size its buffer before the data arrives. Every rank is given the same
 batch, so both ends of a boundary know the micro-batch's input shape; the first time an
@@ -44,7 +53,7 @@ from meshtrain.core.comm import P2P, Comm
 from meshtrain.core.device import Stopwatch, to_device
 from meshtrain.core.memory import ActivationMeter
 from meshtrain.core.plan import Plan
-from meshtrain.strategies.pipeline import boundary
+from meshtrain.strategies.pipeline import boundary, zero_bubble
 from meshtrain.strategies.pipeline.schedules import (COMPUTE, RECVS, Action, Kind,
                                                      build_schedule, evaluation_schedule,
                                                      message, message_tag, stage_of)
@@ -73,6 +82,9 @@ class PipelineSchedule:
         self.eval_actions = evaluation_schedule(plan.pp, plan.virtual_stages)[self.rank]
         self.recv_timeout = recv_timeout
         """Seconds a receive may wait (None: the process group's timeout)."""
+        self.receive_ahead = comm.mesh.device.type == "cpu"
+        """Post the next run's receives as soon as this run is done: see [Note: receiving
+        ahead]."""
         self.shapes: dict[tuple, boundary.Shapes] = {}
         """(receiving stage, micro-batch input shape) -> the activation's shapes and dtypes:
         see [Note: activation shapes]."""
@@ -82,6 +94,8 @@ class PipelineSchedule:
         """The most micro-batches (x chunks) whose activations this rank held at once in
         the last step: the runtime's own accounting of activation memory. With an
         ActivationMeter, its `last_bytes` becomes the bytes held at that peak."""
+        self.received_ahead = 0
+        """How many receives the last step posted ahead of their place in the schedule."""
 
     @property
     def trace(self) -> Timeline | None:
@@ -143,6 +157,8 @@ class PipelineSchedule:
                 j += 1
             begin = clock.mark()
             step.communicate(actions[i:j])
+            if self.receive_ahead:
+                step.receive_ahead(_next_run(actions, j))
             waits.append((actions[i].kind, actions[i].microbatch, actions[i].chunk, begin,
                           clock.mark()))
             i = j
@@ -150,7 +166,7 @@ class PipelineSchedule:
         if sync is not None:   # a training step, not an evaluation
             self._marks = (clock, blocks, waits, clock.mark())
             self._trace = None
-            self.peak_held = step.peak_held
+            self.peak_held, self.received_ahead = step.peak_held, step.received_ahead
             if self.activations is not None:
                 self.activations.last_bytes = step.peak_bytes
         return step.loss_sum
@@ -168,10 +184,11 @@ class _Step:
         self.inbox: dict[tuple[bool, int, int], torch.Tensor] = {}   # received
         self.outbox: dict[tuple[bool, int, int], torch.Tensor] = {}  # to send
         self.sending: list = []                            # (work, tensor) in flight
+        self.ahead: dict[tuple[bool, int, int], tuple] = {}  # posted early: (value, works)
         self.loss_sum = torch.zeros((), device=self.device)
         self.held_bytes: dict[tuple[int, int], int] = {}  # what autograd saved, per entry
         self.weight_work: dict[tuple[int, int], list] = {}  # after B: what W needs
-        self.peak_held = self.peak_bytes = 0
+        self.peak_held = self.peak_bytes = self.received_ahead = 0
 
     def stage(self, a: Action) -> int:
         return stage_of(self.d.rank, a.chunk, self.d.pp)
@@ -189,7 +206,7 @@ class _Step:
             chunk, captured = self.d.stages.chunks[a.chunk], None
             with (meter.measure() if meter is not None else nullcontext()):
                 if key in self.split and torch.is_grad_enabled():
-                    y, captured = _forward_split(chunk, x)
+                    y, captured = zero_bubble.forward_split(chunk, x)
                 else:
                     y = chunk(x)
                 if s == self.last_stage:
@@ -211,12 +228,12 @@ class _Step:
             self.held.pop(key)   # W is the last use of the micro-batch's activations
             self.held_bytes.pop(key)
             with (self.sync.no_sync() if self.sync is not None and not final else nullcontext()):
-                _weight_gradients(self.weight_work.pop(key))
+                zero_bubble.weight_gradients(self.weight_work.pop(key))
             return
         grad = None if s == self.last_stage else self.inbox.pop((True, *key))
         if key in self.split:   # B: the input gradient only, the graph kept for W
             x, y, captured = self.held[key]
-            grad_x, self.weight_work[key] = _input_gradients(y, x, captured, grad)
+            grad_x, self.weight_work[key] = zero_bubble.input_gradients(y, x, captured, grad)
             if s > 0:
                 self.outbox[(True, *key)] = grad_x
             return
@@ -234,12 +251,14 @@ class _Step:
         first step only) posts its sends before it waits for that header, as the peer may
         wait for one of these sends before it sends the header."""
         self._reap_sends()
-        sends, recvs = [], []   # (action, key, match, value)
+        sends, recvs, early = [], [], []   # (action, key, match, value)
         for a in actions:
             grad = a.kind in (Kind.SEND_GRAD, Kind.RECV_GRAD)
             key = (grad, a.microbatch, a.chunk)
             match = message_tag(message(a, self.d.rank, self.d.pp), self.last_stage + 1)
-            if a.kind in RECVS:
+            if key in self.ahead:
+                early.append((a, key))
+            elif a.kind in RECVS:
                 recvs.append((a, key, match))
             else:
                 value = self.outbox.pop(key)
@@ -261,6 +280,29 @@ class _Step:
             for _ in boundary.tensors(value):
                 self._wait(next(waits), a)
             self.inbox[key] = value
+        for a, key in early:
+            value, posted = self.ahead.pop(key)
+            for work in posted:
+                self._wait(work, a)
+            self.inbox[key] = value
+
+    def receive_ahead(self, actions: list[Action]) -> None:
+        """Post the receives of `actions` (the next run) whose buffers can be sized now: a
+        gradient whose forward ran, an activation whose shape is known."""
+        ready = []
+        for a in actions:
+            grad = a.kind is Kind.RECV_GRAD
+            key = (grad, a.microbatch, a.chunk)
+            if a.kind not in RECVS or key in self.ahead or (
+                    key[1:] not in self.held if grad
+                    else self._shape_key(a, self.stage(a)) not in self.d.shapes):
+                continue
+            match = message_tag(message(a, self.d.rank, self.d.pp), self.last_stage + 1)
+            ready.append((a, key, match, self._receive_buffer(a, key, match)))
+        self.received_ahead += len(ready)
+        works = iter(self.d.comm.batch_isend_irecv(_parts(ready, send=False), "pp"))
+        for a, key, _, value in ready:
+            self.ahead[key] = (value, [next(works) for _ in boundary.tensors(value)])
 
     def _shape_key(self, a: Action, stage: int) -> tuple:
         return (stage, tuple(self.xs[a.microbatch].shape))
@@ -305,10 +347,21 @@ class _Step:
         for work, _ in self.sending:
             work.wait()
         self.sending.clear()
-        if self.held or self.inbox or self.outbox:
+        if self.held or self.inbox or self.outbox or self.ahead:
             raise PipelineError(f"pp rank {self.d.rank}: the schedule left work undone "
                                 f"(held {sorted(self.held)}, received {sorted(self.inbox)}, "
                                 f"unsent {sorted(self.outbox)})")
+
+
+def _next_run(actions: list[Action], start: int) -> list[Action]:
+    """The run of communication actions that follows the compute after `start`."""
+    i = start
+    while i < len(actions) and actions[i].kind in COMPUTE:
+        i += 1
+    j = i
+    while j < len(actions) and actions[j].kind not in COMPUTE:
+        j += 1
+    return actions[i:j]
 
 
 def _parts(messages: list, send: bool) -> list[P2P]:
@@ -317,68 +370,3 @@ def _parts(messages: list, send: bool) -> list[P2P]:
     return [P2P(t.contiguous() if send else t, a.peer, send=send, match=m + i * _PART,
                 tag="grad" if key[0] else "act")
             for a, key, m, value in messages for i, t in enumerate(boundary.tensors(value))]
-
-
-# ---- zero bubble: a backward split into B (input gradient) and W (weight gradient) ---------
-def _forward_split(chunk: torch.nn.Module, x) -> tuple[object, list]:
-    """Run the chunk, recording the output of each module that owns parameters (directly):
-    B captures the gradient there, and W goes from there to those parameters only, so that
-    it costs the weight gradients alone. Returns the output and [(parameters, outputs)].
-
-    A module called twice, or a parameter owned by two modules (tied), would count some
-    gradient twice that way: the chunk is then one owner, its output the chunk's (correct,
-    but W walks the whole chunk again)."""
-    owners = {m: [p for p in m.parameters(recurse=False) if p.requires_grad]
-              for m in chunk.modules()}
-    owners = {m: ps for m, ps in owners.items() if ps}
-    outputs: dict[torch.nn.Module, list] = {m: [] for m in owners}
-    hooks = [m.register_forward_hook(lambda mod, args, out: outputs[mod].append(out))
-             for m in owners]
-    try:
-        y = chunk(x)
-    finally:
-        for h in hooks:
-            h.remove()
-    params = [p for ps in owners.values() for p in ps]
-    if (len({id(p) for p in params}) < len(params)
-            or any(len(o) > 1 or (o and not isinstance(o[0], torch.Tensor))
-                   for o in outputs.values())):
-        return y, [([p for p in chunk.parameters() if p.requires_grad],
-                    [t for t in boundary.tensors(y) if t.requires_grad])]
-    return y, [(owners[m], [o[0]]) for m, o in outputs.items() if o and o[0].requires_grad]
-
-
-def _input_gradients(y, x, captured: list, grad):
-    """B: one pass from the chunk's output (or loss) to its input and to each captured
-    output, the graph kept for W. Returns the input's gradient (None where no tensor of
-    the input takes one) and [(parameters, outputs, their gradients)] for W."""
-    inputs = [t for t in boundary.tensors(x) if t.requires_grad]
-    wanted = inputs + [out for _, outs in captured for out in outs]
-    if not wanted:
-        return None, []
-    ys = boundary.tensors(y)
-    gs = boundary.tensors(grad) if grad is not None else (None,) * len(ys)
-    ys, gs = zip(*[(t, g) for t, g in zip(ys, gs) if t.requires_grad])
-    grads = torch.autograd.grad(ys, wanted, None if grad is None else gs, retain_graph=True,
-                                allow_unused=True)
-    grad_x = None
-    if inputs:   # zeros where the chunk ignores a tensor of its input
-        it = iter(grads)
-        mine = [next(it) if t.requires_grad else None for t in boundary.tensors(x)]
-        grad_x = boundary.rebuild([torch.zeros_like(t) if g is None else g
-                                   for t, g in zip(boundary.tensors(x), mine)],
-                                  isinstance(x, tuple))
-    grads, done = list(grads[len(inputs):]), []
-    for params, outs in captured:
-        mine, grads = grads[:len(outs)], grads[len(outs):]
-        kept = [(o, g) for o, g in zip(outs, mine) if g is not None]
-        if kept:
-            done.append((params, [o for o, _ in kept], [g for _, g in kept]))
-    return grad_x, done
-
-
-def _weight_gradients(done: list) -> None:
-    """W: each owner's parameters from its outputs' gradients. Each parameter is in one
-    call, so its gradient hook (the dp sync) fires once, as after a plain backward."""
-    for params, outs, grads in done:
-        torch.autograd.backward(outs, grads, inputs=params, retain_graph=True)

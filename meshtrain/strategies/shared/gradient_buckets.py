@@ -14,6 +14,14 @@ once and freed, so that only a gradient shard outlives backward. The first gradi
 receives in a round overwrites it (no memset); a slot that received none is zeroed before
 its bucket is launched.
 
+[Note: one replica]
+With nothing to reduce (one replica, no scaling), `in_place` lets autograd accumulate
+straight into the bucket slots: each step starts with the buckets zeroed and every .grad a
+view of its slot, and autograd adds each micro-batch's gradient there in place (torch DDP's
+`gradient_as_bucket_view`). The buckets' memory is what the hooks' copies use, allocated
+once, but no Python runs per parameter and micro-batch beyond noting that the parameter got
+a gradient (one who got none in the whole step ends with `.grad = None`).
+
 [Note: launch order]
 c10d requires every rank to issue collectives in the same order, but hooks can fire in a
 slightly different order from bucket order. Buckets are therefore launched strictly in index
@@ -43,8 +51,10 @@ class GradientBuckets:
 
     def __init__(self, params: list[nn.Parameter], buckets: list[Bucket],
                  launch: Callable[[Bucket], object], scale: float, hold_last: bool = False,
-                 launch_in_no_sync: bool = False, in_flight: int | None = None) -> None:
+                 launch_in_no_sync: bool = False, in_flight: int | None = None,
+                 in_place: bool = False) -> None:
         self.params, self.buckets, self._launch = params, buckets, launch
+        self.in_place = in_place   # see [Note: one replica]
         self.scale, self.hold_last, self.launch_in_no_sync = scale, hold_last, launch_in_no_sync
         self.in_flight = in_flight
         self._slot = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
@@ -53,8 +63,10 @@ class GradientBuckets:
         self._next_launch = 0
         self.syncing = True
         self.events: list[tuple[str, int, float]] = []  # (what, bucket, time): the overlap log
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for p in params]
+        used = self.used_in_step
+        self._hooks = [p.register_post_accumulate_grad_hook(
+            (lambda param: used.add(id(param))) if in_place else self._on_grad_ready)
+            for p in params]
 
     @contextmanager
     def paused(self):
@@ -67,10 +79,16 @@ class GradientBuckets:
             self.syncing = previous
 
     def start_step(self) -> None:
-        for p in self.params:
-            p.grad = None
         self.used_in_step.clear()
         self.events.clear()
+        if self.in_place:
+            for b in self.buckets:
+                b.buffer.zero_()
+                for p, view in zip(b.params, b.views):
+                    p.grad = view
+            return
+        for p in self.params:
+            p.grad = None
         self.start_round()
 
     def start_round(self) -> None:
