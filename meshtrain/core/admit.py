@@ -28,6 +28,7 @@ def check_plan(plan: Plan, model=None, world_size: int | None = None) -> None:
     _check_sync_warmup(plan)
     _check_offload_dir(plan)
     _check_zero3_units(plan)
+    _check_zero3_regather(plan)
     _check_stage_cuts(plan, _layer_count(model) if model is not None else None)
     _check_tp_plan(plan)
     if not isinstance(plan.measure_activations, bool):
@@ -190,6 +191,24 @@ def _check_offload_dir(plan: Plan) -> None:
         raise PlanError(f"offload_dir (--offload-dir) is where offload='disk' writes, but "
                         f"Plan.offload={plan.offload!r}; set offload='disk' (--offload disk) "
                         "or drop offload_dir")
+
+
+def _check_zero3_regather(plan: Plan) -> None:
+    if not plan.zero3_regather:
+        return
+    if plan.zero3_regather is not True:
+        raise PlanError(f"Plan.zero3_regather={plan.zero3_regather!r}: must be True or False")
+    if plan.zero != 3 or plan.pp == 1:
+        raise PlanError(f"zero3_regather chooses how ZeRO-3 gathers under pipeline stages, but "
+                        f"Plan.zero={plan.zero}, pp={plan.pp} (at pp=1 ZeRO-3 gathers every "
+                        "micro-batch already); set zero=3 and pp > 1, or drop zero3_regather")
+    if plan.schedule not in ("1f1b", "gpipe"):
+        why = {"zb-h1": "its weight pass would gather the units a third time",
+               "naive": "one micro-batch: nothing to regather for",
+               "interleaved": "a rank's chunks would prefetch into each other and scatter "
+                              "the idle chunk's zero gradients every micro-batch"}[plan.schedule]
+        raise PlanError(f"zero3_regather with schedule={plan.schedule!r} is not built ({why}); "
+                        "use schedule='1f1b' or 'gpipe', or drop zero3_regather")
 
 
 def _check_zero3_units(plan: Plan) -> None:

@@ -127,6 +127,11 @@ class Plan:
     folder's offload/)."""
     zero3_units: tuple[str, ...] | None = None
     """zero=3: module names gathered and freed as one unit (None: the model's layers)."""
+    zero3_regather: bool = False
+    """zero=3 under pp > 1: gather each unit for every micro-batch's forward and again for its
+    backward, reduce-scatter its gradients every micro-batch (a unit or two gathered at a
+    time, 2M gathers a step). False: torchtitan's policy, each unit gathered once a step and
+    kept, with its whole gradients, to the stage's last backward (one gather a step)."""
     stage_cuts: tuple[int, ...] | None = None
     """pp > 1: index of the first layer of stages 1..S-1 (None: balanced by parameters)."""
     tp_plan: tuple[tuple[str, str], ...] | None = None

@@ -130,17 +130,18 @@ def candidates_for(spec: ModelSpec, setup: Setup, cluster: Cluster):
                     offloads = ("none", "cpu") if zero else ("none",)
                     if zero == 3 and dp * cp == 1:
                         offloads = ("cpu",)   # one rank: ZeRO-3 shards nothing, only offloads
-                    group = []
-                    for offload in offloads:
-                        for rc in recomputes:
+                    # ZeRO-3 under stages: kept a step (fewer bytes) or regathered (less memory)
+                    for regather in (False, True) if zero == 3 and pp > 1 else (False,):
+                        group = []
+                        for offload, rc in product(offloads, recomputes):
                             plan = Plan(dp=dp, pp=pp, tp=tp, cp=cp, cp_style=style, ep=ep,
                                         zero=zero, offload=offload, microbatches=m,
                                         schedule=schedule, virtual_stages=v,
-                                        precision=setup.precision)
+                                        precision=setup.precision, zero3_regather=regather)
                             if runnable(plan):
                                 group.append(Candidate(plan, b, rc, setup.sequence_parallel))
-                    if group:
-                        yield group
+                        if group:
+                            yield group
 
 
 def runnable(plan: Plan) -> bool:
@@ -174,8 +175,8 @@ def advise(spec: ModelSpec, setup: Setup, cluster: Cluster) -> Advice:
 
 def _rank_key(ev: Evaluated):
     p = ev.cand.plan
-    simplicity = (p.offload != "none", p.pp > 1, p.tp > 1, p.zero, ev.cand.recompute != "none",
-                  p.cp > 1, p.ep > 1)
+    simplicity = (p.offload != "none", p.pp > 1, p.tp > 1, p.zero, p.zero3_regather,
+                  ev.cand.recompute != "none", p.cp > 1, p.ep > 1)
     return (round(ev.time.total, 12), simplicity, -ev.cand.micro_batch)
 
 

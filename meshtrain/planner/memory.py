@@ -131,11 +131,12 @@ def _zero_buffers(spec: ModelSpec, cand: Candidate, setup: Setup, psi: float,
         # when the next backward fills a fresh one (seen in the allocator's events)
         bucket = bucket_bytes if bucket_bytes is not None else p.bucket_mb * 2**20
         buffers = min(bucket, psi * setup.grad_bytes) * (2 if p.microbatches > 1 else 1)
-    if p.zero == 3 and p.pp > 1:   # under stages the stage's units stay gathered and its
+    if p.zero == 3 and p.pp > 1 and not p.zero3_regather:   # the stage's units stay and its
         # gradients accumulate whole from its first forward to its last backward (zero3.py,
         # [Note: ZeRO-3 under pipeline stages])
         buffers += psi * (setup.param_bytes + setup.grad_bytes)
     elif p.zero == 3:  # a gathered unit and the prefetched next one, and its full gradient
+        # (pp = 1, or zero3_regather: gathered for each micro-batch's forward and backward)
         unit = spec.largest_layer_params / p.tp
         buffers += unit * (2 * setup.param_bytes + setup.grad_bytes)
     return buffers
@@ -153,7 +154,7 @@ def _rerun_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, block: float,
     if cand.recompute == "selective":
         rerun -= selective_layer_bytes(spec, spec.seq, cand.micro_batch, cand.plan.tp, cand.sp,
                                        setup.act_bytes)
-    if cand.plan.zero == 3 and cand.plan.pp == 1:   # under stages: whole, in the buffers
+    if cand.plan.zero == 3 and (cand.plan.pp == 1 or cand.plan.zero3_regather):   # else whole
         unit_grad = setup.grad_bytes * spec.largest_layer_params / cand.plan.tp
         rerun += 2 * unit_grad * (2 if host_is_device else 1)
     return rerun

@@ -111,7 +111,7 @@ class Candidate:
         if p.ep > 1:
             parts.append(f"ep{p.ep}")
         if p.zero:
-            parts.append(f"zero{p.zero}")
+            parts.append(f"zero{p.zero}" + (":regather" if p.zero3_regather else ""))
         if p.offload != "none":
             parts.append(f"off:{p.offload}")
         parts.append(f"m{p.microbatches}xb{self.micro_batch}")

@@ -244,7 +244,7 @@ def dp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluste
         t_dp = m * coll("reduce_scatter", grad_bytes) + coll("all_gather", param_bytes)
     else:   # under stages once a step each (zero3.py, [Note: ZeRO-3 under pipeline stages])
         ag, rs = coll("all_gather", param_bytes), coll("reduce_scatter", grad_bytes)
-        t_dp = ag + rs if p.pp > 1 else m * (2 * ag + rs)
+        t_dp = ag + rs if p.pp > 1 and not p.zero3_regather else m * (2 * ag + rs)
         unit = spec.largest_layer_params / p.tp * setup.param_bytes   # exposed: nothing runs
         last = coll("all_gather", unit) + coll("reduce_scatter", last_bucket)   # beside them
     if p.dp_mode.startswith("ps-") or p.dp_mode == "dp":
@@ -388,7 +388,7 @@ def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None
             sent = 2 * share * (t.whole + t.p + t.q) * setup.grad_bytes
         elif q.zero == 0:
             sent = 2 * share * grads
-        elif q.zero == 1 or q.pp > 1:   # ZeRO-1; ZeRO-3 under stages: once a step each
+        elif q.zero == 1 or (q.pp > 1 and not q.zero3_regather):   # ZeRO-3 kept: once
             sent = share * (grads + params)
         elif q.zero == 2:   # a reduce-scatter every micro-batch, one all-gather
             sent = share * (m * grads + params)

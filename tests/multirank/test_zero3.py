@@ -51,12 +51,12 @@ def test_zero3_in_one_process_matches_plain_torch(references):
 
 
 # ---- memory and traffic ---------------------------------------------------------------------
-def step_accounting(microbatches: int, plan: dict | None = None) -> dict:
+def step_accounting(microbatches: int, plan: dict | None = None, build=eq.gpt) -> dict:
     """The second step's bytes per collective, memory and unit events under `plan` (None:
-    dp over every rank, zero=3)."""
+    dp over every rank, zero=3), training `build()`."""
     plan = plan or dict(dp=dist.get_world_size(), zero=3)
     torch.manual_seed(0)
-    trainer = mt.Trainer(eq.gpt(), mt.Plan(**plan, microbatches=microbatches),
+    trainer = mt.Trainer(build(), mt.Plan(**plan, microbatches=microbatches),
                          optimizer=eq.adamw)
     sync = trainer.data_parallel
     steps = eq.batches("gpt", 2, trainer.dp_rank, trainer.dp_size)

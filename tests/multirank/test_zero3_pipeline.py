@@ -1,7 +1,8 @@
 """ZeRO-3 under pipeline stages (zero3.py, [Note: ZeRO-3 under pipeline stages]): one
 process's training under dp2 x pp2 with each schedule (pairwise with tp, the tied model, a
 transformers model, AdamW and a meta build), the bytes each collective moves and the
-memory at rest and during a step against the policy's theory, checkpoints across plans.
+memory at rest and during a step against the policy's theory, checkpoints across plans;
+the same for Plan.zero3_regather (1F1B and GPipe), beside the default policy.
 
 One world of 4 ranks runs every 4-rank case, one of 8 the tp case (a start costs more than
 a case). Three steps each: a step's gathers, accumulation over micro-batches, scatter and
@@ -26,6 +27,11 @@ CASES = [(dict(schedule="1f1b", microbatches=4), "gpt", "sgd", None),
          (dict(schedule="interleaved", microbatches=4, virtual_stages=2), "gpt", "sgd", None),
          # a weight tied across the stages (embedding and output layer), clipped
          (dict(schedule="1f1b", microbatches=4), "tied_pipe", "sgd", 1.0)]
+# Plan.zero3_regather (units gathered for each micro-batch's forward and backward): 1F1B
+# at M = 4, GPipe with the weight tied across stages
+REGATHER = [(dict(schedule="1f1b", microbatches=4, zero3_regather=True), "gpt", "sgd", None),
+            (dict(schedule="gpipe", microbatches=2, zero3_regather=True), "tied_pipe", "sgd",
+             1.0)]
 
 
 def train_cases(cases) -> list[dict]:
@@ -55,6 +61,11 @@ def four_ranks(path: str) -> dict:
     # the peer for AdamW's tolerance: torch's DDP on the same batches, 2 micro-batches
     return {"cases": train_cases(CASES), "hf": hf_case(), "refused": spanning_unit_refused(),
             "accounting": step_accounting(4, dict(**DP2_PP2, schedule="1f1b")),
+            "regather": train_cases(REGATHER),
+            # both policies on the GPT of 8 layers: 4 units a stage
+            "policies": [step_accounting(4, dict(**DP2_PP2, schedule="1f1b",
+                                                 zero3_regather=regather), eq.gpt_pipe)
+                         for regather in (False, True)],
             "peer": eq.train_torch_ddp("gpt", "adamw", steps=STEPS, microbatches=2),
             "checkpoints": save_and_resume(path)}
 
@@ -106,6 +117,40 @@ def test_bytes_per_collective_and_memory_are_the_policys(four):
         # during the step: the whole stage gathered at once, its gradients whole
         assert r["gathered_peak"] == 4 * psi
         assert rep["gradients_in_flight"] == 4 * psi
+
+
+def test_regathering_each_microbatch_matches_one_process(four):
+    for rank, r in enumerate(four):
+        for (plan, model, optimizer, clip), result in zip(REGATHER, r["regather"]):
+            eq.assert_equivalent(result, eq.reference(model, optimizer, steps=STEPS,
+                                                      max_grad_norm=clip),
+                                 what=f"rank {rank} zero=3 dp2 pp2 {plan} {model}")
+
+
+def test_regathering_moves_m_times_the_bytes_and_holds_two_units(four):
+    m = 4
+    for r in four:
+        kept, r = r["policies"]
+        assert r["units"] == kept["units"]   # the same units, laid out alike
+        sizes = [k for _, k in r["units"]]   # padded lengths, in backward order
+        half = sum(ring_half_elements(k, 2, r["rank"]) for k in sizes) * 4
+        # per step: every unit gathered for each micro-batch's forward and again for its
+        # backward (none kept between: another micro-batch may run first), its gradients
+        # reduce-scattered each micro-batch
+        assert (r["ag"]["calls"], r["rs"]["calls"]) == (2 * m * len(sizes), m * len(sizes))
+        assert (r["ag"]["sent"], r["rs"]["sent"]) == (2 * m * half, m * half)
+        # during the step: a unit computing and its neighbour prefetched, never the stage;
+        # the default policy holds the whole stage (measured in the same world)
+        assert r["gathered_peak"] == 4 * max(a + b for a, b in zip(sizes, sizes[1:]))
+        assert r["gathered_peak"] < kept["gathered_peak"] == 4 * sum(sizes)
+        # at rest the same shards as the default policy, nothing gathered
+        assert r["gathered_now"] == 0
+        for kind in ("parameters", "gradients", "optimizer_states"):
+            assert r["report"][kind] == kept["report"][kind], kind
+        # gradients: a unit's bucket filling while the two before it are reduce-scattered
+        # (two in flight), against the stage's whole gradients
+        flight = r["report"]["gradients_in_flight"]
+        assert flight == 4 * sum(sorted(sizes)[-3:]) < kept["report"]["gradients_in_flight"]
 
 
 def eight_ranks() -> dict:

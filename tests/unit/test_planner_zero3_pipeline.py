@@ -60,3 +60,50 @@ def test_what_is_not_built_with_it_is_still_refused_by_name():
     # CUDA graphs replay fixed addresses: ZeRO-3's regathered units are named first
     with pytest.raises(PlanError, match="compile='cudagraphs' with this plan: zero=3 frees"):
         check_plan(Plan(dp=2, pp=2, zero=3, compile="cudagraphs"))
+
+
+# ---- Plan.zero3_regather: each unit gathered for each micro-batch's forward and backward --------
+@pytest.mark.parametrize("m", [2, 8])
+def test_regathering_moves_m_times_two_gathers_and_a_scatter_of_the_stage(m):
+    psi = stage_params(SPEC, 2, 1)
+    per_micro = 3 / 4 * psi * (2 * SETUP.param_bytes + SETUP.grad_bytes)   # ring halves, dp 4
+    plan = dict(dp=4, pp=2, zero=3, microbatches=m)
+    out = axis_bytes(SPEC, _cand(**plan, zero3_regather=True), SETUP)
+    assert out["dp"] == pytest.approx(m * per_micro)
+    assert out["dp"] > m * axis_bytes(SPEC, _cand(**plan), SETUP)["dp"]
+
+
+def test_regathering_holds_two_units_and_a_units_gradients_not_the_stage():
+    unit = SPEC.largest_layer_params
+    plan = dict(dp=4, pp=2, zero=3, microbatches=4)
+    kept = stage_memories(SPEC, _cand(**plan), SETUP)
+    for stage, mem in enumerate(stage_memories(SPEC, _cand(**plan, zero3_regather=True), SETUP)):
+        psi = stage_params(SPEC, 2, 1, stage)
+        assert mem.params == pytest.approx(psi * SETUP.param_bytes / 4)   # at rest: sharded
+        assert mem.buffers == pytest.approx(unit * (2 * SETUP.param_bytes + SETUP.grad_bytes))
+        assert mem.buffers < kept[stage].buffers
+
+
+def test_the_advisor_offers_both_policies_under_stages():
+    cluster = make_cluster("H100-80GB", 1, 8)
+    plans = {(c.plan.zero3_regather, c.plan.schedule)
+             for group in candidates_for(SPEC, SETUP, cluster) for c in group
+             if c.plan.zero == 3 and c.plan.pp > 1}
+    assert {(False, "1f1b"), (True, "1f1b"), (True, "gpipe")} <= plans
+    assert not any(regather and s not in ("1f1b", "gpipe") for regather, s in plans)
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(dp=2, pp=2, zero=2), "zero3_regather chooses how ZeRO-3 gathers under pipeline "
+                               "stages, but Plan.zero=2, pp=2"),
+    (dict(dp=4, zero=3), "Plan.zero=3, pp=1 (at pp=1 ZeRO-3 gathers every micro-batch "
+                         "already)"),
+    (dict(dp=2, pp=2, zero=3, schedule="zb-h1"), "schedule='zb-h1' is not built (its weight "
+                                                 "pass would gather the units a third time)"),
+    (dict(dp=2, pp=2, zero=3, schedule="interleaved", virtual_stages=2, microbatches=4),
+     "schedule='interleaved' is not built (a rank's chunks would prefetch"),
+])
+def test_regathering_where_it_is_not_built_or_meaningless_is_refused_by_name(fields, words):
+    with pytest.raises(PlanError) as err:
+        check_plan(Plan(**fields, zero3_regather=True))
+    assert words in str(err.value)

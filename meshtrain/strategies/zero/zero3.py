@@ -30,7 +30,7 @@ gathered values again in backward.
 
 [Note: ZeRO-3 under pipeline stages]
 A schedule interleaves a stage's micro-batches (1F1B runs forward k+1 before backward k), so
-backward no longer follows forward at once. The policy is torchtitan's FSDP2 under pp
+backward no longer follows forward at once. The default policy is torchtitan's FSDP2 under pp
 (`reshard_after_forward=False`, gradient sync on the last micro-batch only): each of the
 stage's units is gathered when its first forward needs it and kept until the stage's last
 backward; gradients accumulate whole in the unit's bucket (a round is the step, as ZeRO-1's)
@@ -39,7 +39,18 @@ one all-gather and one reduce-scatter of the stage's Psi_s (DDP's bytes, whateve
 rest 16 Psi_s / N (fp32 AdamW); during a step, on top, the stage's whole parameters and
 gradients (8 Psi_s in fp32). The hooks sit on each chunk this rank runs (a pipeline never
 calls the model); weights tied across stages are a root bucket of their own, laid out alike
-on every holder. Gathering per micro-batch (ZeRO-3's memory, M x the gathers) is not built.
+on every holder.
+`Plan.zero3_regather` trades bytes for that memory (FSDP2's `reshard_after_forward=True`
+with gradient sync every micro-batch): each micro-batch gathers every unit for its forward
+and frees it after (the stage's last unit too: another micro-batch may run before its
+backward), gathers it again for its backward, and reduce-scatters its gradients into the
+shard as ZeRO-2 does (a round is a backward); the root is freed as the chunk's forward
+ends and gathered again as its backward starts. Per step and rank: 2M all-gathers and M
+reduce-scatters of every unit; during a step, on top of the shards, the root and at most
+two units gathered (the one computing, the next prefetched) and one unit's gradients
+(ZeRO-3 at pp = 1 does this already). Built for one chunk per rank (1F1B, GPipe):
+interleaved stages would prefetch across chunks and scatter the idle chunk's zeros each
+round, and zero bubble's weight pass would need its units gathered a third time.
 
 Parameter storage follows a state machine named by what is in memory (`Held`): SHARDED (the
 shard alone; the parameters point at empty tensors), GATHERING (an all-gather in flight into
@@ -49,7 +60,6 @@ backward the same values.
 """
 from __future__ import annotations
 
-import collections
 import enum
 import time
 
@@ -59,11 +69,11 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from meshtrain.core.comm import Comm
 from meshtrain.core.memory import storage_bytes
-from meshtrain.core.plan import Plan, PlanError
-from meshtrain.models.structure import units_of
+from meshtrain.core.plan import Plan
 from meshtrain.strategies.shared.buckets import Bucket, build_buckets
 from meshtrain.strategies.shared.precision import MasterWeights
 from meshtrain.strategies.zero.sharded import ZeRO
+from meshtrain.strategies.zero.units import check_units_run, output_tensors, wrapping_units
 
 
 class Held(enum.Enum):
@@ -152,23 +162,6 @@ class Parts:
             unit.free()
 
 
-def wrapping_units(model: nn.Module, names: list[str] | None) -> list[tuple[str, nn.Module]]:
-    """The modules ZeRO-3 gathers one at a time, in forward order: `names` if given (module
-    names as `named_modules()` gives them), else the model's units (a transformers causal LM's
-    decoder layers, `layers()`, or its children: models/structure.py)."""
-    by_module = {id(m): n for n, m in model.named_modules()}
-    if names is not None:
-        modules = dict(model.named_modules())
-        missing = [n for n in names if n not in modules or n == ""]
-        if missing:
-            raise PlanError(f"ZeRO-3 wrapping units {missing} name no module of "
-                            f"{type(model).__name__}; name modules as named_modules() gives "
-                            f"them, e.g. {[n for n, _ in model.named_children()][:4]}")
-        return [(n, modules[n]) for n in names]
-    layers = units_of(model)
-    return [(by_module.get(id(m), str(i)), m) for i, m in enumerate(layers)]
-
-
 class ZeRO3(ZeRO):
     """Slots 3 and 4 for Plan(zero=3): ZeRO-2's sharded gradients and optimizer, and
     parameters gathered unit by unit around their use."""
@@ -184,8 +177,11 @@ class ZeRO3(ZeRO):
         `shared`: parameters several pipeline stages hold (a bucket of their own, laid out
         alike on each). Under pp > 1 see [Note: ZeRO-3 under pipeline stages]."""
         self._unit_modules = wrapping_units(model, unit_names)
-        self.keep_gathered = plan.pp > 1
-        _check_units_run(self._unit_modules, entries or [model], named_params)
+        # under stages: kept from the first forward to the last backward (torchtitan's
+        # policy), or, zero3_regather, gathered for each micro-batch's forward and backward
+        self.regather = plan.pp > 1 and plan.zero3_regather
+        self.keep_gathered = plan.pp > 1 and not self.regather
+        check_units_run(self._unit_modules, entries or [model], named_params)
         self._fill = fill   # a model on the meta device: its values stream into the shards
         self._frozen = {n: p for n, p in named_params if not p.requires_grad}
         self.gathered_bytes = self.gathered_peak = 0
@@ -195,7 +191,8 @@ class ZeRO3(ZeRO):
         self._hook(entries or [model])
 
     def _reduces_each_microbatch(self, plan: Plan) -> bool:
-        return plan.pp == 1   # under stages: once per step, see [Note: ZeRO-3 under pipeline stages]
+        # under stages: once per step unless regathered, see [Note: ZeRO-3 under pipeline stages]
+        return plan.pp == 1 or plan.zero3_regather
 
     # ---- layout: one bucket per unit, the root last ---------------------------------------------
     def _make_buckets(self, plan: Plan, compute: torch.dtype, shared) -> list[Bucket]:
@@ -283,7 +280,7 @@ class ZeRO3(ZeRO):
             first = next((i for i, (_, m) in enumerate(self._unit_modules)
                           if id(m) in inside and i in self._by_module_index), None)
             entry.register_forward_pre_hook(lambda m, args, i=first: self._model_starts(i))
-            entry.register_forward_hook(lambda m, args, out: self._model_ends())
+            entry.register_forward_hook(lambda m, args, out: self._model_ends(out))
         self._last = max(self._by_module_index, default=None)
         for i, (_, module) in enumerate(self._unit_modules):
             if i in self._by_module_index:
@@ -305,10 +302,15 @@ class ZeRO3(ZeRO):
         if self.root is not None:
             self.root.wait()
 
-    def _model_ends(self) -> None:
+    def _model_ends(self, output) -> None:
         if not torch.is_grad_enabled():   # no backward follows (evaluation): free everything
             for unit in self.units:
                 unit.free()
+        elif self.regather and self.root is not None:   # other micro-batches run before
+            self.root.free()                             # this one's backward: gather it then
+            tensors = [t for t in output_tensors(output) if t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, lambda grads: self.root.wait(), mode="any")
 
     def _before_forward(self, i: int) -> None:
         unit = self._by_module_index[i]
@@ -324,9 +326,9 @@ class ZeRO3(ZeRO):
         if not torch.is_grad_enabled():
             unit.free()
             return
-        if i != self._last and not self.keep_gathered:
+        if (i != self._last or self.regather) and not self.keep_gathered:
             unit.free()
-        tensors = [t for t in _tensors(output) if t.requires_grad]
+        tensors = [t for t in output_tensors(output) if t.requires_grad]
         if tensors:
             register_multi_grad_hook(tensors, lambda grads, i=i: self._before_backward(i),
                                      mode="any")
@@ -371,28 +373,3 @@ class ZeRO3(ZeRO):
         out = super().memory()
         out["offloaded"] += self.offload.offloaded_bytes(self.shards)
         return {**out, "gathered_peak": self.gathered_peak}
-
-
-def _check_units_run(units, entries: list[nn.Module], named_params) -> None:
-    """Each unit holding parameters of its own here must be called inside what a step calls
-    (a unit spanning pipeline stages never is: its hooks would never gather it). Parameters
-    of several units (tied) are the root's, gathered by the entries' own hooks."""
-    inside = {id(m) for entry in entries for m in entry.modules()}
-    units_of_param = collections.Counter(id(p) for _, m in units for p in m.parameters())
-    own = {id(p) for _, p in named_params if units_of_param[id(p)] == 1}
-    stray = [n for n, m in units
-             if id(m) not in inside and any(id(p) in own for p in m.parameters())]
-    if stray:
-        raise PlanError(f"ZeRO-3 wrapping units {stray} are not called inside one pipeline "
-                        "stage (a unit spanning stages, or a container never called); name "
-                        "modules inside the stages' layers in zero3_units, or leave it unset")
-
-
-def _tensors(output) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for o in output for t in _tensors(o)]
-    if isinstance(output, dict):
-        return [t for o in output.values() for t in _tensors(o)]
-    return []
