@@ -276,13 +276,13 @@ def dp_hidden(cand: Candidate, cluster: Cluster, hideable: float, compute: float
     compute; Li et al. 2020, PyTorch DDP §3.2.3), ZeRO-2 its reduce-scatters with every
     micro-batch's backward, except the last bucket, which is ready only when backward ends;
     ZeRO-3 prefetches, hiding its traffic behind all compute (Rajbhandari et al. 2020
-    §7.2.2). With pp > 1 the gradient exchange waits for the pipeline flush (Megatron 2021
-    §2.2) and is not hidden. `cluster.overlap` scales what can hide: 1 on GPUs (copy engines
-    and NCCL's own SMs); on CPU ranks gloo's threads take the cores backward runs on, so a
-    local profile sets it low (see profile.py)."""
+    §7.2.2), under stages too when it regathers per micro-batch; else with pp > 1 the exchange
+    waits for the pipeline flush (Megatron 2021 §2.2), not hidden. `cluster.overlap` scales
+    what can hide: 1 on GPUs (copy engines and NCCL's own SMs); on CPU ranks gloo's threads
+    take the cores backward runs on, so a local profile sets it low (see profile.py)."""
     p = cand.plan
-    if p.dp == 1 or p.dp_mode != "ddp" or p.pp > 1:   # pushes and copies start when
-        return 0.0                                     # backward ends
+    if p.dp == 1 or p.dp_mode != "ddp" or (p.pp > 1 and not p.zero3_regather):
+        return 0.0   # pushes and copies start when backward ends
     if p.zero == 3:
         return max(0.0, min(hideable, compute)) * cluster.overlap
     if p.zero == 2:  # the last micro-batch's last bucket, too, waits for backward's end

@@ -107,3 +107,14 @@ def test_regathering_where_it_is_not_built_or_meaningless_is_refused_by_name(fie
     with pytest.raises(PlanError) as err:
         check_plan(Plan(**fields, zero3_regather=True))
     assert words in str(err.value)
+
+
+def test_regathering_hides_behind_compute_as_at_pp1_and_the_kept_policy_does_not():
+    from meshtrain.planner.time_model import dp_hidden
+    cluster = make_cluster("H100-80GB", 1, 8)   # overlap 1 on GPUs
+    plan = dict(dp=4, pp=2, zero=3, microbatches=4)
+    # (hideable, compute): the prefetched gathers hide behind the step's compute, at most it
+    for hideable, compute in ((2.0, 5.0), (5.0, 2.0)):
+        got = dp_hidden(_cand(**plan, zero3_regather=True), cluster, hideable, compute, 1.0)
+        assert got == pytest.approx(min(hideable, compute) * cluster.overlap)
+        assert dp_hidden(_cand(**plan), cluster, hideable, compute, 1.0) == 0.0
