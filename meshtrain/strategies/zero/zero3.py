@@ -47,10 +47,11 @@ backward), gathers it again for its backward, and reduce-scatters its gradients 
 shard as ZeRO-2 does (a round is a backward); the root is freed as the chunk's forward
 ends and gathered again as its backward starts. Per step and rank: 2M all-gathers and M
 reduce-scatters of every unit; during a step, on top of the shards, the root and at most
-two units gathered (the one computing, the next prefetched) and one unit's gradients
-(ZeRO-3 at pp = 1 does this already). Built for one chunk per rank (1F1B, GPipe):
-interleaved stages would prefetch across chunks and scatter the idle chunk's zeros each
-round, and zero bubble's weight pass would need its units gathered a third time.
+two units gathered (the one computing, the next prefetched) and at most three units'
+gradients (one filling, two reduce-scattering), as ZeRO-3 at pp = 1 already does. Built for
+one chunk per rank (1F1B, GPipe): interleaved stages would prefetch across chunks and
+scatter the idle chunk's zeros each round, and zero bubble's weight pass would need its
+units gathered a third time.
 
 Parameter storage follows a state machine named by what is in memory (`Held`): SHARDED (the
 shard alone; the parameters point at empty tensors), GATHERING (an all-gather in flight into
