@@ -2,7 +2,7 @@
 process's training under dp2 x pp2 with each schedule (pairwise with tp, the tied model, a
 transformers model, AdamW and a meta build), the bytes each collective moves and the
 memory at rest and during a step against the policy's theory, checkpoints across plans;
-the same for Plan.zero3_regather (1F1B and GPipe), beside the default policy.
+the same for Plan.zero3_regather (1F1B, GPipe, naive), beside the default policy.
 
 One world of 4 ranks runs every 4-rank case, one of 8 the tp case (a start costs more than
 a case). Three steps each: a step's gathers, accumulation over micro-batches, scatter and
@@ -28,10 +28,11 @@ CASES = [(dict(schedule="1f1b", microbatches=4), "gpt", "sgd", None),
          # a weight tied across the stages (embedding and output layer), clipped
          (dict(schedule="1f1b", microbatches=4), "tied_pipe", "sgd", 1.0)]
 # Plan.zero3_regather (units gathered for each micro-batch's forward and backward): 1F1B
-# at M = 4, GPipe with the weight tied across stages
+# at M = 4, GPipe with the weight tied across stages, naive (one micro-batch)
 REGATHER = [(dict(schedule="1f1b", microbatches=4, zero3_regather=True), "gpt", "sgd", None),
             (dict(schedule="gpipe", microbatches=2, zero3_regather=True), "tied_pipe", "sgd",
-             1.0)]
+             1.0),
+            (dict(schedule="naive", microbatches=1, zero3_regather=True), "gpt", "sgd", None)]
 
 
 def train_cases(cases) -> list[dict]:

@@ -49,7 +49,7 @@ ends and gathered again as its backward starts. Per step and rank: 2M all-gather
 reduce-scatters of every unit; during a step, on top of the shards, the root and at most
 two units gathered (the one computing, the next prefetched) and at most three units'
 gradients (one filling, two reduce-scattering), as ZeRO-3 at pp = 1 already does. Built for
-one chunk per rank (1F1B, GPipe): interleaved stages would prefetch across chunks and
+one chunk per rank (1F1B, GPipe, naive): interleaved stages would prefetch across chunks and
 scatter the idle chunk's zeros each round, and zero bubble's weight pass would need its
 units gathered a third time.
 
