@@ -41,7 +41,9 @@ gradients (8 Psi_s in fp32). The hooks sit on each chunk this rank runs (a pipel
 calls the model); weights tied across stages are a root bucket of their own, laid out alike
 on every holder.
 `Plan.zero3_regather` trades bytes for that memory (FSDP2's `reshard_after_forward=True`
-with gradient sync every micro-batch): each micro-batch gathers every unit for its forward
+with gradient sync left on every micro-batch; torch's pipelining stage turns the sync and
+the reshard after backward off for all but the last backward, so it keeps the stage's
+gradients whole either way): each micro-batch gathers every unit for its forward
 and frees it after (the stage's last unit too: another micro-batch may run before its
 backward), gathers it again for its backward, and reduce-scatters its gradients into the
 shard as ZeRO-2 does (a round is a backward); the root is freed as the chunk's forward
