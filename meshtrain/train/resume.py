@@ -60,17 +60,24 @@ def load(trainer, path) -> dict:
     model, optim, extra, read = checkpoint.load_regions(path, trainer.layout,
                                                         kept_regions(trainer))
     saved_mode = checkpoint.read_meta(path).get("plan", {}).get("dp_mode")
-    if optim is not None and trainer.plan.dp_mode not in LOCAL_STEP_MODES:
-        # every diloco / local-sgd worker's state: one replica's, or refused (mid-round)
-        optim = one_replica_state(optim, trainer.plan.dp_mode, saved_mode)
     params = {name: model[name] for name, _ in trainer.stages.named_parameters()}
-    with torch.no_grad():
-        for name, buffer in trainer.stages.named_buffers():
-            buffer.copy_(model[name])
-    local_optim = None
-    if optim is not None:
-        local_optim = ({n: s for n, s in optim["state"].items() if n in params},
-                       optim["param_groups"])
-    trainer.data_parallel.load_local(params, local_optim)
+    take_local_state(trainer, params, model, optim, saved_mode)
     trainer.checkpoint_read = read
     return extra
+
+
+def take_local_state(trainer, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                     optimizer_state: dict | None, saved_mode: str | None) -> None:
+    """Give `trainer`'s slots this rank's parameters and their optimizer states, each as
+    slot 1 slices it (or narrowed to `flat_regions`), and its stage's buffers from `buffers`
+    (by name), under the saving dp_mode `saved_mode`; no communication."""
+    if optimizer_state is not None and trainer.plan.dp_mode not in LOCAL_STEP_MODES:
+        # every diloco / local-sgd worker's state: one replica's, or refused (mid-round)
+        optimizer_state = one_replica_state(optimizer_state, trainer.plan.dp_mode, saved_mode)
+    with torch.no_grad():
+        for name, buffer in trainer.stages.named_buffers():
+            buffer.copy_(buffers[name])
+    local_optim = None if optimizer_state is None else (
+        {n: s for n, s in optimizer_state["state"].items() if n in params},
+        optimizer_state["param_groups"])
+    trainer.data_parallel.load_local(params, local_optim)

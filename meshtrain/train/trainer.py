@@ -26,13 +26,12 @@ from meshtrain.core.memory import (ActivationMeter, MemoryReport, optimizer_stat
                                    peak_process_bytes, reset_process_peak, resident_bytes,
                                    storage_bytes)
 from meshtrain.core.mesh import Mesh
-from meshtrain.core.plan import LOCAL_STEP_MODES, Plan
+from meshtrain.core.plan import Plan
 from meshtrain.core.processes import steady_host_heap
 from meshtrain.models import experts, hf, moe
 from meshtrain.models.lean_cross_entropy import lean_cross_entropy
 from meshtrain.models.registry import logits_of
 from meshtrain.strategies import pipeline
-from meshtrain.strategies.data_parallel.diloco import one_replica_state
 from meshtrain.strategies.compile import apply_compile, compiled_token_loss
 from meshtrain.strategies.materialise import init_source, materialise
 from meshtrain.strategies.float8 import check_fp8, convert_to_fp8
@@ -284,21 +283,14 @@ class Trainer:
                         optimizer_state: dict | None, saved_mode: str | None = None) -> None:
         """Take this rank's part of a consolidated state (as `full_state_dict` and
         `full_optimizer_state` give it, under the dp_mode `saved_mode`); no communication."""
-        if optimizer_state is not None and self.plan.dp_mode not in LOCAL_STEP_MODES:
-            # every diloco / local-sgd worker's state: one replica's, or refused (mid-round)
-            optimizer_state = one_replica_state(optimizer_state, self.plan.dp_mode, saved_mode)
         params = {n: self.sharding.local(n, model_state[n])
                   for n, _ in self.stages.named_parameters()}
-        with torch.no_grad():
-            for n, b in self.stages.named_buffers():
-                b.copy_(model_state[n])
-        local_optim = None
         if optimizer_state is not None:
-            state = {n: {k: self.sharding.local(n, v) if _param_shaped(v) else v
-                         for k, v in s.items()}
-                     for n, s in optimizer_state["state"].items() if n in params}
-            local_optim = (state, optimizer_state["param_groups"])
-        self.data_parallel.load_local(params, local_optim)
+            optimizer_state = dict(optimizer_state, state={
+                n: {k: self.sharding.local(n, v) if _param_shaped(v) else v
+                    for k, v in s.items()}
+                for n, s in optimizer_state["state"].items() if n in params})
+        resume.take_local_state(self, params, model_state, optimizer_state, saved_mode)
 
     def save(self, path, extra: dict | None = None) -> None:
         """Checkpoint (torch.distributed.checkpoint) of the consolidated state, written
