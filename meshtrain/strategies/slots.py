@@ -111,6 +111,10 @@ class GradientSync(ABC):
     @abstractmethod
     def no_sync(self) -> ContextManager: ...
 
+    def backward_reaches(self, params: list[nn.Parameter]) -> None:
+        """The next backward reaches only `params` (one chunk of an interleaved stage): a
+        sync that reduces every micro-batch may reduce only theirs. Default: nothing."""
+
     @abstractmethod
     def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
         """Launch what is left, wait; return the mean of `local_loss` over dp."""

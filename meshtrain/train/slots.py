@@ -102,7 +102,7 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
                      entries=stages.modules(), shared=list(stages.shared))
     if plan.zero in (1, 2):
         return ZeRO(params, buffers, comm, plan, shared=list(stages.shared), axis=axis,
-                    offload_dir=plan.offload_dir, replicas=replicas)
+                    offload_dir=plan.offload_dir, replicas=replicas, chunks=stages.modules())
     if plan.compression == "powersgd":
         return PowerSGD(params, buffers, comm, plan.bucket_mb, plan.compression_rank,
                         plan.compression_min_rate, plan.sync_warmup_steps)

@@ -142,30 +142,40 @@ def test_memory_per_rank_is_the_zero_formula(world):
 
 
 # ---- communication ---------------------------------------------------------------------------
-def traffic(zero: int, microbatches: int) -> dict:
-    world = dist.get_world_size()
-    trainer = mt.Trainer(eq.gpt(), mt.Plan(dp=world, zero=zero, microbatches=microbatches,
-                                           bucket_mb=0.02), optimizer=eq.sgd)
-    steps = eq.batches("gpt", 2, trainer.dp_rank, trainer.dp_size)
+def traffic(zero: int, microbatches: int, pp: int) -> dict:
+    """One step's dp traffic; pp = 2: over interleaved stages of two chunks a rank."""
+    world, model = dist.get_world_size(), "gpt" if pp == 1 else "gpt_pipe"
+    stages = {} if pp == 1 else {"pp": pp, "schedule": "interleaved", "virtual_stages": 2}
+    trainer = mt.Trainer(eq.MODELS[model][0](), mt.Plan(
+        dp=world // pp, zero=zero, microbatches=microbatches, bucket_mb=0.02, **stages),
+        optimizer=eq.sgd)
+    steps = eq.batches(model, 2, trainer.dp_rank, trainer.dp_size)
     trainer.step(*steps[0])
     trainer.comm.stats.reset()
     trainer.step(*steps[1])
     stats = trainer.comm.stats
+    chunks = [{id(p) for p in c.parameters()} for c in trainer.stages.modules()]
     return {"rank": trainer.dp_rank, "lengths": trainer.data_parallel.layout.lengths,
+            "chunks_a_bucket": [sum(any(id(p) in c for p in b.params) for c in chunks)
+                                for b in trainer.data_parallel.buckets],
             "rs": vars(stats.total(op="reduce_scatter", tag="grad")),
             "ag": vars(stats.total(op="all_gather", tag="param")),
-            "step": vars(stats.total(tag="step")), "all": vars(stats.total()),
+            "step": vars(stats.total(tag="step")), "all": vars(stats.total(axis="dp")),
             "events": [what for what, _, _ in trainer.data_parallel.events]}
 
 
-@pytest.mark.parametrize("zero, microbatches", [(1, 1), (2, 1), (1, 4), (2, 4)])
-def test_zero_moves_the_bytes_of_ddp(zero, microbatches):
-    world = 4
-    for r in run_ranks(world, traffic, zero, microbatches):
+@pytest.mark.parametrize("zero, microbatches, pp", [(1, 1, 1), (2, 1, 1), (1, 4, 1), (2, 4, 1),
+                                                   (2, 4, 2)])
+def test_zero_moves_the_bytes_of_ddp(zero, microbatches, pp):
+    world = n = 4 // pp   # the dp ranks
+    for r in run_ranks(4, traffic, zero, microbatches, pp):
         lengths = r["lengths"]
         assert len(lengths) >= 3 and all(k % world == 0 for k in lengths)
-        half = sum(ring_half_elements(k, world, r["rank"]) * 4 for k in lengths)
+        half = sum(ring_half_elements(k, n, r["rank"]) * 4 for k in lengths)
         assert half == (world - 1) * sum(lengths) * 4 // world
+        # interleaved: a bucket holds one chunk's parameters, and a micro-batch's backward
+        # through one chunk reduces that chunk's buckets only (not the other's, as zeros)
+        assert r["chunks_a_bucket"] == [1] * len(lengths)
         # ZeRO-2 reduces every micro-batch; ZeRO-1 once per step, like DDP
         rounds = microbatches if zero == 2 else 1
         assert r["rs"] == {"calls": rounds * len(lengths), "sent": rounds * half,
@@ -173,7 +183,7 @@ def test_zero_moves_the_bytes_of_ddp(zero, microbatches):
         assert r["ag"] == {"calls": len(lengths), "sent": half, "received": half}
         if rounds == 1:   # reduce-scatter + all-gather = DDP's all-reduce: 2(N-1)/N * Psi
             assert r["rs"]["sent"] + r["ag"]["sent"] == 2 * (world - 1) * sum(lengths) * 4 // world
-        # besides: one small all-reduce of the step's statistics, nothing else
+        # besides: one small all-reduce of the step's statistics, nothing else over dp
         assert r["step"]["calls"] == 1
         assert r["all"]["calls"] == r["rs"]["calls"] + r["ag"]["calls"] + 1
         # overlap: the first reduce-scatter starts before backward ends

@@ -1,5 +1,6 @@
 """The bucket machinery DDP and ZeRO share: launch order and how many collectives stay in
 flight."""
+import pytest
 import torch
 from torch import nn
 
@@ -15,8 +16,9 @@ class _Handle:
         self.log.append(("wait", self.index))
 
 
-def _run_backward(in_flight):
-    """Five layers, one bucket each (backward order); returns the launch/wait sequence."""
+def _run_backward(in_flight, reach=None, layers=slice(None)):
+    """Five layers, one bucket each (backward order), a backward through `layers` in a round
+    limited to the buckets `reach`; returns the launch/wait sequence."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(5)])
     params = list(model.parameters())
@@ -29,7 +31,11 @@ def _run_backward(in_flight):
 
     grads = GradientBuckets(params, buckets, launch, scale=1.0, in_flight=in_flight)
     grads.start_step()
-    model(torch.randn(2, 4)).sum().backward()
+    grads.start_round(reach)
+    x = torch.randn(2, 4)
+    if layers.start:   # the layers before: no gradient reaches them
+        x = model[:layers.start](x).detach()
+    model[layers](x).sum().backward()
     grads.flush()
     grads.wait()
     return log
@@ -49,3 +55,15 @@ def test_in_flight_waits_for_the_oldest_bucket_before_launching_another():
 def test_unbounded_launches_everything_before_waiting():
     log = _run_backward(in_flight=None)
     assert log == [("launch", i) for i in range(5)] + [("wait", i) for i in range(5)]
+
+
+def test_a_round_limited_to_its_reach_launches_only_those_buckets():
+    # a backward through the first two layers (buckets 3 and 4, backward order), as one chunk
+    # of an interleaved stage: the other buckets are not sent as zeros
+    log = _run_backward(in_flight=2, reach={3, 4}, layers=slice(0, 2))
+    assert log == [("launch", 3), ("launch", 4), ("wait", 3), ("wait", 4)]
+
+
+def test_a_gradient_outside_the_rounds_reach_is_an_error():
+    with pytest.raises(RuntimeError, match="outside the round's reach"):
+        _run_backward(in_flight=2, reach={0, 1})

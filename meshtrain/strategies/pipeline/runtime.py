@@ -227,7 +227,7 @@ class _Step:
         if a.kind is Kind.BACKWARD_WEIGHT:
             self.held.pop(key)   # W is the last use of the micro-batch's activations
             self.held_bytes.pop(key)
-            with (self.sync.no_sync() if self.sync is not None and not final else nullcontext()):
+            with self._synced(a, final):
                 zero_bubble.weight_gradients(self.weight_work.pop(key))
             return
         grad = None if s == self.last_stage else self.inbox.pop((True, *key))
@@ -239,10 +239,21 @@ class _Step:
             return
         x, y, _ = self.held.pop(key)   # dropped after this backward: see the module docstring
         self.held_bytes.pop(key)
-        with (self.sync.no_sync() if self.sync is not None and not final else nullcontext()):
+        with self._synced(a, final):
             boundary.backward(y, grad)
         if s > 0:
             self.outbox[(True, *key)] = boundary.input_gradients(x)
+
+    def _synced(self, a: Action, final: bool):
+        """The dp sync around the backward that fills chunk `a.chunk`'s weight gradients:
+        `no_sync` but for this rank's last, told which chunk it reaches where a rank holds
+        several (ZeRO-2 then reduces that chunk's buckets only)."""
+        if self.sync is None:
+            return nullcontext()
+        chunks = self.d.stages.chunks
+        if len(chunks) > 1:
+            self.sync.backward_reaches(list(chunks[a.chunk].parameters()))
+        return nullcontext() if final else self.sync.no_sync()
 
     # ---- communication -------------------------------------------------------------------------
     def communicate(self, actions: list[Action]) -> None:

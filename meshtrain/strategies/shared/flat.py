@@ -141,13 +141,23 @@ def flatten_into_buckets(buckets: list[Bucket], dtype: torch.dtype) -> list[torc
     return buffers
 
 
-def parameter_groups(params: list[nn.Parameter], shared: list[nn.Parameter]
-                     ) -> list[list[nn.Parameter]]:
-    """Bucket groups: every parameter in backward order, then the shared ones in a bucket of
-    their own, laid out the same on every stage holding them (last: on the first stage the
-    tied embedding's gradient is the last one backward produces)."""
+def parameter_groups(params: list[nn.Parameter], shared: list[nn.Parameter],
+                     chunks: list[nn.Module] = ()) -> list[list[nn.Parameter]]:
+    """Bucket groups: every parameter in backward order, cut where one of `chunks` (an
+    interleaved stage's chunks, when given) ends and the next begins, then the shared ones in
+    a bucket of their own, laid out the same on every stage holding them (last: on the first
+    stage the tied embedding's gradient is the last one backward produces)."""
     taken = {id(p) for p in shared}
-    return [[p for p in reversed(params) if id(p) not in taken], list(shared)]
+    chunk_of = {id(p): i for i, c in enumerate(chunks) for p in c.parameters()}
+    groups: list[list[nn.Parameter]] = []
+    for p in reversed(params):
+        if id(p) in taken:
+            continue
+        if groups and chunk_of.get(id(groups[-1][-1])) == chunk_of.get(id(p)):
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    return groups + [list(shared)]
 
 
 @contextmanager

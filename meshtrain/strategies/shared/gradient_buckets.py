@@ -14,6 +14,14 @@ once and freed, so that only a gradient shard outlives backward. The first gradi
 receives in a round overwrites it (no memset); a slot that received none is zeroed before
 its bucket is launched.
 
+[Note: a round's reach]
+Under interleaved stages a rank holds several chunks, and one micro-batch's backward reaches
+one chunk's parameters only. A round can therefore be limited to the buckets that hold them
+(`start_round(reach)`): only those are launched, in index order, and flushed; the others
+carry nothing this round and are not sent as zeros. The reach is the model's structure,
+the same on every replica, never which gradients happened to arrive (that would let ranks
+issue different collectives).
+
 [Note: one replica]
 With nothing to reduce (one replica, no scaling), `in_place` lets autograd accumulate
 straight into the bucket slots: each step starts with the buckets zeroed and every .grad a
@@ -60,6 +68,8 @@ class GradientBuckets:
         self._slot = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
         self.used_in_step: set[int] = set()     # parameters that got a gradient this step
         self._in_round: set[int] = set()        # ... this round (see [Note: rounds])
+        self._reach: set[int] | None = None   # see [Note: a round's reach]
+        self._round = buckets                 # the buckets this round launches, in order
         self._next_launch = 0
         self.syncing = True
         self.events: list[tuple[str, int, float]] = []  # (what, bucket, time): the overlap log
@@ -91,9 +101,17 @@ class GradientBuckets:
             p.grad = None
         self.start_round()
 
-    def start_round(self) -> None:
+    def start_round(self, reach: set[int] | None = None) -> None:
+        """A new round; `reach`: the indices of the only buckets its backward can fill
+        (see [Note: a round's reach]), None for all."""
+        if reach is not None and self.hold_last:
+            raise ValueError("a round's reach cannot be limited with hold_last (DDP's "
+                             "statistics ride in the last bucket of every step)")
         for b in self.buckets:
             b.reset()
+        self._reach = reach
+        self._round = (self.buckets if reach is None
+                       else [b for b in self.buckets if b.index in reach])
         self._in_round.clear()
         self._next_launch = 0
 
@@ -107,6 +125,10 @@ class GradientBuckets:
         self._in_round.add(id(param))
         self.used_in_step.add(id(param))
         bucket, i = self._slot[id(param)]
+        if self._reach is not None and bucket.index not in self._reach:
+            raise RuntimeError(f"a gradient reached bucket {bucket.index}, outside the round's "
+                               "reach: the backward reached a parameter its caller said it "
+                               "would not (see [Note: a round's reach])")
         if bucket.buffer is None:
             self._allocate(bucket)
         bucket.absorb(i, param.grad, self.scale, first)
@@ -117,7 +139,7 @@ class GradientBuckets:
             return
         self.events.append(("ready", bucket.index, time.perf_counter()))
         if bucket.mark_ready(param):
-            self._launch_ready(until=len(self.buckets) - (1 if self.hold_last else 0))
+            self._launch_ready(until=len(self._round) - (1 if self.hold_last else 0))
 
     def _allocate(self, bucket: Bucket) -> None:
         """A lazy bucket's buffer, made as its first gradient arrives; the most bytes of
@@ -128,13 +150,13 @@ class GradientBuckets:
 
     def _launch_ready(self, until: int) -> None:
         """Launch, in index order, the buckets before `until` that are ready."""
-        while self._next_launch < until and self.buckets[self._next_launch].all_ready:
+        while self._next_launch < until and self._round[self._next_launch].all_ready:
             self._launch_next()
 
     def _launch_next(self) -> None:
         if self.in_flight is not None and self._next_launch >= self.in_flight:
-            self.buckets[self._next_launch - self.in_flight].wait()
-        bucket = self.buckets[self._next_launch]
+            self._round[self._next_launch - self.in_flight].wait()
+        bucket = self._round[self._next_launch]
         bucket.handle = self._launch(bucket)
         self.events.append(("launch", bucket.index, time.perf_counter()))
         self._next_launch += 1
@@ -143,13 +165,13 @@ class GradientBuckets:
         """End of a round: zero the slots that got nothing, launch every bucket not yet
         launched (in order)."""
         self.events.append(("backward_end", -1, time.perf_counter()))
-        for bucket in self.buckets[self._next_launch:]:
+        for bucket in self._round[self._next_launch:]:
             if bucket.buffer is None:
                 self._allocate(bucket)
             for i, p in enumerate(bucket.params):
                 if id(p) not in self._in_round:
                     bucket.absorb(i, None, self.scale, first=True)
-        while self._next_launch < len(self.buckets):
+        while self._next_launch < len(self._round):
             self._launch_next()
 
     def wait(self) -> None:

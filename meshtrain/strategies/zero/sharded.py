@@ -55,10 +55,14 @@ class ZeRO(GradientSync):
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
                  buffers: list[torch.Tensor], comm: Comm, plan: Plan,
                  shared: list[str] = (), axis: str = "dp", offload_dir=None,
-                 replicas: dict[str, ReplicaGroup] | None = None) -> None:
+                 replicas: dict[str, ReplicaGroup] | None = None,
+                 chunks: list[nn.Module] = ()) -> None:
         """`replicas`: parameters replicated over a group smaller than dp (experts over
-        their edp group), each in buckets of its own, reduced and sharded over that group."""
+        their edp group), each in buckets of its own, reduced and sharded over that group.
+        `chunks`: the modules this rank runs (an interleaved stage's chunks): under ZeRO-2
+        each chunk's parameters are bucketed apart (see `backward_reaches`)."""
         self.comm, self.axis, self.stage = comm, axis, plan.zero
+        self._chunks = list(chunks)
         self.replicas = replicas = dict(replicas or {})
         self.n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
         elements = sum(p.numel() for _, p in named_params)
@@ -93,7 +97,7 @@ class ZeRO(GradientSync):
         self.grads = GradientBuckets(self.params, self.buckets, self._launch,
                                      scale=1.0 / self.n, launch_in_no_sync=self.each_microbatch,
                                      in_flight=2)
-        self._rounds = 0
+        self._reduced: set[int] = set()   # buckets reduce-scattered this step (ZeRO-2 adds to them)
         self._skipped: list[str] = []
         self._stepped: set[str] = set()   # parameters the optimizer has stepped, ever
         self.zero_grad()
@@ -106,7 +110,8 @@ class ZeRO(GradientSync):
         """Buckets of about Plan.bucket_mb, in backward order; shared weights on their own."""
         dense = [p for n, p in self.named.items() if n not in self.replicas]
         groups = replica_groups(self.named, self.replicas) + parameter_groups(
-            dense, [self.named[s] for s in shared if s in self.named])
+            dense, [self.named[s] for s in shared if s in self.named],
+            self._chunks if self._reduces_each_microbatch(plan) else ())
         return build_buckets([], plan.bucket_mb * 2**20, pad_to=self.n, dtype=compute,
                              lazy=self.stage == 2, groups=groups)
 
@@ -135,7 +140,7 @@ class ZeRO(GradientSync):
     # ---- the step (slot 3) ------------------------------------------------------------------
     def zero_grad(self) -> None:
         self.grads.start_step()
-        self._rounds = 0
+        self._reduced.clear()
 
     @contextmanager
     def no_sync(self):
@@ -152,12 +157,21 @@ class ZeRO(GradientSync):
         self.grads.flush()
         self.grads.wait()
         self.grads.start_round()
-        self._rounds += 1
+
+    def backward_reaches(self, params: list[nn.Parameter]) -> None:
+        """ZeRO-2: the next round reduces only the buckets holding `params` (an interleaved
+        stage's chunk; see gradient_buckets.py, [Note: a round's reach])."""
+        if self.each_microbatch:
+            ids = {id(p) for p in params}
+            self.grads.start_round({b.index for b in self.buckets
+                                    if any(id(p) in ids for p in b.params)})
 
     def _launch(self, bucket: Bucket):
         target = self.grad_shards[bucket.index]
+        first = bucket.index not in self._reduced
+        self._reduced.add(bucket.index)
         return _ReduceScatter(*self._where(bucket.index), bucket, target,
-                              accumulate=self.stage >= 2 and self._rounds > 0,
+                              accumulate=self.stage >= 2 and not first,
                               release=self.stage >= 2)
 
     def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
@@ -167,7 +181,8 @@ class ZeRO(GradientSync):
         stats = torch.cat([local_loss.reshape(1).float(), self.grads.used_flags()])
         self.comm.all_reduce(stats, self.axis, tag="step")
         self.grads.wait()
-        self._rounds += 1
+        for i in set(range(len(self.buckets))) - self._reduced:   # reached by no round
+            self.grad_shards[i].zero_()
         loss, *used_by = stats.tolist()   # one host sync: the loss and the flags
         self._skipped = [n for (n, p), users in zip(self.named.items(), used_by) if not users]
         self._stepped.update(n for (n, _), users in zip(self.named.items(), used_by) if users)
