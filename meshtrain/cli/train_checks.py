@@ -78,23 +78,6 @@ def check_gpt_experts(gpt, plan: Plan) -> None:
     expert_parallel.check(model, plan)
 
 
-def add_mesh_axis_options(plan) -> None:
-    """`meshtrain train`'s context- and expert-parallel flags (Plan.cp, cp_style, ep,
-    capacity_factor)."""
-    plan.add_argument("--cp", type=int, default=1,
-                      help="context-parallel ranks: each sequence split over them (2 cp chunks, "
-                           "load-balanced), attention across them")
-    plan.add_argument("--cp-style", default="ring", choices=["ring", "all-to-all"],
-                      help="with --cp > 1: K/V passed round a ring, or heads scattered by an "
-                           "all-to-all (the heads must divide by --cp)")
-    plan.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (of the dp "
-                      "ranks): each MoE layer's experts split over them")
-    plan.add_argument("--capacity-factor", type=float, default=None, metavar="C",
-                      help="a mixture of experts: each expert takes at most ceil(C x seq x "
-                           "top-k / experts) choices of each sequence, the rest dropped and "
-                           "counted (default: dropless)")
-
-
 def add_shape_options(p) -> None:
     """A GPT preset's shape overrides (GPTConfig's fields)."""
     p.add_argument("--layers", type=int, help="override the preset's number of layers")

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 from meshtrain.cli.summary import print_summary
-from meshtrain.cli.train_checks import (add_mesh_axis_options, add_shape_options,
-                                        check_batch_split, check_init_from, check_model_plan,
-                                        shape_overrides)
+from meshtrain.cli.plan_options import add_plan_options, plan_from_args
+from meshtrain.cli.train_checks import (add_shape_options, check_batch_split, check_init_from,
+                                        check_model_plan, shape_overrides)
 from meshtrain.cli.train_data import check_resumed_data, settle_data
-from meshtrain.core.plan import COMPILE_BACKENDS, PRECISIONS, RECOMPUTES, Plan, PlanError
+from meshtrain.core.plan import Plan, PlanError
 from meshtrain.train.config import DEFAULT_LR, OPTIMIZERS, latest_checkpoint
 
 
@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
                         "when a GPU is visible, one rank per GPU, else the CPU; with "
                         "--resume, the run's own)")
     _add_run_options(p)
-    _add_plan_options(p.add_argument_group("plan (default: DDP over all ranks)"))
+    add_plan_options(p.add_argument_group("plan (default: DDP over all ranks)"))
     p.add_argument("--link", metavar="AXIS=BW[,LAT]",
                    help="emulate a slow link: sleep each collective's modelled time on that "
                         "axis, e.g. dp=1Gb/s,5ms (several joined by ';'); labelled as emulation")
@@ -115,67 +115,6 @@ def _add_run_options(p) -> None:
                         "(needs pip install -e \".[tb]\")")
 
 
-def _add_plan_options(plan) -> None:
-    """The Plan's fields as flags."""
-    plan.add_argument("--dp", type=int, help="data-parallel ranks (default: all ranks)")
-    plan.add_argument("--pp", type=int, default=1)
-    plan.add_argument("--tp", type=int, default=1,
-                      help="tensor-parallel ranks: each layer's matrices split over them")
-    add_mesh_axis_options(plan)
-    plan.add_argument("--sequence-parallel", action="store_true",
-                      help="with --tp > 1: split LayerNorm and residual activations along the "
-                           "sequence (same bytes, activations of those regions / tp)")
-    plan.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
-                      help="ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also "
-                           "parameters")
-    plan.add_argument("--offload", default="none", choices=["none", "cpu", "disk"],
-                      help="with --zero: keep optimizer states in host memory or on disk")
-    plan.add_argument("--offload-dir", help="where --offload disk writes (default: the run "
-                                            "folder's offload/)")
-    plan.add_argument("--recompute", default="none", choices=RECOMPUTES,
-                      help="every layer, per op (matmul/attention outputs kept), attention core")
-    plan.add_argument("--recompute-every", type=int, default=1, metavar="K")
-    plan.add_argument("--compile", nargs="?", const=True, default=False,
-                      choices=list(COMPILE_BACKENDS), metavar="BACKEND",
-                      help="torch.compile each transformer block (default backend inductor; "
-                           "cudagraphs: inductor replayed as CUDA graphs on a GPU; "
-                           "aot_eager traces without generating code)")
-    plan.add_argument("--precision", default="fp32", choices=[*PRECISIONS, "fp8-emulated"],
-                      help="bf16 compute, fp32 masters; fp8: float8 linears (torchao)")
-    plan.add_argument("--dp-mode", default="ddp",
-                      choices=["ddp", "dp", "ps-sync", "ps-async", "diloco", "local-sgd"],
-                      help="how data-parallel replicas agree: ddp (ring all-reduce), dp (one "
-                           "process, --dp replicas as threads, a master), ps-sync / ps-async "
-                           "(parameter server), diloco / local-sgd (workers step alone and "
-                           "sync every --sync-every steps, for a slow dp link)")
-    plan.add_argument("--staleness", type=int, default=0,
-                      help="ps-async: how many steps a worker may run ahead of the slowest")
-    plan.add_argument("--ps-shards", type=int, default=1,
-                      help="ps-sync/ps-async: parameter-server shards (shard k on rank k)")
-    plan.add_argument("--sync-every", type=int, default=Plan().sync_every, metavar="H",
-                      help="diloco/local-sgd: inner steps between two syncs")
-    plan.add_argument("--outer-lr", type=float, default=Plan().outer_lr,
-                      help="diloco: the outer SGD's learning rate on the averaged "
-                           "pseudo-gradient")
-    plan.add_argument("--outer-momentum", type=float, default=Plan().outer_momentum,
-                      help="diloco: the outer SGD's Nesterov momentum, in [0, 1)")
-    plan.add_argument("--microbatches", type=int, default=1)
-    plan.add_argument("--schedule", default="1f1b",
-                      help="pipeline schedule with --pp > 1: naive | gpipe | 1f1b | "
-                           "interleaved | zb-h1 (zero bubble)")
-    plan.add_argument("--virtual-stages", type=int, default=1,
-                      help="model chunks per pipeline rank (with --schedule interleaved)")
-    plan.add_argument("--bucket-mb", type=float, default=Plan().bucket_mb)
-    plan.add_argument("--compression", default="none", choices=["none", "powersgd"],
-                      help="DDP's gradient sync: powersgd sends large gradients as low-rank "
-                           "factors (error feedback, warm start)")
-    plan.add_argument("--compression-rank", type=int, default=Plan().compression_rank,
-                      metavar="R", help="powersgd: the factors' rank")
-    plan.add_argument("--sync-warmup-steps", type=int, default=Plan().sync_warmup_steps,
-                      metavar="K", help="diloco/local-sgd/powersgd: plain DDP for the first "
-                                        "K steps, then the method")
-
-
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -215,18 +154,7 @@ def build_config(args):
     default_world = args.pp * args.tp if one_process else default_ranks(device)
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or default_world)
     dp = args.dp or (2 if one_process else max(1, world // (args.pp * args.cp * args.tp)))
-    plan = Plan(dp=dp, pp=args.pp, tp=args.tp, cp=args.cp, cp_style=args.cp_style,
-                ep=args.ep, capacity_factor=args.capacity_factor, staleness=args.staleness,
-                ps_shards=args.ps_shards, sync_every=args.sync_every, outer_lr=args.outer_lr,
-                outer_momentum=args.outer_momentum, zero=args.zero, dp_mode=args.dp_mode,
-                microbatches=args.microbatches, virtual_stages=args.virtual_stages,
-                bucket_mb=args.bucket_mb, precision=args.precision.removesuffix("-emulated"),
-                fp8_emulate=args.precision == "fp8-emulated", offload=args.offload,
-                recompute=args.recompute, recompute_every=args.recompute_every,
-                sequence_parallel=args.sequence_parallel, max_grad_norm=args.max_grad_norm,
-                offload_dir=args.offload_dir, measure_activations=True, schedule=args.schedule,
-                compression=args.compression, compression_rank=args.compression_rank,
-                compile=args.compile, sync_warmup_steps=args.sync_warmup_steps)
+    plan = plan_from_args(args, dp)
     if not _under_torchrun():   # one GPU per rank: refused here, before any rank starts
         check_ranks_fit(device, plan.world_size)
     check_plan(plan, world_size=world)   # before any rank starts
