@@ -1,7 +1,7 @@
 """`meshtrain train`'s plan flags (the Plan's fields), and the Plan they make."""
 from __future__ import annotations
 
-from meshtrain.core.plan import COMPILE_BACKENDS, PRECISIONS, RECOMPUTES, Plan
+from meshtrain.core.plan import COMPILE_BACKENDS, FP8_RECIPES, PRECISIONS, RECOMPUTES, Plan
 
 
 def add_plan_options(plan) -> None:
@@ -36,6 +36,9 @@ def add_plan_options(plan) -> None:
                            "aot_eager traces without generating code)")
     plan.add_argument("--precision", default="fp32", choices=[*PRECISIONS, "fp8-emulated"],
                       help="bf16 compute, fp32 masters; fp8: float8 linears (torchao)")
+    plan.add_argument("--fp8-recipe", default="tensorwise", choices=list(FP8_RECIPES),
+                      help="with --precision fp8: one scale per tensor, or per row (torchao's "
+                           "recipes; rowwise keeps more precision, runs a little slower)")
     plan.add_argument("--dp-mode", default="ddp",
                       choices=["ddp", "dp", "ps-sync", "ps-async", "diloco", "local-sgd"],
                       help="how data-parallel replicas agree: ddp (ring all-reduce), dp (one "
@@ -95,7 +98,8 @@ def plan_from_args(args, dp: int) -> Plan:
                 outer_momentum=args.outer_momentum, zero=args.zero, dp_mode=args.dp_mode,
                 microbatches=args.microbatches, virtual_stages=args.virtual_stages,
                 bucket_mb=args.bucket_mb, precision=args.precision.removesuffix("-emulated"),
-                fp8_emulate=args.precision == "fp8-emulated", offload=args.offload,
+                fp8_emulate=args.precision == "fp8-emulated", fp8_recipe=args.fp8_recipe,
+                offload=args.offload,
                 recompute=args.recompute, recompute_every=args.recompute_every,
                 sequence_parallel=args.sequence_parallel, max_grad_norm=args.max_grad_norm,
                 offload_dir=args.offload_dir, measure_activations=True, schedule=args.schedule,

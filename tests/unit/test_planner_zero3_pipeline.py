@@ -119,15 +119,3 @@ def test_regathering_hides_behind_compute_as_at_pp1_and_the_kept_policy_does_not
         assert got == pytest.approx(min(hideable, compute) * cluster.overlap)
         assert dp_hidden(_cand(**plan), cluster, hideable, compute, 1.0) == 0.0
 
-
-def test_the_train_command_takes_the_policy_the_advisor_offers():
-    from meshtrain.cli.main import build_parser
-    from meshtrain.cli.train_cmd import build_config
-    flags = ["train", "--device", "cpu", "--nproc", "4", "--zero", "3", "--pp", "2",
-             "--microbatches", "2"]
-    for extra, regather in (([], False), (["--zero3-regather"], True)):
-        config = build_config(build_parser().parse_args(flags + extra))
-        assert Plan.from_dict(config.plan).zero3_regather is regather
-    with pytest.raises(PlanError, match="zero3_regather with schedule='interleaved'"):
-        build_config(build_parser().parse_args(flags + ["--zero3-regather", "--schedule",
-                                                        "interleaved", "--virtual-stages", "2"]))
