@@ -224,4 +224,34 @@ def run(args) -> int:
         print(report.table(advice, args.top))
         print()
         print(report.words(advice))
+        print()
+        print(train_command(advice, args.model))
     return 0
+
+
+def train_command(advice, model: str | None) -> str:
+    """The command that trains with the fastest plan: `meshtrain train` on one node, each
+    node's torchrun across several."""
+    from meshtrain.cli.plan_options import FLAGLESS, plan_flags
+    from meshtrain.models.gpt import GPT_SHAPES
+    from meshtrain.planner.model_spec import PRESETS
+
+    best = advice.ranked[0].cand
+    flags = plan_flags(best.full_plan())
+    if flags is None:
+        return (f"The fastest plan sets one of {', '.join(FLAGLESS)}, which only "
+                "Plan(...) in Python takes.")
+    builds = model and not (model.lower() in PRESETS and model.lower() not in GPT_SHAPES)
+    flags = ["--model", model if builds else "YOUR_MODEL", "--batch",
+             str(advice.setup.global_batch), "--seq", str(advice.spec.seq), *flags]
+    cluster = advice.cluster
+    if cluster.nodes == 1:
+        line = "meshtrain train " + " ".join(flags)
+    else:   # --nproc is each node's torchrun's to set
+        at = flags.index("--nproc")
+        line = (f"torchrun --nnodes {cluster.nodes} --node-rank K --nproc-per-node "
+                f"{cluster.gpus_per_node} --rdzv-backend c10d --rdzv-endpoint HOST:29500 "
+                "-m meshtrain train " + " ".join(flags[:at] + flags[at + 2:]))
+    note = ("" if builds else f" ({model or 'the described model'} is a shape the planner "
+            "prices; give your model's folder or config.json as --model)")
+    return f"To train with the fastest plan{note}:\n  {line}"

@@ -1,6 +1,8 @@
 """`meshtrain train`'s plan flags (the Plan's fields), and the Plan they make."""
 from __future__ import annotations
 
+import dataclasses
+
 from meshtrain.core.plan import COMPILE_BACKENDS, FP8_RECIPES, PRECISIONS, RECOMPUTES, Plan
 
 
@@ -90,8 +92,11 @@ def add_mesh_axis_options(plan) -> None:
                            "counted (default: dropless)")
 
 
-def plan_from_args(args, dp: int) -> Plan:
-    """The Plan the flags ask for, over `dp` data-parallel ranks."""
+def plan_from_args(args, world: int) -> Plan:
+    """The Plan the flags ask for on `world` ranks (dp: --dp, else what pp x cp x tp leave;
+    --dp-mode dp: 2 replicas, threads of one process, unless --dp says)."""
+    one_process = args.dp_mode == "dp"
+    dp = args.dp or (2 if one_process else max(1, world // (args.pp * args.cp * args.tp)))
     return Plan(dp=dp, pp=args.pp, tp=args.tp, cp=args.cp, cp_style=args.cp_style,
                 ep=args.ep, capacity_factor=args.capacity_factor, staleness=args.staleness,
                 ps_shards=args.ps_shards, sync_every=args.sync_every, outer_lr=args.outer_lr,
@@ -106,3 +111,26 @@ def plan_from_args(args, dp: int) -> Plan:
                 compression=args.compression, compression_rank=args.compression_rank,
                 compile=args.compile, sync_warmup_steps=args.sync_warmup_steps,
                 zero3_regather=args.zero3_regather)
+
+
+FLAGLESS = ("zero3_units", "stage_cuts", "tp_plan", "compression_min_rate")   # Plan(...) only
+_NOT_FLAGS = ("measure_activations", "fp8_emulate")   # always on / part of --precision
+
+
+def plan_flags(plan: Plan) -> list[str] | None:
+    """The flags `plan_from_args` makes `plan` from (over `--nproc plan.world_size`), its
+    defaults left out; None where it sets a field no flag reaches (FLAGLESS)."""
+    default, flags = Plan(), ["--nproc", str(plan.world_size)]
+    if plan.dp_mode == "dp":   # one process: its replicas are threads, not ranks
+        flags += ["--dp", str(plan.dp)]
+    for f in dataclasses.fields(Plan):
+        value = getattr(plan, f.name)
+        if f.name in ("dp", *_NOT_FLAGS) or value == getattr(default, f.name):
+            continue
+        if f.name in FLAGLESS:
+            return None
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "precision" and plan.fp8_emulate:
+            value = "fp8-emulated"
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags

@@ -153,8 +153,7 @@ def build_config(args):
     one_process = args.dp_mode == "dp"   # DP's replicas are threads of one process
     default_world = args.pp * args.tp if one_process else default_ranks(device)
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or default_world)
-    dp = args.dp or (2 if one_process else max(1, world // (args.pp * args.cp * args.tp)))
-    plan = plan_from_args(args, dp)
+    plan = plan_from_args(args, world)
     if not _under_torchrun():   # one GPU per rank: refused here, before any rank starts
         check_ranks_fit(device, plan.world_size)
     check_plan(plan, world_size=world)   # before any rank starts

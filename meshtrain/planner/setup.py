@@ -7,6 +7,8 @@ volume as tensor parallel alone, activations divided by t); those live in `Candi
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 from meshtrain.core.plan import Plan
@@ -97,6 +99,10 @@ class Candidate:
     @property
     def sp(self) -> bool:
         return self.sequence_parallel and self.plan.tp > 1
+
+    def full_plan(self) -> Plan:
+        """The Plan that runs it: recomputation and sequence parallel set on it."""
+        return dataclasses.replace(self.plan, recompute=self.recompute, sequence_parallel=self.sp)
 
     def label(self) -> str:
         p = self.plan
