@@ -48,9 +48,16 @@ INTER_LATENCY = 20e-6
 
 
 def lookup(table: dict, name: str, what: str, flag: str):
+    """`table`'s entry for `name`: its key in any case, or the one key it begins ('h100')."""
+    wanted = str(name).lower()
     for key, value in table.items():
-        if key.lower() == str(name).lower():
+        if key.lower() == wanted:
             return value
+    begun = [key for key in table if key.lower().startswith(wanted)]
+    if len(begun) == 1:
+        return table[begun[0]]
+    if begun:
+        raise HardwareError(f"{what} {name!r} could be {' or '.join(begun)}: name one")
     raise HardwareError(f"unknown {what} {name!r}; choose one of {', '.join(table)} "
                         f"or give the number itself with {flag}")
 

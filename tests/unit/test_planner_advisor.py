@@ -182,6 +182,7 @@ def test_cli_table_and_json_agree(capsys):
     (["--model", "gpt2-1.3b", "--gpu-mem=-80GB"], "negative"),
     (["--model", "gpt2-1.3b", "--intra-bw", "600GB"], "not a rate"),
     (["--model", "gpt2-1.3b", "--gpu", "B200"], "unknown GPU preset 'B200'"),
+    (["--model", "gpt2-1.3b", "--gpu", "a100"], "'a100' could be A100-40GB or A100-80GB"),
     (["--model", "gpt3-175b", "--gpus-per-node", "2"], "fits no plan.*To fit, try: more devices"),
     (["--layers", "4"], "no model"),
     (["--model", "gpt2-1.3b", "--nodes", "0"], "--nodes 0"),
@@ -221,3 +222,9 @@ def test_the_advice_ranks_only_plans_meshtrain_runs():
         check_plan(plan)   # every ranked plan is one meshtrain takes
     assert any(p.ep > 1 for p in ranked["bf16"])
     assert ranked["fp8"] and not any(p.ep > 1 for p in ranked["fp8"])
+
+
+def test_a_gpu_preset_is_named_in_any_case_or_by_the_one_name_it_begins():
+    from meshtrain.planner.hardware import make_cluster
+    assert make_cluster("h100").name == make_cluster("H100-80GB").name == "H100-80GB"
+    assert make_cluster("a100-40").gpu_mem == make_cluster("A100-40GB").gpu_mem
