@@ -166,6 +166,11 @@ class Watchdog:
                     "(--collective-timeout)")))
                 return
 
+    def follow(self, comm) -> None:
+        """Publish `comm`'s calls from now on: the Trainer stepping (a process may hold
+        several, e.g. a benchmark alternating them)."""
+        self.log, self.mesh = comm.log, comm.mesh
+
     def stalled(self, now: float) -> bool:
         """Inside a step, the log unchanged for `stall_after` seconds (checked by the
         thread; `now` on time.monotonic)."""
@@ -216,8 +221,8 @@ _watchdog: Watchdog | None = None
 
 
 def watch(comm) -> Watchdog | None:
-    """The process's watchdog, now publishing `comm`'s log (one per process: a newer
-    Trainer's calls replace an older one's). None without a process group of several ranks."""
+    """The process's watchdog, now publishing `comm`'s log (one per process: each Trainer
+    has it follow its own comm as it steps). None without a process group of several ranks."""
     import torch.distributed as dist
 
     global _watchdog
@@ -228,7 +233,7 @@ def watch(comm) -> Watchdog | None:
             _watchdog.close()
         _watchdog = Watchdog(comm.log, comm.mesh, stall_after=_stall_after)
     else:
-        _watchdog.log, _watchdog.mesh = comm.log, comm.mesh
+        _watchdog.follow(comm)
         _watchdog.stall_after = _stall_after
     return _watchdog
 

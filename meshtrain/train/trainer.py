@@ -249,6 +249,7 @@ class Trainer:
     @contextmanager
     def _watched(self):
         if self.watchdog is not None:   # a stall counts only inside a step (NCCL's case)
+            self.watchdog.follow(self.comm)   # this Trainer's calls, not the newest one's
             self.watchdog.busy = True
         try:
             yield
