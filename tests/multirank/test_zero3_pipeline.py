@@ -2,7 +2,8 @@
 process's training under dp2 x pp2 with each schedule (pairwise with tp, the tied model, a
 transformers model, AdamW and a meta build), the bytes each collective moves and the
 memory at rest and during a step against the policy's theory, checkpoints across plans;
-the same for Plan.zero3_regather (1F1B, GPipe, naive), beside the default policy.
+the same for Plan.zero3_regather (1F1B, GPipe, naive, interleaved), beside the default
+policy.
 
 One world of 4 ranks runs every 4-rank case, one of 8 the tp case (a start costs more than
 a case). Three steps each: a step's gathers, accumulation over micro-batches, scatter and
@@ -28,11 +29,13 @@ CASES = [(dict(schedule="1f1b", microbatches=4), "gpt", "sgd", None),
          # a weight tied across the stages (embedding and output layer), clipped
          (dict(schedule="1f1b", microbatches=4), "tied_pipe", "sgd", 1.0)]
 # Plan.zero3_regather (units gathered for each micro-batch's forward and backward): 1F1B
-# at M = 4, GPipe with the weight tied across stages, naive (one micro-batch)
+# at M = 4, GPipe with the weight tied across stages, naive (one micro-batch), interleaved
 REGATHER = [(dict(schedule="1f1b", microbatches=4, zero3_regather=True), "gpt", "sgd", None),
             (dict(schedule="gpipe", microbatches=2, zero3_regather=True), "tied_pipe", "sgd",
              1.0),
-            (dict(schedule="naive", microbatches=1, zero3_regather=True), "gpt", "sgd", None)]
+            (dict(schedule="naive", microbatches=1, zero3_regather=True), "gpt", "sgd", None),
+            (dict(schedule="interleaved", microbatches=4, virtual_stages=2,
+                  zero3_regather=True), "gpt", "sgd", None)]
 
 
 def train_cases(cases) -> list[dict]:
@@ -66,7 +69,9 @@ def four_ranks(path: str) -> dict:
             # both policies on the GPT of 8 layers: 4 units a stage
             "policies": [step_accounting(4, dict(**DP2_PP2, schedule="1f1b",
                                                  zero3_regather=regather), eq.gpt_pipe)
-                         for regather in (False, True)],
+                         for regather in (False, True)] + [step_accounting(
+                             4, dict(**DP2_PP2, schedule="interleaved", virtual_stages=2,
+                                     zero3_regather=True), eq.gpt_pipe)],
             "peer": eq.train_torch_ddp("gpt", "adamw", steps=STEPS, microbatches=2),
             "checkpoints": save_and_resume(path)}
 
@@ -130,7 +135,13 @@ def test_regathering_each_microbatch_matches_one_process(four):
 def test_regathering_moves_m_times_the_bytes_and_holds_two_units(four):
     m = 4
     for r in four:
-        kept, r = r["policies"]
+        kept, r, interleaved = r["policies"]
+        # two chunks a rank (interleaved): each chunk's units prefetch only within it, and a
+        # backward reduce-scatters only its chunk's, so the bytes and calls are 1F1B's, and
+        # the gathered peak two units
+        assert [k for _, k in interleaved["units"]] == [k for _, k in r["units"]]
+        assert (interleaved["ag"], interleaved["rs"]) == (r["ag"], r["rs"])
+        assert interleaved["gathered_peak"] == r["gathered_peak"]
         assert r["units"] == kept["units"]   # the same units, laid out alike
         sizes = [k for _, k in r["units"]]   # padded lengths, in backward order
         half = sum(ring_half_elements(k, 2, r["rank"]) for k in sizes) * 4

@@ -16,8 +16,8 @@ def test_zero3_regather_is_the_policy_the_advisor_offers_under_stages():
     stages = ["--nproc", "4", "--zero", "3", "--pp", "2", "--microbatches", "2"]
     assert _plan(*stages).zero3_regather is False
     assert _plan(*stages, "--zero3-regather").zero3_regather is True
-    with pytest.raises(PlanError, match="zero3_regather with schedule='interleaved'"):
-        _plan(*stages, "--zero3-regather", "--schedule", "interleaved", "--virtual-stages", "2")
+    with pytest.raises(PlanError, match="zero3_regather with schedule='zb-h1'"):
+        _plan(*stages, "--zero3-regather", "--schedule", "zb-h1")
 
 
 def test_the_fp8_recipe_needs_fp8():

@@ -50,10 +50,11 @@ shard as ZeRO-2 does (a round is a backward); the root is freed as the chunk's f
 ends and gathered again as its backward starts. Per step and rank: 2M all-gathers and M
 reduce-scatters of every unit; during a step, on top of the shards, the root and at most
 two units gathered (the one computing, the next prefetched) and at most three units'
-gradients (one filling, two reduce-scattering), as ZeRO-3 at pp = 1 already does. Built for
-one chunk per rank (1F1B, GPipe, naive): interleaved stages would prefetch across chunks and
-scatter the idle chunk's zeros each round, and zero bubble's weight pass would need its
-units gathered a third time.
+gradients (one filling, two reduce-scattering), as ZeRO-3 at pp = 1 already does. Under
+interleaved stages a unit prefetches the next one of its own chunk only (the rank's next
+chunk may not run next), and a backward reduce-scatters only its chunk's units (the runtime
+names the chunk: gradient_buckets.py, [Note: a round's reach]). Not built for zero bubble,
+whose weight pass would need its units gathered a third time.
 
 Parameter storage follows a state machine named by what is in memory (`Held`): SHARDED (the
 shard alone; the parameters point at empty tensors), GATHERING (an all-gather in flight into
@@ -278,8 +279,11 @@ class ZeRO3(ZeRO):
 
     # ---- the hooks that gather and free -----------------------------------------------------------
     def _hook(self, entries: list[nn.Module]) -> None:
-        for entry in entries:   # the model, or each pipeline chunk this rank runs
+        self._chunk_of: dict[int, int] = {}   # unit index -> the entry (chunk) running it
+        for c, entry in enumerate(entries):   # the model, or each pipeline chunk this rank runs
             inside = {id(m) for m in entry.modules()}
+            self._chunk_of.update({i: c for i, (_, m) in enumerate(self._unit_modules)
+                                   if id(m) in inside})
             first = next((i for i, (_, m) in enumerate(self._unit_modules)
                           if id(m) in inside and i in self._by_module_index), None)
             entry.register_forward_pre_hook(lambda m, args, i=first: self._model_starts(i))
@@ -291,9 +295,10 @@ class ZeRO3(ZeRO):
                 module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
 
     def _neighbour(self, i: int, step: int) -> Unit | None:
-        """The next unit with parameters after unit i, going forward (+1) or backward (-1)."""
+        """The next unit with parameters after unit i in its chunk, going forward (+1) or
+        backward (-1): an interleaved stage's next chunk may not run next."""
         j = i + step
-        while 0 <= j < len(self._unit_modules):
+        while 0 <= j < len(self._unit_modules) and self._chunk_of.get(j) == self._chunk_of[i]:
             if j in self._by_module_index:
                 return self._by_module_index[j]
             j += step
