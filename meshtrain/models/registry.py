@@ -3,6 +3,7 @@
     tiny | small | gpt2-124m | ...      meshtrain's GPT preset (with --layers, --d-model, ... overrides)
     my_pkg.my_module:build               a callable returning an nn.Module
     path/to/config.json                  a transformers causal-LM configuration, random weights
+    path/to/folder                       ... the folder's config.json (save_pretrained's folder)
                                           (needs the optional extra: pip install -e ".[hf]")
     llama-tiny | qwen2-tiny | ...        a tiny transformers causal LM built offline from
                                           transformers' config classes (models/hf_presets.py)
@@ -62,14 +63,15 @@ def kind_of(spec: str) -> str:
         return "gpt"
     if spec in HF_PRESETS:
         return "hf-preset"
-    if spec.endswith(".json"):
+    if spec.endswith(".json") or (Path(spec) / "config.json").is_file():
         return "transformers"
     if ":" in spec:
         return "callable"
     from meshtrain.models.hf_presets import PRESETS as HF_PRESETS
     raise ModelSpecError(f"--model {spec!r} is unknown: neither a GPT preset ({', '.join(PRESETS)}), "
                          f"a transformers preset ({', '.join(HF_PRESETS)}), a callable "
-                         "(package.module:function) nor a transformers config (a .json file)")
+                         "(package.module:function) nor a transformers config (a .json file, "
+                         "or a folder holding config.json)")
 
 
 def check_model_spec(spec: str, overrides: dict) -> None:
@@ -113,6 +115,8 @@ def transformers_config(spec: str):
                              'pip install -e ".[hf]"') from None
     if spec in hf_presets.PRESETS:
         return hf_presets.config_of(spec)
+    if Path(spec).is_dir():   # a folder save_pretrained wrote
+        spec = str(Path(spec) / "config.json")
     if not Path(spec).is_file():
         raise ModelSpecError(f"--model {spec!r}: no such configuration file")
     try:
