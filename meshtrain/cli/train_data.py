@@ -22,12 +22,17 @@ def settle_data(config):
     from meshtrain.data.tokenizer import Tokenizer, check_matches
     from meshtrain.data.tokens import is_token_data
 
+    text = config.data is not None and "," not in config.data and not is_token_data(config.data)
+    if config.tokenizer is None and text and (found := model_tokenizer(config)) is not None:
+        config.tokenizer = str(found)
+        print(f"meshtrain train: --data is text, read with the model's tokenizer ({found}; "
+              "--tokenizer names another)", file=sys.stderr)
     tok = Tokenizer(config.tokenizer) if config.tokenizer else None
     if config.data is None:
         if tok is not None:
             raise PlanError("--tokenizer needs --data: text to tokenise, or token shards")
         return None
-    if tok is not None and "," not in config.data and not is_token_data(config.data):
+    if tok is not None and text:
         config.data = str(tokenize_once(config.data, tok))
     data = load_data(config.data)   # every shard's header checked; DataError names the file
     if not data.tokens:
@@ -45,6 +50,19 @@ def settle_data(config):
     elif vocab is not None:
         _check_vocab(config, data, declared, vocab)
     return tok
+
+
+def model_tokenizer(config) -> Path | None:
+    """The folder the model comes from (--init-from's, or --model's folder or config.json's),
+    where it holds a tokenizer.json, as save_pretrained writes a tokenizer beside a model."""
+    from meshtrain.models.registry import kind_of
+
+    model = config.model if config.model and kind_of(config.model) == "transformers" else None
+    for place in filter(None, (config.init_from, model)):
+        folder = Path(place) if Path(place).is_dir() else Path(place).parent
+        if (folder / "tokenizer.json").is_file():
+            return folder
+    return None
 
 
 def tokenize_once(spec: str, tok) -> Path:

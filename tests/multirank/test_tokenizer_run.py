@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from meshtrain.cli.main import main
+from meshtrain.data.tokenizer import Tokenizer
 from tests.unit.test_prepare import DOCS, train_tokenizer
 
 BIN = Path(sys.executable).parent
@@ -90,3 +91,28 @@ def test_a_tokenizer_the_model_or_the_data_cannot_take_is_refused(setup, tmp_pat
     assert f"--tokenizer {other}: not the tokenizer that made {dataset}" in \
         capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_text_data_is_read_with_the_model_folders_tokenizer(setup, tmp_path, monkeypatch,
+                                                            capsys):
+    import shutil
+
+    from meshtrain.cli.main import build_parser
+    from meshtrain.cli.train_cmd import build_config
+    from meshtrain.cli.train_data import settle_data
+
+    root, tok, _ = setup
+    monkeypatch.setenv("XDG_CACHE_HOME", str(root / "cache"))
+    folder = tmp_path / "model"   # as save_pretrained leaves a model and its tokenizer
+    shutil.copytree(root / "llama320", folder)
+    shutil.copy(tok, folder / "tokenizer.json")
+    for model in (str(folder), str(folder / "config.json")):
+        config = build_config(build_parser().parse_args(
+            ["train", "--model", model, "--data", str(root / "texts"), "--nproc", "1"]))
+        assert settle_data(config).sha256 == Tokenizer(tok).sha256
+        assert json.loads((Path(config.data) / "index.json").read_text())["vocab_size"] == 300
+        assert "read with the model's tokenizer" in capsys.readouterr().err
+    # without a tokenizer beside the model, text stays bytes
+    config = build_config(build_parser().parse_args(
+        ["train", "--model", str(root / "llama320"), "--data", str(root / "texts")]))
+    assert settle_data(config) is None and config.tokenizer is None
