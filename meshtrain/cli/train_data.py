@@ -29,6 +29,10 @@ def settle_data(config):
               "--tokenizer names another)", file=sys.stderr)
     tok = Tokenizer(config.tokenizer) if config.tokenizer else None
     if config.data is None:
+        if tok is None and config.init_from and model_tokenizer(config) is not None:
+            print("meshtrain train: the default data is this Python's source as bytes, not "
+                  f"the tokens {config.init_from}'s weights were trained on: give --data "
+                  "text to read it with the model's tokenizer", file=sys.stderr)
         if tok is not None:
             raise PlanError("--tokenizer needs --data: text to tokenise, or token shards")
         return None

@@ -112,6 +112,10 @@ def test_text_data_is_read_with_the_model_folders_tokenizer(setup, tmp_path, mon
         assert settle_data(config).sha256 == Tokenizer(tok).sha256
         assert json.loads((Path(config.data) / "index.json").read_text())["vocab_size"] == 300
         assert "read with the model's tokenizer" in capsys.readouterr().err
+    # pretrained weights on the default data (bytes): said, not silent
+    config = build_config(build_parser().parse_args(["train", "--init-from", str(folder)]))
+    assert settle_data(config) is None
+    assert "not the tokens" in capsys.readouterr().err
     # without a tokenizer beside the model, text stays bytes
     config = build_config(build_parser().parse_args(
         ["train", "--model", str(root / "llama320"), "--data", str(root / "texts")]))
