@@ -20,6 +20,7 @@ RECOMPUTES = ("none", "full", "selective", "attention")
 COMPRESSIONS = ("none", "powersgd")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "cudagraphs")   # compile=True is "inductor"
 CP_STYLES = ("ring", "all-to-all")
+STAGE_BALANCES = ("compute", "parameters")
 DDP_FIRST_BUCKET_MB = 1.0   # DDP's first bucket, as torch DDP's (strategies/data_parallel/ddp.py)
 
 
@@ -133,7 +134,11 @@ class Plan:
     time, 2M gathers a step). False: torchtitan's policy, each unit gathered once a step and
     kept, with its whole gradients, to the stage's last backward (one gather a step)."""
     stage_cuts: tuple[int, ...] | None = None
-    """pp > 1: index of the first layer of stages 1..S-1 (None: balanced by parameters)."""
+    """pp > 1: index of the first layer of stages 1..S-1 (None: balanced by stage_balance)."""
+    stage_balance: str = "compute"
+    """pp > 1 without stage_cuts: what the stages are balanced by: "compute" (each layer's
+    training FLOPs per token: the embedding ~0, the head's matmul and the loss) |
+    "parameters" (each layer's parameter count: memory)."""
     tp_plan: tuple[tuple[str, str], ...] | None = None
     """tp > 1: (module-name pattern, "column" | "row" | "vocab") pairs, given as a dict or
     pairs (None: the model's own, for the GPT and transformers models)."""
@@ -153,6 +158,7 @@ class Plan:
         _choose("schedule", self.schedule, SCHEDULES)
         _choose("precision", self.precision, PRECISIONS)
         _choose("recompute", self.recompute, RECOMPUTES)
+        _choose("stage_balance", self.stage_balance, STAGE_BALANCES)
         _check_recompute_every(self)
         _check_fp8(self)
         if not isinstance(self.zero, int) or self.zero not in (0, 1, 2, 3):

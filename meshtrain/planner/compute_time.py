@@ -12,13 +12,14 @@ from meshtrain.planner.flops import elementwise_bytes_per_token, forward_flops_p
 from meshtrain.planner.hardware import RECOMPUTED_BLOCK, Cluster
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, element_bytes
+from meshtrain.planner.stage_split import stage_blocks
 
 
 def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: float,
                         precision: str | None = None) -> float:
     """Seconds of one micro-batch of `b` sequences on one rank, before the Trainer's factor:
-    the model's FLOPs over pp stages (the busiest holds ceil(l/p) layers, plus the logit
-    layer) and tp ranks, plus a fixed cost per block that no FLOP count sees. With measured
+    the model's FLOPs over pp stages (the busiest of them as the pipeline cuts them:
+    planner/stage_split.py; the last holds the logit layer) and tp ranks, plus a fixed cost per block that no FLOP count sees. With measured
     efficiency curves (a GPU's local profile) in `precision`, the FLOPs run at the
     efficiency of this micro-batch's GEMMs and attention, and its elementwise work at the
     memory's speed (flops.ELEMENTWISE_BYTES; also where `elementwise_apart`: an efficiency
@@ -29,8 +30,9 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
     layer_f, scores_f, logits_f = forward_flops_per_token(spec, spec.span)
     extra = (layer_f / p.recompute_every if cand.recompute == "full"
              else scores_f if cand.recompute == "attention" else 0)
-    layers_here = math.ceil(spec.layers / p.pp)
-    mb_flops = b * spec.seq * (layers_here * (3 * layer_f + extra) + 3 * logits_f) / p.tp
+    blocks = stage_blocks(spec, p)   # the busiest stage: the last one holds the logit layer
+    mb_flops = b * spec.seq * max(n * (3 * layer_f + extra) + 3 * logits_f * (s == len(blocks) - 1)
+                                  for s, n in enumerate(blocks)) / p.tp
     dispatch = dispatch_time(spec, cand, cluster)
     device = mb_flops / cluster.achievable_flops + float8_saving(spec, cand, cluster, b)
     apart = cluster.elementwise_apart

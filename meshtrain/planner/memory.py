@@ -4,7 +4,6 @@ per role (pipeline stage, parameter server or worker) and on the busiest rank.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 
 from meshtrain.core.plan import LOCAL_STEP_MODES
@@ -15,6 +14,7 @@ from meshtrain.planner.activations import (forward_traffic, full_layer_bytes, in
 from meshtrain.planner.compression import powersgd_traffic
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
+from meshtrain.planner.stage_split import stage_blocks
 from meshtrain.planner.states import (local_step_states, master_states, server_states,
                                       stage_params, staged_buffer_bytes)
 
@@ -210,7 +210,7 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
                   optimizer_step: float | None = None) -> Memory:
     p = cand.plan
     last = stage == p.pp - 1
-    psi = stage_params(spec, p.pp, p.tp, stage)
+    psi = stage_params(spec, p.pp, p.tp, stage, stage_blocks(spec, p))
     states = experts.rank_states(spec, cand, setup, psi, host_is_device)
     if p.dp_mode.startswith("ps-"):
         states = server_states(psi, setup, p.ps_shards, server)
@@ -222,7 +222,7 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
         # with the gradients as powersgd.py's memory() does
         kept = powersgd_traffic(spec, p.compression_rank, p.compression_min_rate).kept
         states = replace(states, grads=states.grads + kept * setup.grad_bytes)
-    layers_here = math.ceil(spec.layers / p.pp)
+    layers_here = stage_blocks(spec, p)[stage]
     inflight = inflight_microbatches(p.schedule, p.pp, p.microbatches, p.virtual_stages, stage)
     acts = stage_layers_bytes(spec, cand, setup, layers_here) * inflight
     first, rest = forward_traffic(spec, cand, setup, stage)

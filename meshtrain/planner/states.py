@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshtrain.core.plan import Plan
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
+from meshtrain.planner.stage_split import stage_blocks
 
 
 @dataclass(frozen=True)
@@ -87,25 +89,23 @@ def zero_comm_volume(zero: int, psi: float) -> float:
     return (3 if zero == 3 else 2) * psi
 
 
-def stage_params(spec: ModelSpec, pp: int, tp: int, stage: int | None = None) -> float:
-    """Parameters on pipeline stage `stage` (None: the busiest): ceil(l/p) blocks, plus the
-    embedding on the first stage and the head on the last, split t ways except what tensor
-    parallel keeps whole on every rank (Megatron: vocab-parallel embedding and column/row-
-    parallel matrices are split; the norms, the row-parallel biases and a learned position
+def stage_params(spec: ModelSpec, pp: int, tp: int, stage: int | None = None,
+                 blocks: list[int] | None = None) -> float:
+    """Parameters on pipeline stage `stage` (None: the busiest): its `blocks` (per stage, as
+    planner/stage_split.stage_blocks cuts them; None: as it cuts Plan(pp=pp)), plus the embedding on
+    the first stage and the head on the last, split t ways except what tensor parallel
+    keeps whole on every rank (Megatron: vocab-parallel embedding and column/row-parallel
+    matrices are split; the norms, the row-parallel biases and a learned position
     embedding are replicated)."""
-    layers_here = math.ceil(spec.layers / pp)
-    per_stage = layers_here * spec.layer_params
+    blocks = blocks or stage_blocks(spec, Plan(pp=pp))
+    per_block = spec.layer_params
     if spec.measured_params:   # keep the exact total when it was read from a module
-        per_stage = spec.measured_params - spec.embedding_params - spec.head_params
-        per_stage = layers_here * per_stage / spec.layers
-    whole_stage = layers_here * spec.layer_replicated_params
-    first = (per_stage + spec.embedding_params, whole_stage + spec.embedding_replicated_params)
-    last = (per_stage + spec.head_params + (spec.vocab * spec.hidden if spec.tied and pp > 1 else 0),
-            whole_stage + spec.norm_params)
-    if pp == 1:
-        stages = [(first[0] + spec.head_params, first[1] + spec.norm_params)]
-    else:
-        stages = [first] + [(per_stage, whole_stage)] * (pp - 2) + [last]
+        per_block = (spec.measured_params - spec.embedding_params - spec.head_params) / spec.layers
+    stages = [(n * per_block, n * spec.layer_replicated_params) for n in blocks]
+    first = stages[0]
+    stages[0] = (first[0] + spec.embedding_params, first[1] + spec.embedding_replicated_params)
+    tied = spec.vocab * spec.hidden if spec.tied and pp > 1 else 0
+    stages[-1] = (stages[-1][0] + spec.head_params + tied, stages[-1][1] + spec.norm_params)
 
     def on_rank(total: float, whole: float) -> float:
         return total if tp == 1 else (total - whole) / tp + whole
@@ -123,7 +123,7 @@ def collective_buffer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> f
         return 0.0
     if p.zero == 3:
         return spec.largest_layer_params / p.tp * setup.param_bytes
-    return min(stage_params(spec, p.pp, p.tp) * setup.param_bytes, p.bucket_mb * 2**20)
+    return min(stage_params(spec, p.pp, p.tp, blocks=stage_blocks(spec, p)) * setup.param_bytes, p.bucket_mb * 2**20)
 
 
 def staged_buffer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:

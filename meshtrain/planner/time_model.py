@@ -21,7 +21,7 @@ from meshtrain.planner import context_parallel, experts
 from meshtrain.planner.compression import powersgd_traffic
 from meshtrain.planner.compute_time import dispatch_time, float8_amax_time, micro_batch_compute
 from meshtrain.planner.hardware import Cluster, nearest
-from meshtrain.planner.states import model_states, stage_params
+from meshtrain.planner.states import model_states, stage_blocks, stage_params
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
 
@@ -121,7 +121,7 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     compute = m * t_mb
     pipeline = pipeline_time(cand, cluster, slot)
     bubble = pipeline - m * slot
-    psi, expert_psi, edp = experts.expert_share(spec, cand, stage_params(spec, p.pp, p.tp))
+    psi, expert_psi, edp = experts.expert_share(spec, cand, stage_params(spec, p.pp, p.tp, blocks=stage_blocks(spec, p)))
     t_dp, last, stats = dp_comm_time(spec, cand, setup, cluster, psi)
     t_off = offload_time(cand, setup, cluster, psi)
     t_opt = optimizer_time(cand, setup, cluster, psi)
@@ -370,7 +370,7 @@ def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None
         # model's last, gradients out of every chunk but the model's first
         sends = [(v - (st == p.pp - 1)) + (v - (st == 0)) for st in stages]
         out["pp"] = m * act * max(sends)
-    dense, expert_psi, edp = experts.expert_share(spec, cand, stage_params(spec, p.pp, p.tp, stage))
+    dense, expert_psi, edp = experts.expert_share(spec, cand, stage_params(spec, p.pp, p.tp, stage, stage_blocks(spec, p)))
     for q, psi in [(p, dense)] + ([(edp.plan, expert_psi)] if edp else []):   # experts: edp
         if q.dp == 1:
             continue

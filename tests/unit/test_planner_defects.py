@@ -10,6 +10,7 @@ from meshtrain.planner import memory as mm
 from meshtrain.planner import states as sm
 from meshtrain.planner.guide import FAMILIES, questions
 from meshtrain.planner.setup import Candidate
+from meshtrain.planner.stage_split import stage_blocks
 
 SETUP = Setup(global_batch=16, precision="bf16")
 
@@ -19,15 +20,16 @@ def test_the_output_layer_lives_on_the_last_stage():
     cand = Candidate(Plan(pp=2, microbatches=8, schedule="1f1b"), 2, "none")
     first, last = mm.stage_memories(spec, cand, SETUP)
     per_layer = am.layer_activation_bytes(spec, spec.seq, 2, elem_bytes=SETUP.act_bytes)
-    blocks = spec.layers // 2 * per_layer
+    split = stage_blocks(spec, cand.plan)   # balanced by compute: the head's stage has fewer
+    assert sum(split) == spec.layers and split[0] > split[1]
     output = (2 * SETUP.act_bytes * spec.seq * 2 * spec.hidden
               + am.logits_bytes(spec, spec.seq, 2, 1))
     # 1F1B: the first stage holds p = 2 micro-batches of its blocks and no output layer,
     # the last one micro-batch of its blocks and the output layer's activations and logits
-    assert first.activations == pytest.approx(2 * blocks)
-    assert last.activations == pytest.approx(blocks + output)
-    assert first.params == pytest.approx(sm.stage_params(spec, 2, 1, 0) * SETUP.param_bytes)
-    assert last.params == pytest.approx(sm.stage_params(spec, 2, 1, 1) * SETUP.param_bytes)
+    assert first.activations == pytest.approx(2 * split[0] * per_layer)
+    assert last.activations == pytest.approx(split[1] * per_layer + output)
+    assert first.params == pytest.approx(sm.stage_params(spec, 2, 1, 0, split) * SETUP.param_bytes)
+    assert last.params == pytest.approx(sm.stage_params(spec, 2, 1, 1, split) * SETUP.param_bytes)
     # the busiest rank is whichever stage needs more, with its own parameters
     assert mm.memory(spec, cand, SETUP).total == max(first.total, last.total)
 

@@ -1,7 +1,7 @@
 """Pipeline parallel (slots 2 and 5 on the pp axis): the model's layers cut into stages,
 driven by a schedule that is data.
 
-    partition.py   which layers make each stage (balanced by parameters, or explicit cuts)
+    partition.py   which layers make each stage (balanced by compute or parameters, or cuts)
     stages.py      PipelineStages: the Stages slot (this rank's chunks, tied weights, merge)
     schedules.py   naive, GPipe, 1F1B, interleaved 1F1B, zero bubble (ZB-H1) as per-rank
                    action lists

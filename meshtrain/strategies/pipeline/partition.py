@@ -4,14 +4,21 @@ The layers are `list(model)` for an `nn.Sequential`, or `model.layers()` for a m
 exposes them (meshtrain's GPT: `[embed, *blocks, head]`), or a transformers causal LM's
 stages (models/hf.py: embedding, each decoder layer, head); run one after another they must
 compute `model.forward`. They are cut into S = pp * virtual_stages consecutive stages, each
-at least one layer, balanced by parameter count unless explicit cut points are given.
+at least one layer, balanced by each layer's training FLOPs (models/layer_compute.py: the
+embedding ~0, the head's matmul and the loss; Plan.stage_balance="compute") or by its
+parameter count ("parameters": memory), unless explicit cut points are given. The planner
+makes the same cut from a model spec (core/stage_split.balanced_cuts).
 """
 from __future__ import annotations
 
 from torch import nn
 
 from meshtrain.core.plan import Plan, PlanError
+from meshtrain.core.stage_split import balanced_cuts
+from meshtrain.models.layer_compute import layer_flops
 from meshtrain.models.structure import pipeline_layers
+
+__all__ = ["balanced_cuts", "check", "layer_weights", "model_layers", "stage_bounds"]
 
 
 def model_layers(model: nn.Module) -> list[nn.Module]:
@@ -25,35 +32,10 @@ def model_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def balanced_cuts(weights: list[int], stages: int) -> list[int]:
-    """Boundaries [0, c1, ..., len(weights)] of `stages` consecutive non-empty groups whose
-    heaviest group is as light as possible (linear partition, by dynamic programming)."""
-    n = len(weights)
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # best[k][i]: the lightest heaviest group splitting the first i layers into k groups
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for k in range(1, stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    bounds, i = [n], n
-    for k in range(stages, 0, -1):
-        i = cut[k][i]
-        bounds.append(i)
-    return bounds[::-1]
-
-
 def stage_bounds(model: nn.Module, plan: Plan, cuts: list[int] | None = None) -> list[int]:
     """[0, ..., n_layers]: stage s runs layers[bounds[s]:bounds[s+1]]. `cuts` are the S-1
     inner boundaries (the index of the first layer of stages 1..S-1); by default the
-    stages are balanced by parameter count. Refuses, naming the values, a split that
+    stages are balanced by `plan.stage_balance`. Refuses, naming the values, a split that
     cannot be made."""
     layers = model_layers(model)
     stages = plan.pp * plan.virtual_stages
@@ -62,14 +44,21 @@ def stage_bounds(model: nn.Module, plan: Plan, cuts: list[int] | None = None) ->
                         f"stages, but {type(model).__name__} has only {len(layers)} layers; "
                         f"use at most {len(layers)} stages (each stage needs a layer)")
     if cuts is None:
-        counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-        return balanced_cuts(counts, stages)
+        return balanced_cuts(layer_weights(model, layers, plan.stage_balance), stages)
     bounds = [0, *cuts, len(layers)]
     if len(cuts) != stages - 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
         raise PlanError(f"stage_cuts={list(cuts)}: give {stages - 1} increasing layer "
                         f"indices between 1 and {len(layers) - 1} (where stages 1..{stages - 1} "
                         "start)")
     return bounds
+
+
+def layer_weights(model: nn.Module, layers: list[nn.Module], balance: str) -> list[float]:
+    """What each layer weighs in the balance: its training FLOPs per token ("compute") or
+    its parameter count ("parameters")."""
+    if balance == "parameters":
+        return [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    return layer_flops(model, layers)
 
 
 def check(model: nn.Module, plan: Plan, cuts: list[int] | None = None) -> None:
