@@ -218,3 +218,54 @@ def format_bench(result: dict) -> str:
         from meshtrain.bench.device import basis_line
         lines.append(basis_line(result["basis"]))
     return "\n".join(lines)
+
+
+# ---- stages balanced by compute against by parameters (Plan.stage_balance) -----------------
+def balance_rank(config, batch: int, seq: int, m: int, steps: int, reps: int, warmup: int,
+                 order: tuple[str, ...]) -> dict:
+    """The same Llama trained under each stage balance (built in `order`), alternating;
+    seconds of each timed step and each balance's stage bounds."""
+    from transformers import LlamaForCausalLM
+
+    from meshtrain.bench.device import bench_device, fence
+    from meshtrain.bench.timing import alternate
+    from meshtrain.core.plan import Plan
+    from meshtrain.strategies.pipeline.partition import stage_bounds
+    from meshtrain.train.trainer import Trainer
+
+    device = bench_device()
+    g = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=g, device=device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    trainers, bounds = {}, {}
+    for balance in order:
+        torch.manual_seed(0)
+        model, plan = LlamaForCausalLM(config), Plan(pp=dist.get_world_size(), microbatches=m,
+                                                     stage_balance=balance)
+        bounds[balance] = stage_bounds(model, plan)
+        trainers[balance] = Trainer(model, plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4))
+    times = alternate({b: (lambda t=t: t.step(x, y)) for b, t in trainers.items()}, steps,
+                      reps, warmup, fence(device))
+    for t in trainers.values():
+        t.close()
+    return {"times": times, "bounds": bounds}
+
+
+def bench_balance(pp: int = 2, batch: int = 8, seq: int = 128, m: int = 4, steps: int = 3,
+                  reps: int = 6, warmup: int = 2, size: str = "wide-vocab") -> dict:
+    """Plan.stage_balance "compute" against "parameters" on a Llama of `size` (bench/
+    recipe.py's; "wide-vocab": 32k tokens, untied) at `pp`: two launches, each balance
+    built first in one, the steps pooled; medians and ratio."""
+    from meshtrain.bench.recipe import llama_config
+    from meshtrain.bench.timing import median
+    from meshtrain.launch import launch
+
+    config = llama_config(size, seq)
+    runs = [launch(balance_rank, pp, (config, batch, seq, m, steps, (reps + 1) // 2, warmup,
+                                      order))[0]
+            for order in (("compute", "parameters"), ("parameters", "compute"))]
+    pooled = {b: [t for r in runs for t in r["times"][b]] for b in ("compute", "parameters")}
+    out = {b: {"median_s": median(ts), "bounds": runs[0]["bounds"][b], "steps": len(ts)}
+           for b, ts in pooled.items()}
+    out["ratio"] = out["compute"]["median_s"] / out["parameters"]["median_s"]
+    return out

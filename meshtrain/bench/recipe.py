@@ -51,7 +51,12 @@ LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
 LLAMA_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
                   tie_word_embeddings=True)
-SIZES = {"1b": LLAMA_1B, "tiny": LLAMA_TINY}
+# a large vocabulary, untied: a head heavy in compute beside an embedding heavy in parameters
+# only (bench/pipeline.bench_balance: stages balanced by compute against by parameters)
+LLAMA_WIDE_VOCAB = dict(vocab_size=32000, hidden_size=256, intermediate_size=688,
+                        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                        rope_theta=500000.0, tie_word_embeddings=False)
+SIZES = {"1b": LLAMA_1B, "tiny": LLAMA_TINY, "wide-vocab": LLAMA_WIDE_VOCAB}
 
 
 def llama_config(size: str, seq: int):

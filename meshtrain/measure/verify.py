@@ -45,7 +45,7 @@ from meshtrain.planner.advisor import evaluate
 from meshtrain.planner.memory import rank_role, role_memories
 from meshtrain.planner.profile import cluster_from_profile
 from meshtrain.planner.setup import Candidate, Setup
-from meshtrain.planner.time_model import axis_bytes
+from meshtrain.planner.traffic import axis_bytes
 from meshtrain.train.trainer import Trainer
 
 # (Plan fields, per-rank batch): DDP at several world sizes and batch sizes; ZeRO-1/2/3 with

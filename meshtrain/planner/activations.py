@@ -6,12 +6,12 @@ Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 """
 from __future__ import annotations
 
-import math
 from functools import partial
 
 from meshtrain.core.loss_chunks import chunk_rows, uses_lean_loss
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
+from meshtrain.planner.stage_split import stage_blocks
 
 
 def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int = 1,
@@ -204,7 +204,7 @@ def forward_traffic(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int
     stage runs its chunks' forwards apart, each from its own first layer: "first" is theirs."""
     p = cand.plan
     layer = full_layer_bytes(spec, cand, setup)
-    layers_here = math.ceil(spec.layers / p.pp)
+    layers_here = stage_blocks(spec, p)[stage]
     chunks = min(p.virtual_stages, layers_here)
     rest = layer * (layers_here - chunks)
     if stage == p.pp - 1:

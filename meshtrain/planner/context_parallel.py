@@ -43,6 +43,7 @@ from dataclasses import replace
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
+from meshtrain.planner.stage_split import most_blocks
 
 
 def rank_view(spec: ModelSpec, cand: Candidate) -> tuple[ModelSpec, Candidate]:
@@ -88,11 +89,11 @@ def layer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
 
 def step_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> dict[str, float]:
     """{"cp": bytes a rank sends across cp per step} (its stage's layers, every
-    micro-batch), as time_model.axis_bytes reports each axis; empty without cp."""
+    micro-batch), as traffic.axis_bytes reports each axis; empty without cp."""
     p = cand.plan
     if p.cp == 1:
         return {}
-    return {"cp": p.microbatches * math.ceil(spec.layers / p.pp) * layer_bytes(spec, cand, setup)}
+    return {"cp": p.microbatches * most_blocks(spec, p) * layer_bytes(spec, cand, setup)}
 
 
 def alltoall_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
@@ -111,13 +112,15 @@ def block_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster) -> float:
     return 4 * tokens * (spec.seq / p.cp) * spec.hidden / p.tp / cluster.achievable_flops
 
 
-def exposed_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) -> float:
-    """Seconds per micro-batch that attention's exchange across cp adds to a rank's busiest
-    stage (what the ring's blocks do not hide; all of the all-to-all's)."""
+def exposed_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster,
+                 blocks: int | None = None) -> float:
+    """Seconds per micro-batch that attention's exchange across cp adds to a rank's stage
+    of `blocks` blocks (None: the most a stage holds): what the ring's blocks do not hide;
+    all of the all-to-all's."""
     p = cand.plan
     if p.cp == 1:
         return 0.0
-    layers = math.ceil(spec.layers / p.pp)
+    layers = most_blocks(spec, p) if blocks is None else blocks
     span = p.cp * p.tp   # cp next to tp in the mesh: its ring inside a node where it fits
     if p.cp_style == "all-to-all":
         one = cluster.collective_time("all_to_all", alltoall_bytes(spec, cand, setup), p.cp,

@@ -25,40 +25,43 @@ logits, and the compute a capacity saves (every choice's expert work is priced).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
+from meshtrain.planner.stage_split import most_blocks, stage_blocks
 from meshtrain.planner.states import ModelStates, model_states
 
 
-def stage_expert_params(spec: ModelSpec, cand: Candidate) -> float:
-    """Routed experts' weights on one rank of the busiest stage before ep splits them:
-    ceil(l/p) layers' experts, over tp (tensor parallel splits each expert's matrices)."""
+def stage_expert_params(spec: ModelSpec, cand: Candidate, stage: int | None = None) -> float:
+    """Routed experts' weights on one rank of pipeline rank `stage` (None: the one with the
+    most blocks) before ep splits them: its blocks' experts, over tp (tensor parallel
+    splits each expert's matrices)."""
     p = cand.plan
-    return math.ceil(spec.layers / p.pp) * spec.layer_expert_params / p.tp
+    blocks = most_blocks(spec, p) if stage is None else stage_blocks(spec, p)[stage]
+    return blocks * spec.layer_expert_params / p.tp
 
 
-def expert_share(spec: ModelSpec, cand: Candidate, psi: float
+def expert_share(spec: ModelSpec, cand: Candidate, psi: float, stage: int | None = None
                  ) -> tuple[float, float, Candidate | None]:
     """(dense parameters, expert parameters this rank holds, the plan its experts are
-    data-parallel under: dp / ep replicas) for a stage of `psi` parameters; without expert
-    parallel everything is dense: (psi, 0, None)."""
+    data-parallel under: dp / ep replicas) for pipeline rank `stage` (None: the busiest)
+    of `psi` parameters; without expert parallel everything is dense: (psi, 0, None)."""
     p = cand.plan
     if not spec.experts or p.ep == 1:
         return psi, 0.0, None
-    experts = stage_expert_params(spec, cand)
+    experts = stage_expert_params(spec, cand, stage)
     edp = replace(cand, plan=replace(p, dp=p.dp // p.ep, ep=1))
     return psi - experts, experts / p.ep, edp
 
 
 def rank_states(spec: ModelSpec, cand: Candidate, setup: Setup, psi: float,
-                host_is_device: bool = False) -> ModelStates:
-    """Model states on a rank: the dense part over dp, the experts' share over edp."""
+                host_is_device: bool = False, stage: int | None = None) -> ModelStates:
+    """Model states on a rank of pipeline rank `stage` (None: the busiest): the dense part
+    over dp, the experts' share over edp."""
     p = cand.plan
-    dense, experts, edp = expert_share(spec, cand, psi)
+    dense, experts, edp = expert_share(spec, cand, psi, stage)
     states = model_states(dense, setup, p.zero, p.dp, p.offload, host_is_device)
     if edp is None:
         return states
@@ -104,18 +107,19 @@ def step_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> dict[str, floa
     p = cand.plan
     if not spec.experts or p.ep == 1:
         return {}
-    return {"ep": p.microbatches * math.ceil(spec.layers / p.pp) * layer_bytes(spec, cand, setup)}
+    return {"ep": p.microbatches * most_blocks(spec, p) * layer_bytes(spec, cand, setup)}
 
 
 def exposed_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster,
-                 span: int) -> float:
-    """Seconds per micro-batch expert parallel adds to the busiest stage: its all-to-alls,
-    the busiest rank receiving `imbalance` x the mean, and that rank's routed work
-    beyond the mean's. `span`: the ranks the ep group spans in the mesh."""
+                 span: int, blocks: int | None = None) -> float:
+    """Seconds per micro-batch expert parallel adds to a stage of `blocks` blocks (None: the
+    most a stage holds): its all-to-alls, the busiest rank receiving `imbalance` x the
+    mean, and that rank's routed work beyond the mean's. `span`: the ranks the ep group
+    spans in the mesh."""
     p = cand.plan
     if not spec.experts or p.ep == 1:
         return 0.0
-    layers = math.ceil(spec.layers / p.pp)
+    layers = most_blocks(spec, p) if blocks is None else blocks
     skew = imbalance(cand, setup)
     buffer = dispatch_bytes(spec, cand, setup) * skew
     comm = alltoalls(cand) * cluster.collective_time("all_to_all", buffer, p.ep, span)

@@ -58,11 +58,11 @@ LOSS_BYTES = 45           # per token and vocabulary entry
 
 
 def elementwise_bytes_per_token(spec: ModelSpec, layers: float, tp: int = 1,
-                                elem_bytes: int = 2) -> float:
+                                elem_bytes: int = 2, loss: bool = True) -> float:
     """Bytes the elementwise work of one token's forward and backward moves over `layers`
-    blocks and the loss (ELEMENTWISE_BYTES, LOSS_BYTES), split over `tp` ranks (the
-    blocks' channels and the vocabulary split with their GEMMs); a model traced in
-    `elem_bytes` precision moves what its trace found against a GPT's
+    blocks and, where `loss` (the last stage), the loss (ELEMENTWISE_BYTES, LOSS_BYTES),
+    split over `tp` ranks (the blocks' channels and the vocabulary split with their GEMMs);
+    a model traced in `elem_bytes` precision moves what its trace found against a GPT's
     (ModelSpec.elementwise_scale)."""
-    gpt = (layers * ELEMENTWISE_BYTES * spec.hidden + LOSS_BYTES * spec.vocab) / tp
+    gpt = (layers * ELEMENTWISE_BYTES * spec.hidden + loss * LOSS_BYTES * spec.vocab) / tp
     return gpt * spec.elementwise_scale(elem_bytes)

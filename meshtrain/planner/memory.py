@@ -210,8 +210,8 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
                   optimizer_step: float | None = None) -> Memory:
     p = cand.plan
     last = stage == p.pp - 1
-    psi = stage_params(spec, p.pp, p.tp, stage, stage_blocks(spec, p))
-    states = experts.rank_states(spec, cand, setup, psi, host_is_device)
+    psi = stage_params(spec, p, stage)
+    states = experts.rank_states(spec, cand, setup, psi, host_is_device, stage)
     if p.dp_mode.startswith("ps-"):
         states = server_states(psi, setup, p.ps_shards, server)
     elif p.dp_mode == "dp":

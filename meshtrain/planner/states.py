@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from meshtrain.core.plan import Plan
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
-from meshtrain.planner.stage_split import stage_blocks
+from meshtrain.planner.stage_split import most_blocks, stage_blocks
 
 
 @dataclass(frozen=True)
@@ -89,22 +89,22 @@ def zero_comm_volume(zero: int, psi: float) -> float:
     return (3 if zero == 3 else 2) * psi
 
 
-def stage_params(spec: ModelSpec, pp: int, tp: int, stage: int | None = None,
-                 blocks: list[int] | None = None) -> float:
-    """Parameters on pipeline stage `stage` (None: the busiest): its `blocks` (per stage, as
-    planner/stage_split.stage_blocks cuts them; None: as it cuts Plan(pp=pp)), plus the embedding on
-    the first stage and the head on the last, split t ways except what tensor parallel
-    keeps whole on every rank (Megatron: vocab-parallel embedding and column/row-parallel
+def stage_params(spec: ModelSpec, plan: Plan, stage: int | None = None) -> float:
+    """Parameters on pipeline rank `stage` of `plan` (None: the busiest): its blocks, as
+    the pipeline cuts them (planner/stage_split.stage_blocks), plus the embedding on the
+    first stage and the head on the last, split t ways except what tensor parallel keeps
+    whole on every rank (Megatron: vocab-parallel embedding and column/row-parallel
     matrices are split; the norms, the row-parallel biases and a learned position
     embedding are replicated)."""
-    blocks = blocks or stage_blocks(spec, Plan(pp=pp))
+    tp = plan.tp
     per_block = spec.layer_params
     if spec.measured_params:   # keep the exact total when it was read from a module
         per_block = (spec.measured_params - spec.embedding_params - spec.head_params) / spec.layers
-    stages = [(n * per_block, n * spec.layer_replicated_params) for n in blocks]
+    whole = spec.layer_replicated_params
+    stages = [(n * per_block, n * whole) for n in stage_blocks(spec, plan)]
     first = stages[0]
     stages[0] = (first[0] + spec.embedding_params, first[1] + spec.embedding_replicated_params)
-    tied = spec.vocab * spec.hidden if spec.tied and pp > 1 else 0
+    tied = spec.vocab * spec.hidden if spec.tied and plan.pp > 1 else 0
     stages[-1] = (stages[-1][0] + spec.head_params + tied, stages[-1][1] + spec.norm_params)
 
     def on_rank(total: float, whole: float) -> float:
@@ -123,7 +123,7 @@ def collective_buffer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> f
         return 0.0
     if p.zero == 3:
         return spec.largest_layer_params / p.tp * setup.param_bytes
-    return min(stage_params(spec, p.pp, p.tp, blocks=stage_blocks(spec, p)) * setup.param_bytes, p.bucket_mb * 2**20)
+    return min(stage_params(spec, p) * setup.param_bytes, p.bucket_mb * 2**20)
 
 
 def staged_buffer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
@@ -134,7 +134,7 @@ def staged_buffer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float
     blocks: +30 MB against one buffer's count)."""
     buffer = collective_buffer_bytes(spec, cand, setup)
     if cand.plan.zero == 3 and cand.recompute == "full":
-        buffer *= math.ceil(spec.layers / cand.plan.pp)
+        buffer *= most_blocks(spec, cand.plan)
     return buffer
 
 

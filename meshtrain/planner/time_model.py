@@ -21,9 +21,10 @@ from meshtrain.planner import context_parallel, experts
 from meshtrain.planner.compression import powersgd_traffic
 from meshtrain.planner.compute_time import dispatch_time, float8_amax_time, micro_batch_compute
 from meshtrain.planner.hardware import Cluster, nearest
-from meshtrain.planner.states import model_states, stage_blocks, stage_params
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
+from meshtrain.planner.stage_split import most_blocks, stage_blocks
+from meshtrain.planner.states import model_states, stage_params
 
 
 @dataclass(frozen=True)
@@ -101,27 +102,17 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
     computes (CPU ranks), the host's side of the slower of the two where it dispatches to a
     device that runs behind it (GPU ranks of a local profile: `async_dispatch`). A cp rank
     is priced as its view (context_parallel.rank_view) plus attention's exchange; expert
-    parallel adds its all-to-alls, on the critical path."""
-    t_cp = context_parallel.exposed_time(spec, cand, setup, cluster)   # per micro-batch
-    ep_span = cand.plan.ep * cand.plan.cp * cand.plan.tp
+    parallel adds its all-to-alls, on the critical path. Each pipeline rank's slot is
+    priced for the blocks it holds (planner/stage_split.py): the slowest sets the step."""
+    slot = max(stage_slots(spec, cand, setup, cluster), key=sum)
+    t_mb, t_tp, t_pp, t_cp, t_ep = slot
     spec, cand = context_parallel.rank_view(spec, cand)
-    t_ep = experts.exposed_time(spec, cand, setup, cluster, ep_span)
     p = cand.plan
     m = p.microbatches
-    b = cand.micro_batch / p.dp if p.dp_mode == "dp" else cand.micro_batch
-    compute_scale, step_overhead = trainer_costs(cand, cluster)
-    t_mb = micro_batch_compute(spec, cand, cluster, b, setup.precision) * compute_scale
-    layers_here = math.ceil(spec.layers / p.pp)
-    if p.tp > 1:   # what tensor parallel does not split (norms, residuals, the vocabulary
-        # loss's extra passes), calibrated per token and block
-        t_mb += tp_overhead(cluster, p.tp, spec.hidden) * b * spec.seq * (layers_here + 1)
-    t_tp = tp_comm_time(spec, cand, setup, cluster, b)
-    t_pp = pp_comm_time(spec, cand, setup, cluster, b)
-    slot = t_mb + t_tp + t_pp + t_cp + t_ep
     compute = m * t_mb
-    pipeline = pipeline_time(cand, cluster, slot)
-    bubble = pipeline - m * slot
-    psi, expert_psi, edp = experts.expert_share(spec, cand, stage_params(spec, p.pp, p.tp, blocks=stage_blocks(spec, p)))
+    pipeline = pipeline_time(cand, cluster, sum(slot))
+    bubble = pipeline - m * sum(slot)
+    psi, expert_psi, edp = experts.expert_share(spec, cand, stage_params(spec, p))
     t_dp, last, stats = dp_comm_time(spec, cand, setup, cluster, psi)
     t_off = offload_time(cand, setup, cluster, psi)
     t_opt = optimizer_time(cand, setup, cluster, psi)
@@ -132,17 +123,42 @@ def step_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster) 
         t_opt += optimizer_time(edp, setup, cluster, expert_psi)
     exposed = max(0.0, t_dp - dp_hidden(cand, cluster, t_dp - last, compute, t_mb)) + stats
     device_work = pipeline + exposed + t_off + t_opt
+    step_overhead = trainer_costs(cand, cluster)[1]
     if cluster.async_dispatch:
         # the host queues the step ahead of the device: its own work (the Trainer's fixed
         # cost, its work per layer held, each micro-batch's dispatch) sets the step only
         # where it outlasts the device's
-        host = (step_overhead + cluster.layer_step_overhead * layers_here
-                + m * dispatch_time(spec, cand, cluster))
+        host = step_overhead + max(cluster.layer_step_overhead * n
+                                   + m * dispatch_time(spec, cand, cluster, n)
+                                   for n in stage_blocks(spec, p))
         total = max(device_work, host)
     else:
         total = device_work + step_overhead
     return StepTime(compute, bubble, m * t_tp, m * t_pp, t_dp, exposed, t_off, t_opt, total,
                     m * t_cp, m * t_ep)
+
+
+def stage_slots(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster
+                ) -> list[tuple[float, float, float, float, float]]:
+    """Seconds of one micro-batch on each pipeline rank, as (compute, tp, pp, cp, ep): its
+    own blocks (and the embedding, or the head and the loss), their collectives, and the
+    boundary's sends."""
+    ep_span = cand.plan.ep * cand.plan.cp * cand.plan.tp
+    view, vcand = context_parallel.rank_view(spec, cand)
+    p = vcand.plan
+    b = vcand.micro_batch / p.dp if p.dp_mode == "dp" else vcand.micro_batch
+    compute_scale = trainer_costs(vcand, cluster)[0]
+    t_pp = pp_comm_time(view, vcand, setup, cluster, b)
+    slots = []
+    for stage, n in enumerate(stage_blocks(view, p)):
+        t_mb = micro_batch_compute(view, vcand, cluster, b, setup.precision, stage) * compute_scale
+        if p.tp > 1:   # what tensor parallel does not split (norms, residuals, the vocabulary
+            # loss's extra passes), calibrated per token and block
+            t_mb += tp_overhead(cluster, p.tp, view.hidden) * b * view.seq * (n + 1)
+        slots.append((t_mb, tp_comm_time(view, vcand, setup, cluster, b, n), t_pp,
+                      context_parallel.exposed_time(spec, cand, setup, cluster, n),
+                      experts.exposed_time(view, vcand, setup, cluster, ep_span, n)))
+    return slots
 
 
 def trainer_costs(cand: Candidate, cluster: Cluster) -> tuple[float, float]:
@@ -155,15 +171,16 @@ def trainer_costs(cand: Candidate, cluster: Cluster) -> tuple[float, float]:
 
 
 def tp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster,
-                 b: float) -> float:
-    """Tensor parallel per micro-batch: 4 collectives of b s h per layer (2 forward, 2
+                 b: float, blocks: int | None = None) -> float:
+    """Tensor parallel per micro-batch on a stage of `blocks` blocks (None: the most a stage
+    holds): 4 collectives of b s h per layer (2 forward, 2
     backward; Megatron 2019 §3), 6 with full recomputation (its forward runs twice); ring
     all-reduce volume. Sequence parallel adds the 2 all-gathers per layer that rebuild the
     column layers' inputs in backward (Korthikanti 2022 §4.2.2), counted whole: on CPU
     ranks they do not hide behind the matmul they overlap."""
     p = cand.plan
     act = b * spec.seq * spec.hidden * setup.act_bytes
-    layers = math.ceil(spec.layers / p.pp)
+    layers = most_blocks(spec, p) if blocks is None else blocks
     n_tp = (6 if cand.recompute == "full" else 4) * layers
     t_tp = n_tp * cluster.collective_time("all_reduce", act, p.tp, p.tp)
     if cand.sp:
@@ -221,7 +238,7 @@ def dp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluste
     last_bucket = bucket_sizes(grad_bytes, p.bucket_mb * 2**20)[2]
     # the step's statistics: the loss, and meshtrain's DDP adds a used-flag per parameter
     # tensor (~13 per block)
-    stats_bytes = 4 * (1 + 13 * math.ceil(spec.layers / p.pp))
+    stats_bytes = 4 * (1 + 13 * most_blocks(spec, p))
     if p.zero == 0:
         # DDP all-reduces its gradient buckets (filled from the last layer backwards: the
         # first DDP_FIRST_BUCKET_MB, then Plan.bucket_mb each), each at its own size on the
@@ -321,80 +338,3 @@ def optimizer_time(cand: Candidate, setup: Setup, cluster: Cluster, psi: float) 
         return shard / cluster.optimizer_rate
     per_param = setup.param_bytes + setup.grad_bytes + 2 * setup.optim_bytes + setup.param_bytes
     return shard * per_param / cluster.mem_bw
-
-
-def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None = None,
-               server: bool = True) -> dict[str, float]:
-    """Bytes one rank sends per step on each mesh axis, as meshtrain's Comm counts them (ring
-    shares for collectives, whole messages point to point; a step's few statistics bytes
-    left out): the busiest pipeline stage's rank, or `stage`'s; a parameter server's
-    server or worker. Empty for DP's one process (its copies never leave it). cp and ep
-    send their own (context_parallel.step_bytes, experts.step_bytes)."""
-    out = context_parallel.step_bytes(spec, cand, setup)
-    spec, cand = context_parallel.rank_view(spec, cand)
-    out.update(experts.step_bytes(spec, cand, setup))
-    p = cand.plan
-    if p.dp_mode == "dp":
-        return {}
-    b, m, s, h = cand.micro_batch, p.microbatches, spec.seq, spec.hidden
-    layers_here = math.ceil(spec.layers / p.pp)
-    stages = range(p.pp) if stage is None else [stage]
-    if p.tp > 1:   # per micro-batch: 2 all-reduces per block each way (one more forward
-        # with full recomputation), the vocab-parallel embedding's on the first stage, the
-        # head's and the loss's b s-sized three on the last (Megatron 2019 §3;
-        # tests/multirank/test_tp_accounting.py)
-        ring = 2 * (p.tp - 1) / p.tp
-        per_block = 6 if cand.recompute == "full" else 4
-        act = b * s * h * setup.act_bytes
-
-        def tp_sent(st: int) -> float:
-            first, last = st == 0, st == p.pp - 1
-            per_micro = (per_block * layers_here + first + last) * act + last * 3 * b * s * 4
-            if not cand.sp:
-                return m * ring * per_micro
-            # sequence parallel: the embedding's split all-gathers in backward, and so do
-            # the column layers' inputs, saved as slices (2 per block, the head's on the
-            # last stage), (t-1)/t each; the replicated parameters' gradients, which saw only
-            # a slice of the sequence, are all-reduced once a step (the norms and the
-            # row-parallel biases)
-            gathers = first + 2 * layers_here + last
-            partial = (layers_here * spec.layer_replicated_params + last * spec.norm_params)
-            return (m * (ring * per_micro + gathers * act * (p.tp - 1) / p.tp)
-                    + ring * partial * setup.grad_bytes)
-
-        out["tp"] = max(tp_sent(st) for st in stages)
-    if p.pp > 1:   # each micro-batch's activation forward and gradient back, per boundary
-        act = b * s * h * setup.act_bytes
-        v = p.virtual_stages
-        # chunk boundaries a stage sends across: activations out of every chunk but the
-        # model's last, gradients out of every chunk but the model's first
-        sends = [(v - (st == p.pp - 1)) + (v - (st == 0)) for st in stages]
-        out["pp"] = m * act * max(sends)
-    dense, expert_psi, edp = experts.expert_share(spec, cand, stage_params(spec, p.pp, p.tp, stage, stage_blocks(spec, p)))
-    for q, psi in [(p, dense)] + ([(edp.plan, expert_psi)] if edp else []):   # experts: edp
-        if q.dp == 1:
-            continue
-        grads, params = psi * setup.grad_bytes, psi * setup.param_bytes
-        share = (q.dp - 1) / q.dp
-        if q.dp_mode.startswith("ps-"):
-            k = q.ps_shards
-            # a worker pushes the shards it does not serve; a server also sends its shard's
-            # update to every other worker
-            sent = (grads * (k - 1) / k + (q.dp - 1) * params / k) if server else grads
-        elif q.dp_mode in LOCAL_STEP_MODES:   # the parameters, every sync_every steps
-            sent = 2 * share * params / q.sync_every
-        elif q.compression == "powersgd":   # the factors, and what is sent whole
-            t = powersgd_traffic(spec, q.compression_rank, q.compression_min_rate)
-            sent = 2 * share * (t.whole + t.p + t.q) * setup.grad_bytes
-        elif q.zero == 0:
-            sent = 2 * share * grads
-        elif q.zero == 1 or (q.pp > 1 and not q.zero3_regather):   # ZeRO-3 kept: once
-            sent = share * (grads + params)
-        elif q.zero == 2:   # a reduce-scatter every micro-batch, one all-gather
-            sent = share * (m * grads + params)
-        else:   # gathered for forward and again for backward (but what is gathered once),
-            # scattered, every micro-batch
-            once = spec.gathered_once_params / q.tp * setup.param_bytes
-            sent = m * share * (2 * params - (once if q is p and p.pp == 1 else 0.0) + grads)
-        out["dp"] = out.get("dp", 0.0) + sent
-    return out

@@ -151,7 +151,7 @@ def test_styles_follow_the_sequence_and_the_heads():
 
 
 def test_bytes_per_step_count_the_ring_and_the_gradients_over_dp_x_cp():
-    from meshtrain.planner.time_model import axis_bytes
+    from meshtrain.planner.traffic import axis_bytes
 
     # 2 micro-batches x 2 layers x 10 K/V pairs of 2 MiB blocks; the gradients all-reduced
     # over the 4 cp ranks that hold the same parameters: 2 x 3/4 of them, 2 bytes each

@@ -28,8 +28,8 @@ def test_the_output_layer_lives_on_the_last_stage():
     # the last one micro-batch of its blocks and the output layer's activations and logits
     assert first.activations == pytest.approx(2 * split[0] * per_layer)
     assert last.activations == pytest.approx(split[1] * per_layer + output)
-    assert first.params == pytest.approx(sm.stage_params(spec, 2, 1, 0, split) * SETUP.param_bytes)
-    assert last.params == pytest.approx(sm.stage_params(spec, 2, 1, 1, split) * SETUP.param_bytes)
+    assert first.params == pytest.approx(sm.stage_params(spec, cand.plan, 0) * SETUP.param_bytes)
+    assert last.params == pytest.approx(sm.stage_params(spec, cand.plan, 1) * SETUP.param_bytes)
     # the busiest rank is whichever stage needs more, with its own parameters
     assert mm.memory(spec, cand, SETUP).total == max(first.total, last.total)
 

@@ -138,7 +138,7 @@ def test_bad_moe_input_is_refused_by_name():
 
 
 def test_bytes_per_step_count_the_all_to_alls():
-    from meshtrain.planner.time_model import axis_bytes
+    from meshtrain.planner.traffic import axis_bytes
 
     buffer = 4096 * 2 * 4096 * 2   # b s k h e, as above
     out = axis_bytes(MIXTRAL, _cand(dp=4, ep=4), BF16)
@@ -157,7 +157,7 @@ def test_plan_takes_the_imbalance_and_refuses_a_bad_one(capsys):
 
 
 def test_expert_gradients_travel_over_their_expert_data_parallel_group_only():
-    from meshtrain.planner.time_model import axis_bytes
+    from meshtrain.planner.traffic import axis_bytes
 
     # dp 4, ep 2, DDP: the dense gradients all-reduced over 4 ranks, 2 x 3/4 of them; each
     # rank's half of the experts over its group of 2, 2 x 1/2; 2 bytes each

@@ -300,7 +300,7 @@ def test_a_stage_without_the_loss_peaks_in_its_last_blocks_backward():
     (Plan(dp=4, dp_mode="ps-sync"), {"dp": 3.0}),
 ])
 def test_bytes_sent_on_the_data_parallel_axis(plan, expected):
-    from meshtrain.planner.time_model import axis_bytes
+    from meshtrain.planner.traffic import axis_bytes
     cand = Candidate(plan, 2, "none")
     got = axis_bytes(SPEC, cand, FP32)
     assert got["dp"] == pytest.approx(expected["dp"] * 4 * SPEC.num_params)
@@ -310,7 +310,7 @@ def test_bytes_sent_on_the_data_parallel_axis(plan, expected):
 
 
 def test_bytes_sent_by_pipeline_stages_and_tensor_parallel_ranks():
-    from meshtrain.planner.time_model import axis_bytes
+    from meshtrain.planner.traffic import axis_bytes
     act = 2 * SPEC.seq * SPEC.hidden * 4
     cand = Candidate(Plan(pp=4, microbatches=3), 2, "none")
     # the first stage only sends activations, a middle one both ways, the last only gradients
@@ -423,7 +423,7 @@ def test_building_holds_the_ranks_part_and_one_whole_tensor():
                                      d_model=256))
     cand = Candidate(Plan(tp=8), micro_batch=1, recompute="none")
     mem = mm.stage_memories(wide, cand, FP32)[0]
-    states = sm.model_states(sm.stage_params(wide, 1, 8, 0), FP32, 0, 1)
+    states = sm.model_states(sm.stage_params(wide, Plan(tp=8), 0), FP32, 0, 1)
     largest = 65536 * 256
     assert wide.largest_tensor_params == largest
     assert mem.build == states.params + states.grads + 4 * largest

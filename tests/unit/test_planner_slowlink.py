@@ -9,7 +9,8 @@ from meshtrain.planner.setup import Candidate
 from meshtrain.planner.slowlink import (QUALITY_CAVEAT, CrossoverError, crossover_bandwidth,
                                         slow_link_advice)
 from meshtrain.planner.states import stage_params
-from meshtrain.planner.time_model import axis_bytes, dp_comm_time, step_time
+from meshtrain.planner.time_model import dp_comm_time, step_time
+from meshtrain.planner.traffic import axis_bytes
 
 SPEC = preset("gpt2-124m")
 SETUP = Setup(global_batch=64)
@@ -24,7 +25,7 @@ def _cands(dp=16, h=8, mode="diloco"):
 @pytest.mark.parametrize("mode,h", [("diloco", 8), ("diloco", 32), ("local-sgd", 8)])
 def test_local_step_bytes_and_time_are_ddps_over_h(mode, h):
     ddp, local = _cands(h=h, mode=mode)
-    psi = stage_params(SPEC, 1, 1)
+    psi = stage_params(SPEC, Plan())
     share = 15 / 16
     assert axis_bytes(SPEC, ddp, SETUP)["dp"] == pytest.approx(2 * share * psi * SETUP.grad_bytes)
     assert axis_bytes(SPEC, local, SETUP)["dp"] == pytest.approx(
@@ -143,6 +144,6 @@ def test_memory_counts_diloco_anchor_momentum_and_sync_buffer(mode, buffers):
     SGD's outer SGD has no momentum, so two."""
     from meshtrain.planner.memory import memory
     ddp, local = _cands(h=8, mode=mode)
-    psi = stage_params(SPEC, 1, 1)
+    psi = stage_params(SPEC, Plan())
     extra = memory(SPEC, local, SETUP).optim - memory(SPEC, ddp, SETUP).optim
     assert extra == pytest.approx(buffers * psi * 4)

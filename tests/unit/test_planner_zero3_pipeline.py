@@ -11,7 +11,7 @@ from meshtrain.planner.advisor import candidates_for
 from meshtrain.planner.memory import stage_memories
 from meshtrain.planner.setup import Candidate, Setup
 from meshtrain.planner.states import stage_params
-from meshtrain.planner.time_model import axis_bytes
+from meshtrain.planner.traffic import axis_bytes
 
 # 8 layers, h 1024, 16 heads, a vocabulary of 32000, 2048 tokens a sequence
 SPEC = from_description(8, 1024, 16, 32000, 2048)
@@ -24,7 +24,7 @@ def _cand(**plan):
 
 @pytest.mark.parametrize("m", [2, 8])
 def test_bytes_per_step_are_one_gather_and_one_scatter_of_the_stage_whatever_m(m):
-    psi = stage_params(SPEC, 2, 1)   # the busiest stage's parameters
+    psi = stage_params(SPEC, Plan(pp=2))   # the busiest stage's parameters
     per_step = 3 / 4 * psi * (SETUP.param_bytes + SETUP.grad_bytes)   # ring halves over dp 4
     out = axis_bytes(SPEC, _cand(dp=4, pp=2, zero=3, microbatches=m), SETUP)
     assert out["dp"] == pytest.approx(per_step)
@@ -39,7 +39,7 @@ def test_bytes_per_step_are_one_gather_and_one_scatter_of_the_stage_whatever_m(m
 def test_memory_per_stage_is_sharded_at_rest_and_whole_during_the_step():
     cand = _cand(dp=4, pp=2, zero=3, microbatches=4)
     for stage, mem in enumerate(stage_memories(SPEC, cand, SETUP)):
-        psi = stage_params(SPEC, 2, 1, stage)
+        psi = stage_params(SPEC, Plan(pp=2), stage)
         assert mem.params == pytest.approx(psi * SETUP.param_bytes / 4)
         assert mem.grads == pytest.approx(psi * SETUP.grad_bytes / 4)
         assert mem.optim == pytest.approx(psi * SETUP.optim_bytes / 4)
@@ -65,7 +65,7 @@ def test_what_is_not_built_with_it_is_still_refused_by_name():
 # ---- Plan.zero3_regather: each unit gathered for each micro-batch's forward and backward --------
 @pytest.mark.parametrize("m", [2, 8])
 def test_regathering_moves_m_times_two_gathers_and_a_scatter_of_the_stage(m):
-    psi = stage_params(SPEC, 2, 1)
+    psi = stage_params(SPEC, Plan(pp=2))
     per_micro = 3 / 4 * psi * (2 * SETUP.param_bytes + SETUP.grad_bytes)   # ring halves, dp 4
     plan = dict(dp=4, pp=2, zero=3, microbatches=m)
     out = axis_bytes(SPEC, _cand(**plan, zero3_regather=True), SETUP)
@@ -78,7 +78,7 @@ def test_regathering_holds_two_units_and_a_units_gradients_not_the_stage():
     plan = dict(dp=4, pp=2, zero=3, microbatches=4)
     kept = stage_memories(SPEC, _cand(**plan), SETUP)
     for stage, mem in enumerate(stage_memories(SPEC, _cand(**plan, zero3_regather=True), SETUP)):
-        psi = stage_params(SPEC, 2, 1, stage)
+        psi = stage_params(SPEC, Plan(pp=2), stage)
         assert mem.params == pytest.approx(psi * SETUP.param_bytes / 4)   # at rest: sharded
         assert mem.buffers == pytest.approx(unit * (2 * SETUP.param_bytes + SETUP.grad_bytes))
         assert mem.buffers < kept[stage].buffers
