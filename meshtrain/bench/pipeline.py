@@ -246,9 +246,10 @@ def balance_rank(config, batch: int, seq: int, m: int, steps: int, reps: int, wa
         trainers[balance] = Trainer(model, plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4))
     times = alternate({b: (lambda t=t: t.step(x, y)) for b, t in trainers.items()}, steps,
                       reps, warmup, fence(device))
+    idle = {b: t.driver.trace.bubble for b, t in trainers.items()}   # of the last step
     for t in trainers.values():
         t.close()
-    return {"times": times, "bounds": bounds}
+    return {"times": times, "bounds": bounds, "idle": idle}
 
 
 def bench_balance(pp: int = 2, batch: int = 8, seq: int = 128, m: int = 4, steps: int = 3,
@@ -262,10 +263,11 @@ def bench_balance(pp: int = 2, batch: int = 8, seq: int = 128, m: int = 4, steps
 
     config = llama_config(size, seq)
     runs = [launch(balance_rank, pp, (config, batch, seq, m, steps, (reps + 1) // 2, warmup,
-                                      order))[0]
+                                      order))
             for order in (("compute", "parameters"), ("parameters", "compute"))]
-    pooled = {b: [t for r in runs for t in r["times"][b]] for b in ("compute", "parameters")}
-    out = {b: {"median_s": median(ts), "bounds": runs[0]["bounds"][b], "steps": len(ts)}
+    pooled = {b: [t for r in runs for t in r[0]["times"][b]] for b in ("compute", "parameters")}
+    out = {b: {"median_s": median(ts), "bounds": runs[0][0]["bounds"][b], "steps": len(ts),
+               "idle_per_stage": [round(rank["idle"][b], 3) for rank in runs[0]]}
            for b, ts in pooled.items()}
     out["ratio"] = out["compute"]["median_s"] / out["parameters"]["median_s"]
     return out

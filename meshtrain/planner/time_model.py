@@ -173,11 +173,11 @@ def trainer_costs(cand: Candidate, cluster: Cluster) -> tuple[float, float]:
 def tp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster,
                  b: float, blocks: int | None = None) -> float:
     """Tensor parallel per micro-batch on a stage of `blocks` blocks (None: the most a stage
-    holds): 4 collectives of b s h per layer (2 forward, 2
-    backward; Megatron 2019 §3), 6 with full recomputation (its forward runs twice); ring
-    all-reduce volume. Sequence parallel adds the 2 all-gathers per layer that rebuild the
-    column layers' inputs in backward (Korthikanti 2022 §4.2.2), counted whole: on CPU
-    ranks they do not hide behind the matmul they overlap."""
+    holds): 4 collectives of b s h per layer (2 forward, 2 backward; Megatron 2019 §3), 6
+    with full recomputation (its forward runs twice); ring all-reduce volume. Sequence
+    parallel adds the 2 all-gathers per layer that rebuild the column layers' inputs in
+    backward (Korthikanti 2022 §4.2.2), counted whole: on CPU ranks they do not hide behind
+    the matmul they overlap."""
     p = cand.plan
     act = b * spec.seq * spec.hidden * setup.act_bytes
     layers = most_blocks(spec, p) if blocks is None else blocks
