@@ -123,7 +123,7 @@ def _torch_pipeline(model_name: str, plan, device: torch.device):
 def bench_rank(model_name: str, batch: int, cases: list[tuple[str, int, int]], steps: int,
                reps: int, warmup: int, ours_first: bool = True) -> dict:
     """Per (schedule, M, V): our step and torch pipelining's on the same GPT, the same
-    stage split (ours, balanced by parameters) and batch, alternating; seconds of each
+    stage split (ours, Plan.stage_balance's) and batch, alternating; seconds of each
     timed step, and our measured bubble of the last step. `ours_first`: which side is
     built first (the model built first runs slower: docs/history.md)."""
     from meshtrain.core.plan import Plan
