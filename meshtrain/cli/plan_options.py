@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.core.plan import COMPILE_BACKENDS, FP8_RECIPES, PRECISIONS, RECOMPUTES, Plan
+from meshtrain.core.plan import (COMPILE_BACKENDS, FP8_RECIPES, PRECISIONS, RECOMPUTES,
+                                 STAGE_BALANCES, Plan)
 
 
 def add_plan_options(plan) -> None:
@@ -64,6 +65,10 @@ def add_plan_options(plan) -> None:
                            "interleaved | zb-h1 (zero bubble)")
     plan.add_argument("--virtual-stages", type=int, default=1,
                       help="model chunks per pipeline rank (with --schedule interleaved)")
+    plan.add_argument("--stage-balance", default="compute", choices=list(STAGE_BALANCES),
+                      help="with --pp > 1: balance the stages by each layer's training FLOPs "
+                           "(the embedding ~0, a large vocabulary's head several blocks) or "
+                           "by its parameters (memory)")
     plan.add_argument("--bucket-mb", type=float, default=Plan().bucket_mb)
     plan.add_argument("--compression", default="none", choices=["none", "powersgd"],
                       help="DDP's gradient sync: powersgd sends large gradients as low-rank "
@@ -102,6 +107,7 @@ def plan_from_args(args, world: int) -> Plan:
                 ps_shards=args.ps_shards, sync_every=args.sync_every, outer_lr=args.outer_lr,
                 outer_momentum=args.outer_momentum, zero=args.zero, dp_mode=args.dp_mode,
                 microbatches=args.microbatches, virtual_stages=args.virtual_stages,
+                stage_balance=args.stage_balance,
                 bucket_mb=args.bucket_mb, precision=args.precision.removesuffix("-emulated"),
                 fp8_emulate=args.precision == "fp8-emulated", fp8_recipe=args.fp8_recipe,
                 offload=args.offload,

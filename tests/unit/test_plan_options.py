@@ -42,7 +42,8 @@ HAND_MADE = [Plan(dp=2, dp_mode="dp"), Plan(dp=4, dp_mode="ps-async", staleness=
                   sequence_parallel=True, recompute="full", recompute_every=2, compile=True),
              Plan(dp=4, zero=3, offload="cpu", precision="fp8", fp8_recipe="rowwise",
                   fp8_emulate=True, max_grad_norm=1.0, compile="aot_eager"),
-             Plan(dp=2, cp=2, cp_style="all-to-all", ep=2, capacity_factor=1.25)]
+             Plan(dp=2, cp=2, cp_style="all-to-all", ep=2, capacity_factor=1.25),
+             Plan(pp=2, microbatches=2, stage_balance="parameters")]
 
 
 def test_every_plan_the_advisor_ranks_and_every_flag_make_the_same_plan_back():
