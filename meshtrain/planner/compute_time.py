@@ -51,10 +51,10 @@ def micro_batch_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: f
 def float8_saving(spec: ModelSpec, cand: Candidate, cluster: Cluster, b: float,
                   blocks: int | None = None) -> float:
     """Seconds (negative) an fp8 plan's micro-batch saves on a stage of `blocks` blocks
-    (None: the most a stage holds): its block linears' matmuls
-    (forward, both backward GEMMs, and a fully recomputed layer's forward again) run at the
-    float8 peak, at the same achievable fraction as bf16's; attention and the output layer
-    stay in bf16 (torchao leaves the output layer alone). 0 for other precisions."""
+    (None: the most a stage holds): its block linears' matmuls (forward, both backward
+    GEMMs, and a fully recomputed layer's forward again) run at the float8 peak, at the same
+    achievable fraction as bf16's; attention and the output layer stay in bf16 (torchao
+    leaves the output layer alone). 0 for other precisions."""
     p = cand.plan
     if p.precision != "fp8" or not cluster.fp8_flops:
         return 0.0
@@ -86,9 +86,9 @@ def dispatch_time(spec: ModelSpec, cand: Candidate, cluster: Cluster,
                   blocks: int | None = None) -> float:
     """Host seconds to dispatch one micro-batch on a rank of a stage of `blocks` blocks
     (None: the most a stage holds): kernel launches, autograd, Python (calibrated; 0 on
-    GPU presets), per block it runs, a fully recomputed one
-    `cluster.recompute_dispatch` blocks; tensor parallel does not divide it; the embedding,
-    head and loss count as one more block."""
+    GPU presets), per block it runs, a fully recomputed one `cluster.recompute_dispatch`
+    blocks; tensor parallel does not divide it; the embedding, head and loss count as one
+    more block."""
     p = cand.plan
     run = blocks_run(spec, cand, cluster.recompute_dispatch, blocks)
     dispatch = cluster.block_overhead * (run + 1)
@@ -100,9 +100,9 @@ def dispatch_time(spec: ModelSpec, cand: Candidate, cluster: Cluster,
 def blocks_run(spec: ModelSpec, cand: Candidate, recomputed: float = RECOMPUTED_BLOCK,
                blocks: int | None = None) -> float:
     """The blocks one micro-batch runs forward and backward on a stage of `blocks` blocks
-    (None: the most a stage holds, as the pipeline cuts them), a fully
-    recomputed one `recomputed` blocks (its second forward: a third more of a block's work;
-    of its dispatch, as calibrated); under recompute_every k one block in k. Per-op selective
+    (None: the most a stage holds, as the pipeline cuts them), a fully recomputed one
+    `recomputed` blocks (its second forward: a third more of a block's work; of its
+    dispatch, as calibrated); under recompute_every k one block in k. Per-op selective
     recomputation re-runs all of a block's forward but its matmuls and attention: its
     elementwise work and its dispatch count as full recomputation's."""
     blocks = most_blocks(spec, cand.plan) if blocks is None else blocks
