@@ -116,7 +116,7 @@ def test_planner_prices_the_stage_it_cuts():
     holds its own blocks, and the parameter-balanced cut (more blocks beside the head)
     is priced slower than the compute-balanced one."""
     spec = from_transformers_config(SimpleNamespace(**llama_config(False)), seq=T)
-    cluster, setup = make_cluster("a100-80gb", 8), Setup(global_batch=8)
+    cluster, setup = make_cluster("A100-80GB"), Setup(global_batch=8)
     cands = {b: Candidate(mt.Plan(pp=2, microbatches=4, stage_balance=b), 2, "none")
              for b in ("compute", "parameters")}
     for cand in cands.values():
