@@ -51,7 +51,7 @@ def check_model_plan(config, plan: Plan) -> None:
                             f"(embedding, {gpt.n_layer} blocks, head); use fewer stages or "
                             "--layers")
     elif kind in ("transformers", "hf-preset"):
-        check_transformers_plan(config.model, plan)
+        check_transformers_plan(config.model, plan, config.seq_len)
         if plan.sequence_parallel and config.seq_len:
             from meshtrain.strategies.tensor_parallel.gpt import check_sequence
             check_sequence(config.seq_len, plan.tp)
@@ -122,19 +122,22 @@ def check_context(config, plan: Plan) -> None:
         check_sequence(built.seq_len // plan.cp, plan.tp)
 
 
-def check_transformers_plan(spec: str, plan: Plan) -> None:
+def check_transformers_plan(spec: str, plan: Plan, seq_len: int | None = None) -> None:
     """The Trainer's own refusals for a transformers causal LM (heads tp does not divide,
-    more stages than layers...), on the model built without memory (meta tensors)."""
+    more stages than layers, a sequence past its learned positions...), on the model built
+    without memory (meta tensors)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from meshtrain.models import hf, moe
-    from meshtrain.models.registry import transformers_config
+    from meshtrain.models.registry import check_positions, transformers_config
     from meshtrain.strategies import pipeline
     from meshtrain.train.slots import check_layer_sharding
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(transformers_config(spec))
+    if seq_len:
+        check_positions(model, seq_len)
     moe.check(model, plan)   # before tp's styles: the experts are why it is refused
     check_layer_sharding(model, plan, hf.tp_plan_of(model, plan.tp) if plan.tp > 1 else None)
     pipeline.check(model, plan)

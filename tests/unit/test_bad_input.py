@@ -41,6 +41,8 @@ CASES = [
     ("train --model nosuch.module:fn", "cannot import it"),
     ("train --layers 0", "n_layer=0: must be a whole number >= 1"),
     ("train --seq 0", "seq_len=0"),
+    ("train --model hf-gpt2-tiny --seq 256", "--seq 256 is longer than the 128 positions "
+                                             "GPT2LMHeadModel learned (transformer.wpe"),
     ("train --heads 3 --d-model 32", "d_model=32 is not divisible by n_head=3"),
     # train: plans
     ("train --tp 3 --nproc 3", "tp=3 does not divide the GPT's n_head=4"),
