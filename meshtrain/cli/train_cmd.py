@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from meshtrain.cli.summary import print_summary
+from meshtrain.cli.summary import after_failure, print_report, print_summary
 from meshtrain.cli.plan_options import add_plan_options, plan_from_args
 from meshtrain.cli.train_checks import (add_shape_options, check_batch_split, check_init_from,
                                         check_model_plan, shape_overrides)
@@ -297,25 +297,12 @@ def run(args) -> int:
         log = Path(config.run_dir) / "failure.log"
         log.write_text(str(exc) + "\n")
         print(f"meshtrain train: the run failed: {'; '.join(exc.culprits) or 'a rank failed'}.\n"
-              f"  Each rank's error in full: {log}. The run folder keeps its last checkpoint: "
-              f"continue with --resume {config.run_dir} (or add --max-restarts K to restart "
-              "on a failure).",
+              f"  Each rank's error in full: {log}. {after_failure(config.run_dir)}",
               file=sys.stderr)
         return 1
     print_summary(summary)
     print_report(config.run_dir)
     return 0
-
-
-def print_report(run_dir) -> None:
-    """Draw the run's picture beside its summary; a failure to draw never fails the run."""
-    from meshtrain.cli.report_cmd import write_report
-    try:
-        out, _ = write_report([run_dir])
-    except Exception as exc:   # noqa: BLE001 - the training itself succeeded
-        print(f"report        not drawn ({type(exc).__name__}: {exc})")
-        return
-    print(f"report        {out}")
 
 
 def _refused(message, run_dir) -> int:

@@ -223,3 +223,12 @@ def test_bad_input_exits_with_a_message(argv, message, workdir, capsys):
     assert message in err, err
     assert len(err.strip().splitlines()) <= 3 or "usage:" in err   # short
     assert not (workdir / "runs").exists()   # refused before a run folder was made
+
+
+def test_a_failed_run_offers_resume_only_from_a_checkpoint_it_wrote(tmp_path):
+    from meshtrain.cli.summary import after_failure
+
+    assert "wrote no checkpoint" in after_failure(tmp_path)   # failed before its first save
+    (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000004\n")
+    assert f"(step_00000004): continue with --resume {tmp_path}" in after_failure(tmp_path)
