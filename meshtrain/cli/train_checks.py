@@ -151,3 +151,21 @@ def check_init_from(config) -> None:
 
     built = build_model(config.model, config.model_overrides, config.seq_len, on_meta=True)
     attach(built.module, SafetensorsFolder(config.init_from))
+
+
+RESUME_TAKES = {"resume", "steps", "nproc", "device", "no_progress", "tensorboard",
+                "check_collectives", "collective_timeout", "max_restarts"}
+"""What `--resume` reads from the command line; everything else is the run's own."""
+
+
+def ignored_on_resume(args, defaults: dict) -> str | None:
+    """A resumed run keeps its own model, data and plan (its config.json): the refusal of
+    flags it would silently ignore, so that no one believes a resume changed them."""
+    ignored = [f"--{dest.replace('_', '-')}" for dest, value in vars(args).items()
+               if dest in defaults and dest not in RESUME_TAKES and value != defaults[dest]]
+    if not ignored:
+        return None
+    return (f"--resume {args.resume} continues the run with its own settings (its "
+            f"config.json), so {', '.join(ignored)} would be ignored: drop them (a resume "
+            "takes --steps, --nproc, --device, --max-restarts, --collective-timeout and the "
+            "output flags), or start a new run")

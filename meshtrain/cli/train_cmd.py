@@ -18,7 +18,7 @@ from pathlib import Path
 from meshtrain.cli.summary import after_failure, print_report, print_summary
 from meshtrain.cli.plan_options import add_plan_options, plan_from_args
 from meshtrain.cli.train_checks import (add_shape_options, check_batch_split, check_init_from,
-                                        check_model_plan, shape_overrides)
+                                        check_model_plan, ignored_on_resume, shape_overrides)
 from meshtrain.cli.train_data import check_resumed_data, settle_data
 from meshtrain.core.plan import Plan, PlanError
 from meshtrain.train.config import DEFAULT_LR, OPTIMIZERS, latest_checkpoint
@@ -43,6 +43,7 @@ def add_parser(sub) -> None:
     p.add_argument("--straggler", metavar="RANK:SECONDS",
                    help="delay this rank by SECONDS every step (to measure asynchrony)")
     p.set_defaults(run=run)
+    p.set_defaults(defaults=vars(p.parse_args([])))   # what was not given, for --resume
 
 
 TRAIN_RANK = ("meshtrain.train.run", "train_rank")   # the function every rank runs
@@ -229,6 +230,9 @@ def _default_model(args) -> None:
 
 
 def run(args) -> int:
+    if args.resume and (refused := ignored_on_resume(args, args.defaults)):   # --model unset
+        print(f"meshtrain train: {refused}", file=sys.stderr)
+        return 2
     _default_model(args)
     if not _under_torchrun():   # the ranks' process imports torch while this one does
         from meshtrain.core.processes import start_forkserver

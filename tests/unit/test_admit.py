@@ -159,3 +159,20 @@ def test_a_local_steps_checkpoint_resumes_on_its_own_dp_refused_before_any_rank(
     assert len(launched) == 1 and "Traceback" not in err
     assert (f"this {mode} run's checkpoint holds 2 workers' own parameters and optimizer "
             "states; resume it with --nproc 2 (its dp=2), not 4") in err
+
+
+def test_resume_refuses_the_flags_it_would_ignore(tmp_path, monkeypatch, capsys):
+    from meshtrain.train.config import RunConfig
+
+    run = tmp_path / "run"
+    run.mkdir()
+    RunConfig(run_dir=str(run), plan=Plan(dp=2).to_dict(), batch_size=8, steps=2).save()
+    launched = _no_launch(monkeypatch)
+    assert main(["train", "--resume", str(run), "--zero", "3", "--lr", "0.5",
+                 "--model", "tiny", "--steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert not launched and "Traceback" not in err
+    assert "so --model, --lr, --zero would be ignored: drop them" in err, err
+    assert main(["train", "--resume", str(run), "--steps", "4", "--nproc", "2",
+                 "--no-progress"]) == 0   # what a resume takes
+    assert launched[0]["args"][0].steps == 4
