@@ -20,12 +20,17 @@ def check_batch_split(config, plan: Plan) -> None:
 
 def check_model_plan(config, plan: Plan) -> None:
     """Refuse, before any rank starts, what this model cannot do under this plan (and fp8
-    without torchao, or on a CPU unemulated; each rank checks its GPU's float8 matmuls)."""
+    without torchao, or on a CPU unemulated, each rank checking its GPU's float8 matmuls;
+    CUDA graphs off a GPU)."""
     from meshtrain.models.gpt import gpt_config
     from meshtrain.models.registry import kind_of
     from meshtrain.strategies.float8 import check_fp8
 
     check_fp8(plan.precision, plan.fp8_emulate, config.device)
+    if plan.compile == "cudagraphs" and config.device != "cuda":   # torch would run inductor
+        raise PlanError(f"--compile cudagraphs replays CUDA graphs, which need a GPU, and this "
+                        f"run is on the {config.device.upper()}; use --compile (inductor) or "
+                        "--compile aot_eager here")
     kind = kind_of(config.model)
     gpt = gpt_config(config.model, **config.model_overrides) if kind == "gpt" else None
     no_experts = kind == "callable" or gpt is not None and not gpt.experts

@@ -49,6 +49,8 @@ CASES = [
     ("train --dp 3 --nproc 2", "needs dp*pp*tp = 3 ranks but the world has 2"),
     ("train --zero 4", "invalid choice: 4"),
     ("train --precision fp8", "a CPU has no float8 matmuls; emulate them"),
+    ("train --compile cudagraphs --device cpu", "--compile cudagraphs replays CUDA graphs, "
+                                                "which need a GPU, and this run is on the CPU"),
     ("train --offload cpu", "offload='cpu' needs ZeRO"),
     ("train --offload-dir somewhere", "offload_dir (--offload-dir) is where offload='disk' writes"),
     ("train --sequence-parallel", "sequence_parallel=True splits activations over the tp axis"),
