@@ -1,4 +1,4 @@
-"""`meshtrain train`: train the reference GPT on local ranks (or under torchrun), then summarise.
+"""`meshtrain train`: train a model on local ranks (or under torchrun), then summarise.
 
 Local:    meshtrain train --nproc 2
 torchrun: torchrun --nproc-per-node 2 -m meshtrain train        (one node)
@@ -25,7 +25,7 @@ from meshtrain.train.config import DEFAULT_LR, OPTIMIZERS, latest_checkpoint
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train the reference GPT (default: tiny GPT, DDP over 2 "
+    p = sub.add_parser("train", help="train a model (default: tiny GPT, DDP over 2 "
                                      "CPU ranks, or a rank per GPU)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, help="local ranks to start (default: one per GPU on "
@@ -86,12 +86,12 @@ def _add_run_options(p) -> None:
                    help=f"peak learning rate (default {DEFAULT_LR['adamw']:g} for adamw, "
                         f"{DEFAULT_LR['sgd']:g} for sgd)")
     p.add_argument("--momentum", type=float, default=0.9, help="sgd: momentum (0.9)")
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=30, help="steps of linear lr warmup (30)")
+    p.add_argument("--seed", type=int, default=0, help="the model's and the batches' seed")
     p.add_argument("--max-grad-norm", type=float,
                    help="clip gradients to this global norm (default: no clipping)")
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=100, help="steps between val losses")
+    p.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--run-dir", help="run folder (default runs/<date-time>)")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its latest checkpoint "
