@@ -103,6 +103,23 @@ def after_failure(run_dir) -> str:
             f"{run_dir} (or add --max-restarts K to restart on a failure).")
 
 
+def fall_back(refusal, run_dir) -> str:
+    """How to resume from an earlier checkpoint when the latest cannot be loaded (the
+    refusal says to use one): the ones the run keeps, and the pointer to move."""
+    from pathlib import Path
+
+    if "use an earlier checkpoint" not in str(refusal):
+        return ""
+    folder = Path(run_dir) / "checkpoints"
+    latest = folder / "latest"
+    newest = latest.read_text().strip() if latest.is_file() else "step_99999999"
+    earlier = sorted(p.name for p in folder.glob("step_*") if p.is_dir() and p.name < newest)
+    if not earlier:
+        return " (the run keeps none earlier: start it again)"
+    return (f" (the run keeps {', '.join(earlier)}: `echo {earlier[-1]} > {latest}`, then "
+            "resume)")
+
+
 def print_report(run_dir) -> None:
     """Draw the run's picture beside its summary; a failure to draw never fails the run."""
     from meshtrain.cli.report_cmd import write_report

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from meshtrain.cli.summary import after_failure, print_report, print_summary
+from meshtrain.cli.summary import after_failure, fall_back, print_report, print_summary
 from meshtrain.cli.plan_options import add_plan_options, plan_from_args
 from meshtrain.cli.train_checks import (add_shape_options, check_batch_split, check_init_from,
                                         check_model_plan, ignored_on_resume, shape_overrides)
@@ -311,5 +311,6 @@ def run(args) -> int:
 
 def _refused(message, run_dir) -> int:
     """A checkpoint that cannot be loaded: one line, nothing written to the run folder."""
-    print(f"meshtrain train: cannot resume {run_dir}: {message}", file=sys.stderr)
+    print(f"meshtrain train: cannot resume {run_dir}: {message}{fall_back(message, run_dir)}",
+          file=sys.stderr)
     return 1

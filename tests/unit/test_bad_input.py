@@ -234,3 +234,18 @@ def test_a_failed_run_offers_resume_only_from_a_checkpoint_it_wrote(tmp_path):
     (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
     (tmp_path / "checkpoints" / "latest").write_text("step_00000004\n")
     assert f"(step_00000004): continue with --resume {tmp_path}" in after_failure(tmp_path)
+
+
+def test_a_refused_checkpoint_names_the_earlier_ones_to_fall_back_on(tmp_path):
+    from meshtrain.cli.summary import fall_back
+
+    refusal = "checkpoint step_00000006: __0_0.distcp is corrupted; use an earlier checkpoint"
+    (tmp_path / "checkpoints").mkdir()
+    assert fall_back(refusal, tmp_path) == " (the run keeps none earlier: start it again)"
+    for step in (2, 4, 6):
+        (tmp_path / "checkpoints" / f"step_0000000{step}").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000006\n")
+    assert fall_back(refusal, tmp_path) == (
+        f" (the run keeps step_00000002, step_00000004: `echo step_00000004 > "
+        f"{tmp_path / 'checkpoints' / 'latest'}`, then resume)")
+    assert fall_back("the run's data differs", tmp_path) == ""
