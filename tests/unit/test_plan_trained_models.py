@@ -59,3 +59,13 @@ def test_a_model_neither_plans_nor_trains_is_refused_naming_both():
     with pytest.raises(ModelSpecError, match=r"unknown model preset 'nosuch'.*llama-70b.*"
                                              r"`meshtrain train --model` builds.*llama-tiny"):
         model_of("nosuch", None)
+
+
+def test_a_forward_fake_tensors_cannot_run_is_said_in_one_line_not_a_traceback(capfd):
+    spec = model_of("mixtral-tiny", 32)   # grouped_mm's meta kernel takes bf16 only
+    err = capfd.readouterr().err
+    assert spec.experts == 4 and spec.traced_layer_bytes == ()   # from its shapes alone
+    assert "Traceback" not in err
+    assert ("mixtral-tiny: its forward does not run on fake tensors (RuntimeError: "
+            "Expected inputs of BF16 type") in err
+    assert "its activations are priced from its shapes alone" in err
