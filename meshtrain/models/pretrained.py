@@ -178,6 +178,9 @@ def _check_folder(folder: Path) -> None:
             raise PretrainedError(f"{folder} has no config.json: give a folder save_pretrained "
                                   "wrote (config.json and safetensors weights)")
         return
+    if folder.is_file():
+        raise PretrainedError(f"{folder} is a file; give the folder holding it and its weights"
+                              f": {folder.parent}")
     looks_like_hub = str(folder).count("/") == 1 and not str(folder).startswith((".", "/"))
     if looks_like_hub:
         raise PretrainedError(f"{folder} is no folder here; a Hugging Face Hub name needs the "

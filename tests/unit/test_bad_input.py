@@ -39,6 +39,10 @@ CASES = [
     ("train --resume notarun", "notarun is not a meshtrain run folder"),
     ("train --model nosuchpreset", "--model 'nosuchpreset' is unknown"),
     ("train --model nosuch.module:fn", "cannot import it"),
+    ("train --model amodel", "--model amodel is a model folder: --init-from amodel starts from "
+                             "its weights"),
+    ("train --init-from amodel/config.json", "amodel/config.json is a file; give the folder "
+                                             "holding it and its weights: amodel"),
     ("train --layers 0", "n_layer=0: must be a whole number >= 1"),
     ("train --seq 0", "seq_len=0"),
     ("train --model hf-gpt2-tiny --seq 256", "--seq 256 is longer than the 128 positions "
@@ -200,6 +204,8 @@ def workdir(tmp_path, monkeypatch):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "afile").write_text("x")
     (tmp_path / "notarun").mkdir()
+    (tmp_path / "amodel").mkdir()   # a model folder, as save_pretrained writes one
+    (tmp_path / "amodel" / "config.json").write_text(json.dumps(dict(model_type="llama")))
     (tmp_path / "topk5.json").write_text(json.dumps(dict(   # a MoE with top-k above its experts
         model_type="mixtral", vocab_size=256, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
