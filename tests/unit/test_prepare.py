@@ -146,3 +146,11 @@ def test_a_tokenizer_without_an_eos_says_how_to_name_one(tmp_path):
                                         r"--eos TOKEN`.* \"eos_token\" in the tokenizer_config"):
         Tokenizer(tmp_path / "t.json")
     assert Tokenizer(tmp_path / "t.json", eos="b").eos_id == 1   # named: prepare's --eos
+
+
+def test_a_prepared_dataset_says_what_text_it_was_made_from(tokenizer, inputs, tmp_path):
+    from meshtrain.data.tokens import open_tokens
+
+    prepare(inputs, tokenizer, tmp_path / "d")
+    assert open_tokens(str(tmp_path / "d")).source.startswith(
+        f"{tmp_path / 'd'} (made from {inputs[0]} and 2 more; 1 shard(s), ")
