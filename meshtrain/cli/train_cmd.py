@@ -68,8 +68,8 @@ def _add_run_options(p) -> None:
                         "over every token")
     add_shape_options(p)
     p.add_argument("--seq", type=int, help="sequence length (a GPT preset's override; for "
-                                           "another model, its context, default 128 or its "
-                                           "config's)")
+                                           "another model, default its config's context, at "
+                                           "most 2048, else 128)")
     p.add_argument("--data", help="token shards (a folder `meshtrain prepare` made, .bin "
                                    "files, a glob; several blended as PATH@WEIGHT,...), or a "
                                    "text file or folder, read as bytes or with --tokenizer "

@@ -151,7 +151,7 @@ def build_model(spec: str, overrides: dict, seq_len: int | None = None,
     check_model_spec(spec, overrides)
     make = _from_callable if kind == "callable" else _from_transformers
     module = _built(lambda: make(spec), on_meta, spec)
-    seq_len = seq_len or _context_of(module) or 128
+    seq_len = seq_len or _context_of(module) or DEFAULT_SEQ
     check_positions(module, seq_len)
     if kind != "callable":
         return BuiltModel(module, token_cross_entropy, seq_len, "transformers")
@@ -221,6 +221,16 @@ def _from_transformers(spec: str) -> nn.Module:
 
 def _context_of(module: nn.Module) -> int | None:
     return context_of(getattr(getattr(module, "model", module), "config", None))
+
+
+DEFAULT_SEQ, LONGEST_DEFAULT_SEQ = 128, 2048
+
+
+def default_seq(context: int | None) -> int:
+    """The sequence `meshtrain train` trains a model on without --seq: its context, at most
+    2048 tokens (a long-context model's 32k or 128k, times the batch, is no first run), 128
+    where its config states none. (The planner prices the whole context.)"""
+    return min(context, LONGEST_DEFAULT_SEQ) if context else DEFAULT_SEQ
 
 
 def context_of(config) -> int | None:
