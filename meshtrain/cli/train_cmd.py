@@ -197,14 +197,18 @@ def _check_local_steps_resume(config, old: Plan, world: int) -> None:
                         f"{old.world_size} (its dp={old.dp}), not {world}")
 
 
-def make_run_dir(run_dir) -> None:
-    """Create the run folder (and its checkpoints/), refusing in one line a path that
-    cannot hold it (unwritable, under a file, in a pseudo file system such as /proc)."""
-    try:
-        Path(run_dir, "checkpoints").mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"--run-dir {run_dir}: cannot create the run folder there "
-                         f"({exc.strerror or exc}); give a writable folder") from None
+def make_run_dir(run_dir, offload_dir=None) -> None:
+    """Create the run folder (and its checkpoints/) and --offload-dir, refusing in one line
+    a path that cannot hold it (unwritable, under a file, in a pseudo file system such as
+    /proc), here rather than on every rank once it starts."""
+    for flag, path, folder in [("--offload-dir", offload_dir, offload_dir),
+                               ("--run-dir", run_dir, Path(run_dir, "checkpoints"))]:
+        try:
+            if folder is not None:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"{flag} {path}: cannot create the {flag[2:-4]} folder there "
+                             f"({exc.strerror or exc}); give a writable folder") from None
 
 
 def parse_straggler(text: str, world: int) -> list:
@@ -266,7 +270,7 @@ def run(args) -> int:
             if ckpt is not None:
                 from meshtrain.train import checkpoint
                 check_resumed_data(config, checkpoint.inspect(ckpt))
-        make_run_dir(config.run_dir)
+        make_run_dir(config.run_dir, plan.offload_dir if plan.offload == "disk" else None)
         if tokenizer is not None:   # the run's tokenizer, for generate and export
             tokenizer.save(Path(config.run_dir) / "tokenizer")
     except errors.CheckpointError as exc:

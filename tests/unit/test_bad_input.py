@@ -35,6 +35,8 @@ CASES = [
     ("train --data nowhere/file.txt", "--data nowhere/file.txt: no such file or folder"),
     ("train --data empty.txt", "--data empty.txt: the file is empty"),
     ("train --run-dir afile", "--run-dir afile: a file of that name exists"),
+    ("train --zero 1 --offload disk --offload-dir afile/o",
+     "--offload-dir afile/o: cannot create the offload folder there"),
     ("train --resume nowhere", "nowhere is not a meshtrain run folder"),
     ("train --resume notarun", "notarun is not a meshtrain run folder"),
     ("train --model nosuchpreset", "--model 'nosuchpreset' is unknown"),
@@ -255,3 +257,16 @@ def test_a_refused_checkpoint_names_the_earlier_ones_to_fall_back_on(tmp_path):
         f" (the run keeps step_00000002, step_00000004: `echo step_00000004 > "
         f"{tmp_path / 'checkpoints' / 'latest'}`, then resume)")
     assert fall_back("the run's data differs", tmp_path) == ""
+
+
+def test_the_same_error_on_every_rank_is_said_once_and_whole():
+    from types import SimpleNamespace
+
+    from meshtrain.launch import _culprits
+
+    why = ("offload='disk' cannot write to /proc/nope (No such file or directory); give a "
+           "writable folder (Plan(offload_dir=...), --offload-dir)")
+    raised = {1: dict(type="PlanError", message=why), 0: dict(type="PlanError", message=why),
+              2: dict(type="ValueError", message="other\nTraceback ...")}
+    assert _culprits(SimpleNamespace(failures={}), raised, []) == [
+        f"ranks 0, 1 raised PlanError: {why}", "rank 2 raised ValueError: other"]
