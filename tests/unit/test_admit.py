@@ -177,3 +177,9 @@ def test_resume_refuses_the_flags_it_would_ignore(tmp_path, monkeypatch, capsys)
     assert main(["train", "--resume", str(run), "--steps", "4", "--nproc", "2",
                  "--no-progress"]) == 0   # what a resume takes
     assert launched[0]["args"][0].steps == 4
+    (run / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_00000004\n")
+    assert main(["train", "--resume", str(run), "--steps", "3"]) == 2   # nothing left to run
+    assert ("--steps 3: " + f"{run} is already at step 4 (its latest checkpoint); give a "
+            "larger --steps") in capsys.readouterr().err
+    assert len(launched) == 1
