@@ -83,4 +83,5 @@ def test_a_long_context_model_trains_on_2048_tokens_unless_told(tmp_path):
         config = RunConfig(run_dir="r", model=str(long), seq_len=seq)
         settle_data(config)   # the command's, before any rank starts
         assert config.seq_len == trained
-    assert model_of(str(long), None).seq == 131072   # the planner prices the whole context
+    # the planner (model_of) prices the whole context, as the model's build states it
+    assert registry.build_model(str(long), {}, on_meta=True).seq_len == 131072
