@@ -67,10 +67,6 @@ def kind_of(spec: str) -> str:
         return "transformers"
     if ":" in spec:
         return "callable"
-    if Path(spec, "config.json").is_file():   # a model folder: its weights, or its config?
-        raise ModelSpecError(f"--model {spec} is a model folder: --init-from {spec} starts "
-                             "from its weights (its config.json the model), --model "
-                             f"{Path(spec, 'config.json')} builds its config with random weights")
     raise ModelSpecError(f"--model {spec!r} is unknown: neither a GPT preset ({', '.join(PRESETS)}), "
                          f"a transformers preset ({', '.join(HF_PRESETS)}), a callable "
                          "(package.module:function) nor a transformers config (a .json file, "

@@ -41,8 +41,6 @@ CASES = [
     ("train --resume notarun", "notarun is not a meshtrain run folder"),
     ("train --model nosuchpreset", "--model 'nosuchpreset' is unknown"),
     ("train --model nosuch.module:fn", "cannot import it"),
-    ("train --model amodel", "--model amodel is a model folder: --init-from amodel starts from "
-                             "its weights"),
     ("train --init-from amodel/config.json", "amodel/config.json is a file; give the folder "
                                              "holding it and its weights: amodel"),
     ("train --layers 0", "n_layer=0: must be a whole number >= 1"),
