@@ -284,11 +284,15 @@ def _culprits(err, raised: dict[int, dict], died: list[int]) -> list[str]:
                "killed or crashed: a signal such as kill -9 or the out-of-memory killer")
         lines.append(f"rank {rank} died without an error of its own ({how})")
     echo = " (likely an echo of the rank that died)" if lines else ""
-    first_line = lambda text: (text.strip().splitlines() or [""])[0][:100]
+    first_line = lambda text: (text.strip().splitlines() or [""])[0][:400]
     ours = ("CollectiveFailure", "CollectiveMismatch")   # already one line, naming the culprit
-    return lines + [f"rank {rank} raised {info['type']}: " + (
-        info["message"] if info["type"] in ours else first_line(info["message"]) + echo)
-        for rank, info in raised.items()]
+    said: dict[str, list[int]] = {}   # the same error on several ranks is said once
+    for rank, info in raised.items():
+        said.setdefault(f"{info['type']}: " + (
+            info["message"] if info["type"] in ours else first_line(info["message"]) + echo),
+            []).append(rank)
+    return lines + [f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, sorted(ranks)))} raised "
+                    f"{text}" for text, ranks in said.items()]
 
 
 def _quiet_elastic_logs() -> None:

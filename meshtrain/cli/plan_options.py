@@ -10,7 +10,7 @@ from meshtrain.core.plan import (COMPILE_BACKENDS, FP8_RECIPES, PRECISIONS, RECO
 def add_plan_options(plan) -> None:
     """The Plan's fields as flags."""
     plan.add_argument("--dp", type=int, help="data-parallel ranks (default: all ranks)")
-    plan.add_argument("--pp", type=int, default=1)
+    plan.add_argument("--pp", type=int, default=1, help="pipeline stages (layers over ranks)")
     plan.add_argument("--tp", type=int, default=1,
                       help="tensor-parallel ranks: each layer's matrices split over them")
     add_mesh_axis_options(plan)
@@ -31,7 +31,8 @@ def add_plan_options(plan) -> None:
                                             "folder's offload/)")
     plan.add_argument("--recompute", default="none", choices=RECOMPUTES,
                       help="every layer, per op (matmul/attention outputs kept), attention core")
-    plan.add_argument("--recompute-every", type=int, default=1, metavar="K")
+    plan.add_argument("--recompute-every", type=int, default=1, metavar="K",
+                      help="with --recompute full: every K-th layer (default 1: each)")
     plan.add_argument("--compile", nargs="?", const=True, default=False,
                       choices=list(COMPILE_BACKENDS), metavar="BACKEND",
                       help="torch.compile each transformer block (default backend inductor; "
@@ -59,7 +60,7 @@ def add_plan_options(plan) -> None:
                            "pseudo-gradient")
     plan.add_argument("--outer-momentum", type=float, default=Plan().outer_momentum,
                       help="diloco: the outer SGD's Nesterov momentum, in [0, 1)")
-    plan.add_argument("--microbatches", type=int, default=1)
+    plan.add_argument("--microbatches", type=int, default=1, help="per step (accumulation)")
     plan.add_argument("--schedule", default="1f1b",
                       help="pipeline schedule with --pp > 1: naive | gpipe | 1f1b | "
                            "interleaved | zb-h1 (zero bubble)")

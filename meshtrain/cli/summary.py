@@ -1,6 +1,6 @@
 """The summary `meshtrain train` prints when a run ends: the data (and its validation split),
 losses, speed and MFU, bytes sent, memory per rank (and per GPU where there is one), and the
-emulated link if any."""
+emulated link if any; the run's picture; what a failed run leaves to continue from."""
 from __future__ import annotations
 
 
@@ -85,3 +85,47 @@ def print_summary(s: dict) -> None:
     lines += [f"run folder    {s['run_dir']}",
               f"checkpoint    {s['checkpoint']}", ""]
     print("\n".join(lines))
+
+
+def after_failure(run_dir) -> str:
+    """What a failed run leaves to continue from: its last checkpoint, or nothing (a run
+    that failed before its first checkpoint is started again, not resumed)."""
+    from meshtrain.train.config import latest_checkpoint
+    from meshtrain.train.errors import CheckpointError
+
+    try:
+        kept = latest_checkpoint(run_dir)
+    except CheckpointError:
+        kept = None
+    if kept is None or not kept.is_dir():
+        return "It wrote no checkpoint: fix the cause and start the run again."
+    return (f"The run folder keeps its last checkpoint ({kept.name}): continue with --resume "
+            f"{run_dir} (or add --max-restarts K to restart on a failure).")
+
+
+def fall_back(refusal, run_dir) -> str:
+    """How to resume from an earlier checkpoint when the latest cannot be loaded (the
+    refusal says to use one): the ones the run keeps, and the pointer to move."""
+    from pathlib import Path
+
+    if "use an earlier checkpoint" not in str(refusal):
+        return ""
+    folder = Path(run_dir) / "checkpoints"
+    latest = folder / "latest"
+    newest = latest.read_text().strip() if latest.is_file() else "step_99999999"
+    earlier = sorted(p.name for p in folder.glob("step_*") if p.is_dir() and p.name < newest)
+    if not earlier:
+        return " (the run keeps none earlier: start it again)"
+    return (f" (the run keeps {', '.join(earlier)}: `echo {earlier[-1]} > {latest}`, then "
+            "resume)")
+
+
+def print_report(run_dir) -> None:
+    """Draw the run's picture beside its summary; a failure to draw never fails the run."""
+    from meshtrain.cli.report_cmd import write_report
+    try:
+        out, _ = write_report([run_dir])
+    except Exception as exc:   # noqa: BLE001 - the training itself succeeded
+        print(f"report        not drawn ({type(exc).__name__}: {exc})")
+        return
+    print(f"report        {out}")

@@ -20,12 +20,17 @@ def check_batch_split(config, plan: Plan) -> None:
 
 def check_model_plan(config, plan: Plan) -> None:
     """Refuse, before any rank starts, what this model cannot do under this plan (and fp8
-    without torchao, or on a CPU unemulated; each rank checks its GPU's float8 matmuls)."""
+    without torchao, or on a CPU unemulated, each rank checking its GPU's float8 matmuls;
+    CUDA graphs off a GPU)."""
     from meshtrain.models.gpt import gpt_config
     from meshtrain.models.registry import kind_of
     from meshtrain.strategies.float8 import check_fp8
 
     check_fp8(plan.precision, plan.fp8_emulate, config.device)
+    if plan.compile == "cudagraphs" and config.device != "cuda":   # torch would run inductor
+        raise PlanError(f"--compile cudagraphs replays CUDA graphs, which need a GPU, and this "
+                        f"run is on the {config.device.upper()}; use --compile (inductor) or "
+                        "--compile aot_eager here")
     kind = kind_of(config.model)
     gpt = gpt_config(config.model, **config.model_overrides) if kind == "gpt" else None
     no_experts = kind == "callable" or gpt is not None and not gpt.experts
@@ -51,7 +56,7 @@ def check_model_plan(config, plan: Plan) -> None:
                             f"(embedding, {gpt.n_layer} blocks, head); use fewer stages or "
                             "--layers")
     elif kind in ("transformers", "hf-preset"):
-        check_transformers_plan(config.model, plan)
+        check_transformers_plan(config.model, plan, config.seq_len)
         if plan.sequence_parallel and config.seq_len:
             from meshtrain.strategies.tensor_parallel.gpt import check_sequence
             check_sequence(config.seq_len, plan.tp)
@@ -122,19 +127,22 @@ def check_context(config, plan: Plan) -> None:
         check_sequence(built.seq_len // plan.cp, plan.tp)
 
 
-def check_transformers_plan(spec: str, plan: Plan) -> None:
+def check_transformers_plan(spec: str, plan: Plan, seq_len: int | None = None) -> None:
     """The Trainer's own refusals for a transformers causal LM (heads tp does not divide,
-    more stages than layers...), on the model built without memory (meta tensors)."""
+    more stages than layers, a sequence past its learned positions...), on the model built
+    without memory (meta tensors)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from meshtrain.models import hf, moe
-    from meshtrain.models.registry import transformers_config
+    from meshtrain.models.registry import check_positions, transformers_config
     from meshtrain.strategies import pipeline
     from meshtrain.train.slots import check_layer_sharding
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(transformers_config(spec))
+    if seq_len:
+        check_positions(model, seq_len)
     moe.check(model, plan)   # before tp's styles: the experts are why it is refused
     check_layer_sharding(model, plan, hf.tp_plan_of(model, plan.tp) if plan.tp > 1 else None)
     pipeline.check(model, plan)
@@ -148,3 +156,21 @@ def check_init_from(config) -> None:
 
     built = build_model(config.model, config.model_overrides, config.seq_len, on_meta=True)
     attach(built.module, SafetensorsFolder(config.init_from))
+
+
+RESUME_TAKES = {"resume", "steps", "nproc", "device", "no_progress", "tensorboard",
+                "check_collectives", "collective_timeout", "max_restarts"}
+"""What `--resume` reads from the command line; everything else is the run's own."""
+
+
+def ignored_on_resume(args, defaults: dict) -> str | None:
+    """A resumed run keeps its own model, data and plan (its config.json): the refusal of
+    flags it would silently ignore, so that no one believes a resume changed them."""
+    ignored = [f"--{dest.replace('_', '-')}" for dest, value in vars(args).items()
+               if dest in defaults and dest not in RESUME_TAKES and value != defaults[dest]]
+    if not ignored:
+        return None
+    return (f"--resume {args.resume} continues the run with its own settings (its "
+            f"config.json), so {', '.join(ignored)} would be ignored: drop them (a resume "
+            "takes --steps, --nproc, --device, --max-restarts, --collective-timeout and the "
+            "output flags), or start a new run")

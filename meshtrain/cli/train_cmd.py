@@ -1,4 +1,4 @@
-"""`meshtrain train`: train the reference GPT on local ranks (or under torchrun), then summarise.
+"""`meshtrain train`: train a model on local ranks (or under torchrun), then summarise.
 
 Local:    meshtrain train --nproc 2
 torchrun: torchrun --nproc-per-node 2 -m meshtrain train        (one node)
@@ -15,17 +15,17 @@ import sys
 import time
 from pathlib import Path
 
-from meshtrain.cli.summary import print_summary
+from meshtrain.cli.summary import after_failure, fall_back, print_report, print_summary
 from meshtrain.cli.plan_options import add_plan_options, plan_from_args
 from meshtrain.cli.train_checks import (add_shape_options, check_batch_split, check_init_from,
-                                        check_model_plan, shape_overrides)
+                                        check_model_plan, ignored_on_resume, shape_overrides)
 from meshtrain.cli.train_data import check_resumed_data, settle_data
 from meshtrain.core.plan import Plan, PlanError
 from meshtrain.train.config import DEFAULT_LR, OPTIMIZERS, latest_checkpoint
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train the reference GPT (default: tiny GPT, DDP over 2 "
+    p = sub.add_parser("train", help="train a model (default: tiny GPT, DDP over 2 "
                                      "CPU ranks, or a rank per GPU)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, help="local ranks to start (default: one per GPU on "
@@ -43,6 +43,7 @@ def add_parser(sub) -> None:
     p.add_argument("--straggler", metavar="RANK:SECONDS",
                    help="delay this rank by SECONDS every step (to measure asynchrony)")
     p.set_defaults(run=run)
+    p.set_defaults(defaults=vars(p.parse_args([])))   # what was not given, for --resume
 
 
 TRAIN_RANK = ("meshtrain.train.run", "train_rank")   # the function every rank runs
@@ -67,8 +68,8 @@ def _add_run_options(p) -> None:
                         "over every token")
     add_shape_options(p)
     p.add_argument("--seq", type=int, help="sequence length (a GPT preset's override; for "
-                                           "another model, its context, default 128 or its "
-                                           "config's)")
+                                           "another model, default its config's context, at "
+                                           "most 2048, else 128)")
     p.add_argument("--data", help="token shards (a folder `meshtrain prepare` made, .bin "
                                    "files, a glob; several blended as PATH@WEIGHT,...), or a "
                                    "text file or folder, read as bytes or with --tokenizer "
@@ -85,12 +86,12 @@ def _add_run_options(p) -> None:
                    help=f"peak learning rate (default {DEFAULT_LR['adamw']:g} for adamw, "
                         f"{DEFAULT_LR['sgd']:g} for sgd)")
     p.add_argument("--momentum", type=float, default=0.9, help="sgd: momentum (0.9)")
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=30, help="steps of linear lr warmup (30)")
+    p.add_argument("--seed", type=int, default=0, help="the model's and the batches' seed")
     p.add_argument("--max-grad-norm", type=float,
                    help="clip gradients to this global norm (default: no clipping)")
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=100, help="steps between val losses")
+    p.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--run-dir", help="run folder (default runs/<date-time>)")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its latest checkpoint "
@@ -196,14 +197,18 @@ def _check_local_steps_resume(config, old: Plan, world: int) -> None:
                         f"{old.world_size} (its dp={old.dp}), not {world}")
 
 
-def make_run_dir(run_dir) -> None:
-    """Create the run folder (and its checkpoints/), refusing in one line a path that
-    cannot hold it (unwritable, under a file, in a pseudo file system such as /proc)."""
-    try:
-        Path(run_dir, "checkpoints").mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"--run-dir {run_dir}: cannot create the run folder there "
-                         f"({exc.strerror or exc}); give a writable folder") from None
+def make_run_dir(run_dir, offload_dir=None) -> None:
+    """Create the run folder (and its checkpoints/) and --offload-dir, refusing in one line
+    a path that cannot hold it (unwritable, under a file, in a pseudo file system such as
+    /proc), here rather than on every rank once it starts."""
+    for flag, path, folder in [("--offload-dir", offload_dir, offload_dir),
+                               ("--run-dir", run_dir, Path(run_dir, "checkpoints"))]:
+        try:
+            if folder is not None:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"{flag} {path}: cannot create the {flag[2:-4]} folder there "
+                             f"({exc.strerror or exc}); give a writable folder") from None
 
 
 def parse_straggler(text: str, world: int) -> list:
@@ -229,6 +234,9 @@ def _default_model(args) -> None:
 
 
 def run(args) -> int:
+    if args.resume and (refused := ignored_on_resume(args, args.defaults)):   # --model unset
+        print(f"meshtrain train: {refused}", file=sys.stderr)
+        return 2
     _default_model(args)
     if not _under_torchrun():   # the ranks' process imports torch while this one does
         from meshtrain.core.processes import start_forkserver
@@ -262,7 +270,7 @@ def run(args) -> int:
             if ckpt is not None:
                 from meshtrain.train import checkpoint
                 check_resumed_data(config, checkpoint.inspect(ckpt))
-        make_run_dir(config.run_dir)
+        make_run_dir(config.run_dir, plan.offload_dir if plan.offload == "disk" else None)
         if tokenizer is not None:   # the run's tokenizer, for generate and export
             tokenizer.save(Path(config.run_dir) / "tokenizer")
     except errors.CheckpointError as exc:
@@ -297,9 +305,7 @@ def run(args) -> int:
         log = Path(config.run_dir) / "failure.log"
         log.write_text(str(exc) + "\n")
         print(f"meshtrain train: the run failed: {'; '.join(exc.culprits) or 'a rank failed'}.\n"
-              f"  Each rank's error in full: {log}. The run folder keeps its last checkpoint: "
-              f"continue with --resume {config.run_dir} (or add --max-restarts K to restart "
-              "on a failure).",
+              f"  Each rank's error in full: {log}. {after_failure(config.run_dir)}",
               file=sys.stderr)
         return 1
     print_summary(summary)
@@ -307,18 +313,8 @@ def run(args) -> int:
     return 0
 
 
-def print_report(run_dir) -> None:
-    """Draw the run's picture beside its summary; a failure to draw never fails the run."""
-    from meshtrain.cli.report_cmd import write_report
-    try:
-        out, _ = write_report([run_dir])
-    except Exception as exc:   # noqa: BLE001 - the training itself succeeded
-        print(f"report        not drawn ({type(exc).__name__}: {exc})")
-        return
-    print(f"report        {out}")
-
-
 def _refused(message, run_dir) -> int:
     """A checkpoint that cannot be loaded: one line, nothing written to the run folder."""
-    print(f"meshtrain train: cannot resume {run_dir}: {message}", file=sys.stderr)
+    print(f"meshtrain train: cannot resume {run_dir}: {message}{fall_back(message, run_dir)}",
+          file=sys.stderr)
     return 1

@@ -16,9 +16,10 @@ VOCAB_MULTIPLE = 64
 def settle_data(config):
     """Check `config.data` (and `config.tokenizer`) against the model and each other; text
     with a tokenizer is tokenised once into a cache folder, which `config.data` then names;
-    a GPT preset's vocabulary is set to the data's. Returns the run's tokenizer (the one
+    a GPT preset's vocabulary is set to the data's, another model's sequence length to its
+    context (at most 2048) where --seq left it open. Returns the run's tokenizer (the one
     given, else the one a prepared dataset carries), or None for bytes."""
-    from meshtrain.data.source import load_data
+    from meshtrain.data.source import check_fits, load_data
     from meshtrain.data.tokenizer import Tokenizer, check_matches
     from meshtrain.data.tokens import is_token_data
 
@@ -27,6 +28,8 @@ def settle_data(config):
         config.tokenizer = str(found)
         print(f"meshtrain train: --data is text, read with the model's tokenizer ({found}; "
               "--tokenizer names another)", file=sys.stderr)
+    if config.seq_len is None and not config.resume and not _is_gpt(config):
+        config.seq_len = run_seq_len(config)   # a long context capped; the ranks take it
     tok = Tokenizer(config.tokenizer) if config.tokenizer else None
     if config.data is None:
         if tok is None and config.init_from and model_tokenizer(config) is not None:
@@ -39,6 +42,9 @@ def settle_data(config):
     if tok is not None and text:
         config.data = str(tokenize_once(config.data, tok))
     data = load_data(config.data)   # every shard's header checked; DataError names the file
+    seq_len = run_seq_len(config)
+    if seq_len is not None:   # a split without one window would fail on every rank
+        check_fits(data, seq_len)
     if not data.tokens:
         return None
     for t in data.tokens:
@@ -127,6 +133,21 @@ def model_vocab(config) -> int | None:
     if kind in ("transformers", "hf-preset"):
         return int(transformers_config(config.model).vocab_size)
     return None
+
+
+def run_seq_len(config) -> int | None:
+    """The run's sequence length where the command can know it without building the model
+    (as models.registry.build_model settles it); None for a callable without --seq."""
+    from meshtrain.models.gpt import gpt_config
+    from meshtrain.models.registry import (context_of, default_seq, kind_of,
+                                           transformers_config)
+
+    kind = kind_of(config.model)
+    if kind == "gpt":
+        return gpt_config(config.model, **config.model_overrides).seq_len
+    if kind in ("transformers", "hf-preset"):
+        return config.seq_len or default_seq(context_of(transformers_config(config.model)))
+    return config.seq_len
 
 
 def _is_gpt(config) -> bool:

@@ -46,7 +46,9 @@ class Tokenizer:
         if self.eos is None or self.backend.token_to_id(self.eos) is None:
             raise DataError(f"--tokenizer {path}: no end-of-document token found "
                             f"({self.eos or 'none of ' + ', '.join(EOS_CANDIDATES)}); name the "
-                            "tokenizer's own with --eos TOKEN")
+                            "tokenizer's own: `meshtrain prepare --eos TOKEN` (then --data the "
+                            "prepared folder), or \"eos_token\" in the tokenizer_config.json "
+                            "beside its tokenizer.json")
         self.eos_id = self.backend.token_to_id(self.eos)
         self.sha256 = hashlib.sha256(file.read_bytes()).hexdigest()
 

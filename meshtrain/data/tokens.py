@@ -130,7 +130,10 @@ def open_tokens(spec: str, vocab_size: int | None = None) -> TokenData:
     train, val, how = _split(files, counts)
     fingerprint = hashlib.sha256(json.dumps(
         [[Path(f).name, c] for f, c in zip(files, counts)]).encode()).hexdigest()[:16]
-    source = (f"{spec} ({len(files)} shard(s), {sum(counts):,} tokens; validation: {how})")
+    made = ((index or {}).get("settings") or {}).get("inputs") or []   # prepare's text
+    origin = f"made from {made[0]}{f' and {len(made) - 1} more' if len(made) > 1 else ''}; " \
+        if made else ""
+    source = f"{spec} ({origin}{len(files)} shard(s), {sum(counts):,} tokens; validation: {how})"
     return TokenData(TokenStream(train, limit), TokenStream(val, limit), source,
                      tuple(files), index, fingerprint)
 

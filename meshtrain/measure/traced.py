@@ -177,17 +177,23 @@ def _as_eager():
 @contextmanager
 def _quiet():
     """transformers' warnings about the config were said when it was built on the meta
-    device (trained_model.model_of); the trace builds it twice more."""
+    device (trained_model.model_of); the trace builds it twice more. An op fake tensors
+    cannot run (grouped_mm's meta kernel takes bf16 only) raises, and the caller prices
+    the model from its shapes instead: torch's own log of it, a traceback, stays unsaid."""
+    import logging
+
+    fake = logging.getLogger("torch._subclasses.fake_tensor")
     logs = sys.modules.get("transformers.utils.logging")
-    if logs is None:
-        yield
-        return
-    level = logs.get_verbosity()
-    logs.set_verbosity_error()
+    level = logs.get_verbosity() if logs is not None else None
+    if logs is not None:
+        logs.set_verbosity_error()
+    fake.disabled, was = True, fake.disabled
     try:
         yield
     finally:
-        logs.set_verbosity(level)
+        fake.disabled = was
+        if logs is not None:
+            logs.set_verbosity(level)
 
 
 @contextmanager

@@ -5,6 +5,7 @@ name (`TrainedModel`): a transformers preset or config.json, or a callable."""
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -60,8 +61,11 @@ def model_of(name: str, seq: int | None) -> ModelSpec:
         measured_gathered_once=count(module) - count(*layers) + count(layers[-1]))
     try:   # what its layers save and its elementwise work, beyond a GPT's counts
         found = traced.trace(lambda: registry.build_model(name, {}, seq).module, built.loss, seq)
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
-        return spec   # a forward fake tensors cannot run: priced by the counts alone
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+        print(f"{name}: its forward does not run on fake tensors ({type(exc).__name__}: "
+              f"{str(exc).splitlines()[0][:120]}); its activations are priced from its "
+              "shapes alone", file=sys.stderr)
+        return spec
     return replace(spec, traced_layer_bytes=found.layer_bytes, traced_head_bytes=found.head_bytes,
                    traced_elementwise=found.elementwise_scale,
                    traced_selective_bytes=found.selective_bytes)

@@ -161,11 +161,13 @@ def attach(model: nn.Module, weights: SafetensorsFolder) -> nn.Module:
     """`model` (built on the meta device, its build recorded) to take its values from
     `weights` where the folder has them; checked against it first."""
     from meshtrain.models.deferred import attach_source, recording_of
+    from meshtrain.models.pretrained_layout import converted
 
     recording = recording_of(model)
     if recording is None:
         raise PretrainedError("the model must be built with build_on_meta(...) to load a "
                               "folder into it slice by slice")
+    weights = converted(weights, model)   # per-expert or renamed tensors, as transformers loads
     weights.check(model, ignored={n for n in weights.entries if n.endswith(".inv_freq")})
     return attach_source(model, PretrainedSource(weights, recording))
 
@@ -176,6 +178,9 @@ def _check_folder(folder: Path) -> None:
             raise PretrainedError(f"{folder} has no config.json: give a folder save_pretrained "
                                   "wrote (config.json and safetensors weights)")
         return
+    if folder.is_file():
+        raise PretrainedError(f"{folder} is a file; give the folder holding it and its weights"
+                              f": {folder.parent}")
     looks_like_hub = str(folder).count("/") == 1 and not str(folder).startswith((".", "/"))
     if looks_like_hub:
         raise PretrainedError(f"{folder} is no folder here; a Hugging Face Hub name needs the "

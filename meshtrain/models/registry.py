@@ -67,7 +67,6 @@ def kind_of(spec: str) -> str:
         return "transformers"
     if ":" in spec:
         return "callable"
-    from meshtrain.models.hf_presets import PRESETS as HF_PRESETS
     raise ModelSpecError(f"--model {spec!r} is unknown: neither a GPT preset ({', '.join(PRESETS)}), "
                          f"a transformers preset ({', '.join(HF_PRESETS)}), a callable "
                          "(package.module:function) nor a transformers config (a .json file, "
@@ -148,11 +147,27 @@ def build_model(spec: str, overrides: dict, seq_len: int | None = None,
     check_model_spec(spec, overrides)
     make = _from_callable if kind == "callable" else _from_transformers
     module = _built(lambda: make(spec), on_meta, spec)
+    seq_len = seq_len or _context_of(module) or DEFAULT_SEQ
+    check_positions(module, seq_len)
     if kind != "callable":
-        return BuiltModel(module, token_cross_entropy, seq_len or _context_of(module) or 128,
-                          "transformers")
+        return BuiltModel(module, token_cross_entropy, seq_len, "transformers")
     loss = getattr(module, "loss", None) or token_cross_entropy
-    return BuiltModel(module, loss, seq_len or _context_of(module) or 128, kind)
+    return BuiltModel(module, loss, seq_len, kind)
+
+
+def check_positions(module: nn.Module, seq_len: int) -> None:
+    """Refuse a sequence longer than a learned position table (GPT-2's `wpe`: a row per
+    position of its context), which would index past it inside the forward; rotary
+    positions have no table and are not limited here."""
+    context = _context_of(module)
+    if context is None or seq_len <= context:
+        return
+    inputs = getattr(module, "get_input_embeddings", lambda: None)()
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Embedding) and m is not inputs and m.num_embeddings == context:
+            raise ModelSpecError(f"--seq {seq_len} is longer than the {context} positions "
+                                 f"{type(module).__name__} learned ({name}: one row per "
+                                 f"position); use --seq {context} or less")
 
 
 def _resolve(spec: str) -> Callable:
@@ -201,5 +216,19 @@ def _from_transformers(spec: str) -> nn.Module:
 
 
 def _context_of(module: nn.Module) -> int | None:
-    config = getattr(getattr(module, "model", module), "config", None)
+    return context_of(getattr(getattr(module, "model", module), "config", None))
+
+
+DEFAULT_SEQ, LONGEST_DEFAULT_SEQ = 128, 2048
+
+
+def default_seq(context: int | None) -> int:
+    """The sequence `meshtrain train` trains a model on without --seq: its context, at most
+    2048 tokens (a long-context model's 32k or 128k, times the batch, is no first run), 128
+    where its config states none. (The planner prices the whole context.)"""
+    return min(context, LONGEST_DEFAULT_SEQ) if context else DEFAULT_SEQ
+
+
+def context_of(config) -> int | None:
+    """A transformers config's context length (None: it states none)."""
     return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)

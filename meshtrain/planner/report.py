@@ -40,6 +40,14 @@ def _peaks(cl, precision: str) -> str:
     return f"{fmt_rate(cl.peak_flops, 'FLOP/s')} bf16 peak (MFU's basis), {linears}"
 
 
+def _slower_variants(advice: Advice) -> str:
+    """The plans that fit but are not ranked: a slower offload or recomputation variant of
+    a plan whose faster variant is (advisor.advise keeps one per group)."""
+    slower = advice.considered - len(advice.ranked) - len(advice.rejected)
+    return (f", {slower} fit as a slower offload or recomputation variant of a ranked plan"
+            if slower else "")
+
+
 def words(advice: Advice) -> str:
     spec, setup, cl = advice.spec, advice.setup, advice.cluster
     v = verdict(advice)
@@ -52,7 +60,8 @@ def words(advice: Advice) -> str:
            f"Training: global batch {setup.global_batch} x {spec.seq} tokens, {setup.precision},"
            f" {setup.optimizer} (K = {setup.optim_bytes} bytes/parameter).",
            f"Considered {advice.considered} plans: {len(advice.ranked)} fit and are ranked, "
-           f"{len(advice.rejected)} predicted not to fit.", "", "The guide's questions:"]
+           f"{len(advice.rejected)} predicted not to fit{_slower_variants(advice)}.", "",
+           "The guide's questions:"]
     for q in v.questions:
         out.append(f"  - {q.question} {'yes' if q.answer else 'no'}: {q.numbers}.")
     out += ["", f"The guide recommends {v.family}. "

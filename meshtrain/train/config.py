@@ -96,6 +96,11 @@ def check_run_config(config: RunConfig) -> None:
     if not config.collective_timeout > 0:
         raise ValueError(f"--collective-timeout {config.collective_timeout:g}: give a positive "
                          "number of seconds")
+    done = latest_checkpoint(config.run_dir) if config.resume else None
+    if done is not None and config.steps <= int(done.name.removeprefix("step_")):
+        raise ValueError(f"--steps {config.steps}: {config.run_dir} is already at step "
+                         f"{int(done.name.removeprefix('step_'))} (its latest checkpoint); give "
+                         "a larger --steps to continue it")
     run_dir = Path(config.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--run-dir {run_dir}: a file of that name exists; give a folder")

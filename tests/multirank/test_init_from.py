@@ -168,3 +168,19 @@ def test_the_command_refuses_a_folder_that_does_not_fit_before_any_rank_starts(
         assert message in err, err
         assert "Traceback" not in err
         assert not started and not run.exists()
+
+
+def test_a_mixture_saved_one_tensor_per_expert_loads_as_from_pretrained_loads(tmp_path):
+    from safetensors import safe_open
+
+    torch.manual_seed(5)
+    hf_presets.build("mixtral-tiny").save_pretrained(tmp_path / "moe")
+    folder = str(tmp_path / "moe")
+    with safe_open(f"{folder}/model.safetensors", framework="pt") as f:   # the Hub's layout
+        assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in f.keys()
+    state, _ = _one_process(folder)
+    plans = [dict(dp=2, ep=2), dict(pp=2, microbatches=2)]
+    for (got, _, read, kept), plan in zip(run_ranks(2, loaded, folder, plans)[0], plans):
+        for name, value in state.items():
+            assert torch.equal(got[name], value), f"{plan}: {name}"
+        assert set(read) <= set(kept), (plan, sorted(set(read) - set(kept)))

@@ -127,8 +127,7 @@ def test_resume_reads_the_whole_plan_from_config(plan, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("flag, value", [([], False), (["--compile"], True),
-                                         (["--compile", "aot_eager"], "aot_eager"),
-                                         (["--compile", "cudagraphs"], "cudagraphs")])
+                                         (["--compile", "aot_eager"], "aot_eager")])
 def test_cli_compile_flag_reaches_the_plan(flag, value, tmp_path, monkeypatch):
     launched = _no_launch(monkeypatch)
     assert main(["train", "--nproc", "2", "--run-dir", str(tmp_path / "run"), *flag]) == 0
@@ -137,7 +136,9 @@ def test_cli_compile_flag_reaches_the_plan(flag, value, tmp_path, monkeypatch):
     assert plan.compile == value
     assert plan.compile_backend == {False: None, True: "inductor",
                                     "cudagraphs": "inductor"}.get(value, value)
-    assert plan.compile_mode == ("reduce-overhead" if value == "cudagraphs" else None)
+    assert plan.compile_mode is None
+    graphs = Plan(compile="cudagraphs")   # --compile cudagraphs on a GPU (refused on a CPU)
+    assert (graphs.compile_backend, graphs.compile_mode) == ("inductor", "reduce-overhead")
 
 
 @pytest.mark.parametrize("mode", ["diloco", "local-sgd"])
@@ -159,3 +160,26 @@ def test_a_local_steps_checkpoint_resumes_on_its_own_dp_refused_before_any_rank(
     assert len(launched) == 1 and "Traceback" not in err
     assert (f"this {mode} run's checkpoint holds 2 workers' own parameters and optimizer "
             "states; resume it with --nproc 2 (its dp=2), not 4") in err
+
+
+def test_resume_refuses_the_flags_it_would_ignore(tmp_path, monkeypatch, capsys):
+    from meshtrain.train.config import RunConfig
+
+    run = tmp_path / "run"
+    run.mkdir()
+    RunConfig(run_dir=str(run), plan=Plan(dp=2).to_dict(), batch_size=8, steps=2).save()
+    launched = _no_launch(monkeypatch)
+    assert main(["train", "--resume", str(run), "--zero", "3", "--lr", "0.5",
+                 "--model", "tiny", "--steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert not launched and "Traceback" not in err
+    assert "so --model, --lr, --zero would be ignored: drop them" in err, err
+    assert main(["train", "--resume", str(run), "--steps", "4", "--nproc", "2",
+                 "--no-progress"]) == 0   # what a resume takes
+    assert launched[0]["args"][0].steps == 4
+    (run / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_00000004\n")
+    assert main(["train", "--resume", str(run), "--steps", "3"]) == 2   # nothing left to run
+    assert ("--steps 3: " + f"{run} is already at step 4 (its latest checkpoint); give a "
+            "larger --steps") in capsys.readouterr().err
+    assert len(launched) == 1

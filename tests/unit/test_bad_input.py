@@ -35,18 +35,26 @@ CASES = [
     ("train --data nowhere/file.txt", "--data nowhere/file.txt: no such file or folder"),
     ("train --data empty.txt", "--data empty.txt: the file is empty"),
     ("train --run-dir afile", "--run-dir afile: a file of that name exists"),
+    ("train --zero 1 --offload disk --offload-dir afile/o",
+     "--offload-dir afile/o: cannot create the offload folder there"),
     ("train --resume nowhere", "nowhere is not a meshtrain run folder"),
     ("train --resume notarun", "notarun is not a meshtrain run folder"),
     ("train --model nosuchpreset", "--model 'nosuchpreset' is unknown"),
     ("train --model nosuch.module:fn", "cannot import it"),
+    ("train --init-from amodel/config.json", "amodel/config.json is a file; give the folder "
+                                             "holding it and its weights: amodel"),
     ("train --layers 0", "n_layer=0: must be a whole number >= 1"),
     ("train --seq 0", "seq_len=0"),
+    ("train --model hf-gpt2-tiny --seq 256", "--seq 256 is longer than the 128 positions "
+                                             "GPT2LMHeadModel learned (transformer.wpe"),
     ("train --heads 3 --d-model 32", "d_model=32 is not divisible by n_head=3"),
     # train: plans
     ("train --tp 3 --nproc 3", "tp=3 does not divide the GPT's n_head=4"),
     ("train --dp 3 --nproc 2", "needs dp*pp*tp = 3 ranks but the world has 2"),
     ("train --zero 4", "invalid choice: 4"),
     ("train --precision fp8", "a CPU has no float8 matmuls; emulate them"),
+    ("train --compile cudagraphs --device cpu", "--compile cudagraphs replays CUDA graphs, "
+                                                "which need a GPU, and this run is on the CPU"),
     ("train --offload cpu", "offload='cpu' needs ZeRO"),
     ("train --offload-dir somewhere", "offload_dir (--offload-dir) is where offload='disk' writes"),
     ("train --sequence-parallel", "sequence_parallel=True splits activations over the tp axis"),
@@ -196,6 +204,8 @@ def workdir(tmp_path, monkeypatch):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "afile").write_text("x")
     (tmp_path / "notarun").mkdir()
+    (tmp_path / "amodel").mkdir()   # a model folder, as save_pretrained writes one
+    (tmp_path / "amodel" / "config.json").write_text(json.dumps(dict(model_type="llama")))
     (tmp_path / "topk5.json").write_text(json.dumps(dict(   # a MoE with top-k above its experts
         model_type="mixtral", vocab_size=256, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -221,3 +231,40 @@ def test_bad_input_exits_with_a_message(argv, message, workdir, capsys):
     assert message in err, err
     assert len(err.strip().splitlines()) <= 3 or "usage:" in err   # short
     assert not (workdir / "runs").exists()   # refused before a run folder was made
+
+
+def test_a_failed_run_offers_resume_only_from_a_checkpoint_it_wrote(tmp_path):
+    from meshtrain.cli.summary import after_failure
+
+    assert "wrote no checkpoint" in after_failure(tmp_path)   # failed before its first save
+    (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000004\n")
+    assert f"(step_00000004): continue with --resume {tmp_path}" in after_failure(tmp_path)
+
+
+def test_a_refused_checkpoint_names_the_earlier_ones_to_fall_back_on(tmp_path):
+    from meshtrain.cli.summary import fall_back
+
+    refusal = "checkpoint step_00000006: __0_0.distcp is corrupted; use an earlier checkpoint"
+    (tmp_path / "checkpoints").mkdir()
+    assert fall_back(refusal, tmp_path) == " (the run keeps none earlier: start it again)"
+    for step in (2, 4, 6):
+        (tmp_path / "checkpoints" / f"step_0000000{step}").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000006\n")
+    assert fall_back(refusal, tmp_path) == (
+        f" (the run keeps step_00000002, step_00000004: `echo step_00000004 > "
+        f"{tmp_path / 'checkpoints' / 'latest'}`, then resume)")
+    assert fall_back("the run's data differs", tmp_path) == ""
+
+
+def test_the_same_error_on_every_rank_is_said_once_and_whole():
+    from types import SimpleNamespace
+
+    from meshtrain.launch import _culprits
+
+    why = ("offload='disk' cannot write to /proc/nope (No such file or directory); give a "
+           "writable folder (Plan(offload_dir=...), --offload-dir)")
+    raised = {1: dict(type="PlanError", message=why), 0: dict(type="PlanError", message=why),
+              2: dict(type="ValueError", message="other\nTraceback ...")}
+    assert _culprits(SimpleNamespace(failures={}), raised, []) == [
+        f"ranks 0, 1 raised PlanError: {why}", "rank 2 raised ValueError: other"]

@@ -59,3 +59,29 @@ def test_a_model_neither_plans_nor_trains_is_refused_naming_both():
     with pytest.raises(ModelSpecError, match=r"unknown model preset 'nosuch'.*llama-70b.*"
                                              r"`meshtrain train --model` builds.*llama-tiny"):
         model_of("nosuch", None)
+
+
+def test_a_forward_fake_tensors_cannot_run_is_said_in_one_line_not_a_traceback(capfd):
+    spec = model_of("mixtral-tiny", 32)   # grouped_mm's meta kernel takes bf16 only
+    err = capfd.readouterr().err
+    assert spec.experts == 4 and spec.traced_layer_bytes == ()   # from its shapes alone
+    assert "Traceback" not in err
+    assert ("mixtral-tiny: its forward does not run on fake tensors (RuntimeError: "
+            "Expected inputs of BF16 type") in err
+    assert "its activations are priced from its shapes alone" in err
+
+
+def test_a_long_context_model_trains_on_2048_tokens_unless_told(tmp_path):
+    from meshtrain.cli.train_data import settle_data
+    from meshtrain.train.config import RunConfig
+
+    long = tmp_path / "long.json"   # Llama 3's context: 128k tokens a row, 32 rows a batch
+    long.write_text(json.dumps(dict(
+        model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=131072)))
+    for seq, trained in [(None, 2048), (4096, 4096)]:
+        config = RunConfig(run_dir="r", model=str(long), seq_len=seq)
+        settle_data(config)   # the command's, before any rank starts
+        assert config.seq_len == trained
+    # the planner (model_of) prices the whole context, as the model's build states it
+    assert registry.build_model(str(long), {}, on_meta=True).seq_len == 131072

@@ -228,3 +228,14 @@ def test_a_gpu_preset_is_named_in_any_case_or_by_the_one_name_it_begins():
     from meshtrain.planner.hardware import make_cluster
     assert make_cluster("h100").name == make_cluster("H100-80GB").name == "H100-80GB"
     assert make_cluster("a100-40").gpu_mem == make_cluster("A100-40GB").gpu_mem
+
+
+def test_the_words_account_for_every_plan_considered():
+    from meshtrain.planner.report import words
+
+    a = _plan("llama-7b", nodes=1, gpn=1, global_batch=8)   # only offloaded variants fit
+    slower = a.considered - len(a.ranked) - len(a.rejected)
+    assert slower > 0   # a group's fitting variants beside its fastest
+    assert (f"Considered {a.considered} plans: {len(a.ranked)} fit and are ranked, "
+            f"{len(a.rejected)} predicted not to fit, {slower} fit as a slower offload or "
+            "recomputation variant of a ranked plan.") in words(a)

@@ -133,3 +133,24 @@ def test_bad_prepare_input_is_named(tokenizer, tmp_path, capsys):
     with pytest.raises(DataError, match=r"arrow: a Hugging Face datasets folder .*to_parquet"):
         prepare([str(tmp_path / "hf")], tokenizer, tmp_path / "d2")
     shutil.rmtree(out)
+
+
+def test_a_tokenizer_without_an_eos_says_how_to_name_one(tmp_path):
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    from meshtrain.data.tokenizer import Tokenizer
+
+    Backend(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(tmp_path / "t.json"))
+    with pytest.raises(DataError, match=r"no end-of-document token found .*`meshtrain prepare "
+                                        r"--eos TOKEN`.* \"eos_token\" in the tokenizer_config"):
+        Tokenizer(tmp_path / "t.json")
+    assert Tokenizer(tmp_path / "t.json", eos="b").eos_id == 1   # named: prepare's --eos
+
+
+def test_a_prepared_dataset_says_what_text_it_was_made_from(tokenizer, inputs, tmp_path):
+    from meshtrain.data.tokens import open_tokens
+
+    prepare(inputs, tokenizer, tmp_path / "d")
+    assert open_tokens(str(tmp_path / "d")).source.startswith(
+        f"{tmp_path / 'd'} (made from {inputs[0]} and 2 more; 1 shard(s), ")

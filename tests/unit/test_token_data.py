@@ -149,6 +149,7 @@ def bad_data(tmp_path, monkeypatch):
                                           "model's vocabulary"),
     ("--data ok.bin@2,notes.txt", "ok.bin@2,notes.txt: notes.txt is text"),
     ("--data ok.bin@x", "'ok.bin@x' is not PATH or PATH@WEIGHT"),
+    ("--data ok.bin --seq 512", "val split of"),   # its last 400 tokens: no window of 513
 ])
 def test_bad_token_data_is_refused_before_any_rank_starts(bad_data, argv, message, capsys):
     (bad_data / "notes.txt").write_text("words " * 1000)
