@@ -86,7 +86,8 @@ def _add_run_options(p) -> None:
                    help=f"peak learning rate (default {DEFAULT_LR['adamw']:g} for adamw, "
                         f"{DEFAULT_LR['sgd']:g} for sgd)")
     p.add_argument("--momentum", type=float, default=0.9, help="sgd: momentum (0.9)")
-    p.add_argument("--warmup", type=int, default=30, help="steps of linear lr warmup (30)")
+    p.add_argument("--warmup", type=int, help="steps of linear lr warmup (default 30, at most "
+                                              "a quarter of --steps: a short run reaches its lr)")
     p.add_argument("--seed", type=int, default=0, help="the model's and the batches' seed")
     p.add_argument("--max-grad-norm", type=float,
                    help="clip gradients to this global norm (default: no clipping)")
@@ -114,6 +115,11 @@ def _add_run_options(p) -> None:
     p.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files into RUN_DIR/tensorboard "
                         "(needs pip install -e \".[tb]\")")
+
+
+def default_warmup(warmup: int | None, steps: int) -> int:
+    """--warmup, else 30 steps or a quarter of the run, whichever is fewer."""
+    return min(30, steps // 4) if warmup is None else warmup
 
 
 def _under_torchrun() -> bool:
@@ -179,7 +185,8 @@ def build_config(args):
                      steps=250 if args.steps is None else args.steps,
                      batch_size=args.batch, optimizer=args.optimizer,
                      lr=DEFAULT_LR[args.optimizer] if args.lr is None else args.lr,
-                     momentum=args.momentum, warmup=args.warmup, seed=args.seed,
+                     momentum=args.momentum, seed=args.seed, warmup=default_warmup(
+                         args.warmup, 250 if args.steps is None else args.steps),
                      eval_every=args.eval_every, ckpt_every=args.ckpt_every,
                      progress=not args.no_progress, tensorboard=args.tensorboard,
                      collective_timeout=300.0 if args.collective_timeout is None

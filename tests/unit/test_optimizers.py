@@ -48,3 +48,15 @@ def test_train_takes_the_optimizers_own_default_learning_rate():
                                 (["train", "--optimizer", "sgd", "--lr", "0.05"], "sgd", 0.05)):
         config = build_config(build_parser().parse_args(argv + ["--device", "cpu"]))
         assert (config.optimizer, config.lr, config.momentum) == (optimizer, lr, 0.9)
+
+
+def test_a_short_run_reaches_its_learning_rate():
+    from meshtrain.cli.main import build_parser
+    from meshtrain.cli.train_cmd import build_config
+    from meshtrain.train.config import learning_rate
+    for argv, warmup in (([], 30), (["--steps", "4"], 1), (["--steps", "40"], 10),
+                         (["--steps", "4", "--warmup", "10"], 10)):
+        config = build_config(build_parser().parse_args(["train", "--device", "cpu", *argv]))
+        assert config.warmup == warmup, argv
+    short = build_config(build_parser().parse_args(["train", "--device", "cpu", "--steps", "4"]))
+    assert learning_rate(short, short.steps - 1) == short.lr
