@@ -115,6 +115,11 @@ class GradientSync(ABC):
         """The next backward reaches only `params` (one chunk of an interleaved stage): a
         sync that reduces every micro-batch may reduce only theirs. Default: nothing."""
 
+    def backward_done(self, params: list[nn.Parameter]) -> None:
+        """The step's backwards through `params` (one chunk of an interleaved stage) are
+        over, before the step is: a sync that reduces once a step may start on theirs.
+        Default: nothing."""
+
     @abstractmethod
     def finish_gradient_sync(self, local_loss: torch.Tensor) -> float:
         """Launch what is left, wait; return the mean of `local_loss` over dp."""

@@ -107,7 +107,7 @@ def sync_gradients(stages: Stages, plan: Plan, comm: Comm,
         return PowerSGD(params, buffers, comm, plan.bucket_mb, plan.compression_rank,
                         plan.compression_min_rate, plan.sync_warmup_steps)
     return DDP(params, buffers, comm, bucket_mb=plan.bucket_mb, precision=plan.precision,
-               axis=axis, replicas=replicas)
+               axis=axis, replicas=replicas, chunks=stages.modules())
 
 
 def drive_steps(model: nn.Module, stages: Stages, plan: Plan, comm: Comm, loss_fn: Callable,

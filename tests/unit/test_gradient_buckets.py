@@ -67,3 +67,23 @@ def test_a_round_limited_to_its_reach_launches_only_those_buckets():
 def test_a_gradient_outside_the_rounds_reach_is_an_error():
     with pytest.raises(RuntimeError, match="outside the round's reach"):
         _run_backward(in_flight=2, reach={0, 1})
+
+
+def test_a_chunk_done_launches_its_buckets_before_the_steps_end():
+    # a step-long round (DDP's): the first two layers' backward is over early (buckets 3, 4,
+    # as an interleaved stage's chunk whose last backward ran), the others are still to come
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(5)])
+    params = list(model.parameters())
+    buckets = build_buckets([], float("inf"), groups=[[p] for p in reversed(params)])
+    log: list = []
+    grads = GradientBuckets(params, buckets, lambda b: log.append(b.index), scale=1.0)
+    grads.start_step()
+    with grads.paused():
+        model(torch.randn(2, 4)).sum().backward()
+    grads.launch_done(grads.holding(params[3:]))   # layers 3, 4: buckets 1, 0
+    assert log == [0, 1]
+    grads.launch_done(grads.holding(params[:1]))   # bucket 4: waits for 2 and 3, in order
+    assert log == [0, 1]
+    grads.flush()
+    assert log == [0, 1, 2, 3, 4]

@@ -43,6 +43,7 @@ from meshtrain.core.memory import optimizer_state_tensors, storage_bytes
 from meshtrain.core.optim_state import load_state_by_name, param_groups_by_name, state_by_name
 from meshtrain.core.plan import DDP_FIRST_BUCKET_MB
 from meshtrain.strategies.shared.buckets import Bucket, build_buckets
+from meshtrain.strategies.shared.flat import parameter_groups
 from meshtrain.strategies.shared.gradient_buckets import GradientBuckets
 from meshtrain.strategies.shared.precision import MasterWeights, cast_to
 from meshtrain.strategies.shared.replicas import (ReplicaGroup, broadcast_tensors,
@@ -64,12 +65,13 @@ class DDP(GradientSync):
                  buffers: list[torch.Tensor], comm: Comm, bucket_mb: float,
                  precision: str = "fp32", axis: str = "dp",
                  replicas: dict[str, ReplicaGroup] | None = None,
-                 copy_when_alone: bool = False) -> None:
+                 copy_when_alone: bool = False, chunks: list[nn.Module] = ()) -> None:
         """`replicas`: parameters replicated over a group smaller than the dp axis (experts
         over their edp group: strategies/expert_parallel), by name; each is broadcast and
         reduced over its own group, in buckets of its own. With one replica in fp32 autograd
         accumulates in the buckets ([Note: one replica], gradient_buckets.py), unless
-        `copy_when_alone` (a subclass that works on the hooks' copies: PowerSGD)."""
+        `copy_when_alone` (a subclass that works on the hooks' copies: PowerSGD). `chunks`:
+        an interleaved stage's chunks, bucketed apart (see `backward_done`)."""
         self.comm, self.axis = comm, axis
         self.replicas = replicas = dict(replicas or {})
         broadcast_tensors([p for n, p in named_params if n not in replicas] + list(buffers),
@@ -86,10 +88,12 @@ class DDP(GradientSync):
         self.mixed = precision != "fp32"
         # the last bucket's payload: this rank's loss, then one "used" flag per parameter
         # (fp32 payload; in bf16 the statistics travel in their own small all-reduce)
-        buckets = build_buckets(self.params[::-1], bucket_mb * 2**20,
+        dense = [p for name, p in self.named.items() if name not in replicas]
+        buckets = build_buckets([], bucket_mb * 2**20,
                                 last_extra=0 if self.mixed else 1 + len(self.params),
                                 pad_to=n if self.mixed else 1,
-                                groups=replica_groups(self.named, replicas),
+                                groups=replica_groups(self.named, replicas)
+                                + parameter_groups(dense, [], chunks),
                                 first_bytes=min(DDP_FIRST_BUCKET_MB, bucket_mb) * 2**20)
         self._group_of = {b.index: replicas.get(self._name_of[id(b.params[0])])
                           for b in buckets}   # None: the whole dp axis
@@ -113,6 +117,12 @@ class DDP(GradientSync):
     def no_sync(self):
         """Accumulate gradients locally (earlier micro-batches): no communication."""
         return self.grads.paused()
+
+    def backward_done(self, params: list[nn.Parameter]) -> None:
+        """A chunk's gradients are final: all-reduce them now (gradient_buckets.py, [Note: a
+        chunk done])."""
+        if not self.lone:
+            self.grads.launch_done(self.grads.holding(params))
 
     def _launch(self, bucket: Bucket):
         group = self._group_of[bucket.index]

@@ -134,11 +134,14 @@ class PipelineSchedule:
                      split_microbatches(targets, microbatches), sync)
         split = {(a.microbatch, a.chunk) for a in actions if a.kind is Kind.BACKWARD_WEIGHT}
         step.split = split
-        # the last action that accumulates weight gradients: the dp sync starts in it
-        last_backward = max((i for i, a in enumerate(actions)
-                             if a.kind is Kind.BACKWARD_WEIGHT or
-                             (a.kind is Kind.BACKWARD and (a.microbatch, a.chunk) not in split)),
-                            default=-1)
+        # the last action that accumulates weight gradients: the dp sync starts in it; and
+        # each chunk's last, after which its gradients are final
+        accumulating = {i: a.chunk for i, a in enumerate(actions)
+                        if a.kind is Kind.BACKWARD_WEIGHT or
+                        (a.kind is Kind.BACKWARD and (a.microbatch, a.chunk) not in split)}
+        last_backward = max(accumulating, default=-1)
+        step.chunk_ends = {max(i for i, c in accumulating.items() if c == chunk)
+                           for chunk in set(accumulating.values())} - {last_backward}
         clock = Stopwatch(self.comm.mesh.device)
         blocks, waits = [], []   # (kind, micro-batch, chunk, begin mark, end mark)
         if sync is not None:   # a training step is traced (on CUDA: one synchronisation)
@@ -149,6 +152,8 @@ class PipelineSchedule:
             if a.kind in COMPUTE:
                 begin = clock.mark()
                 step.compute(a, final=i == last_backward)
+                if i in step.chunk_ends:   # this chunk's gradients are final
+                    step.sync.backward_done(list(self.stages.chunks[a.chunk].parameters()))
                 blocks.append((a.kind, a.microbatch, a.chunk, begin, clock.mark()))
                 i += 1
                 continue
@@ -181,6 +186,7 @@ class _Step:
         self.last_stage = driver.stages.stages - 1
         self.held: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output, captured)
         self.split: set[tuple[int, int]] = set()  # (mb, chunk) whose backward is B then W
+        self.chunk_ends: set[int] = set()   # actions after which a chunk's gradients are final
         self.inbox: dict[tuple[bool, int, int], torch.Tensor] = {}   # received
         self.outbox: dict[tuple[bool, int, int], torch.Tensor] = {}  # to send
         self.sending: list = []                            # (work, tensor) in flight

@@ -83,6 +83,9 @@ class Bucket:
         self._ready.add(id(param))
         return self.all_ready
 
+    def mark_all_ready(self) -> None:
+        self._ready = {id(p) for p in self.params}
+
     @property
     def all_ready(self) -> bool:
         return len(self._ready) == len(self.params)

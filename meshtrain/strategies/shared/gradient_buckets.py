@@ -22,6 +22,15 @@ carry nothing this round and are not sent as zeros. The reach is the model's str
 the same on every replica, never which gradients happened to arrive (that would let ranks
 issue different collectives).
 
+[Note: a chunk done]
+Where a round is the step (DDP, ZeRO-1, ZeRO-3 kept under stages), an interleaved stage's
+chunk is done before the step is: its last backward ran, no gradient comes to its buckets
+any more. `launch_done` launches them then (their slots that got nothing zeroed), as far as
+index order allows: the chunks end in reverse order, the order their buckets are laid out
+in, so each chunk's exchange overlaps the backwards of the chunks still running (Megatron's
+overlapped gradient reduction under interleaved stages). As with the reach, which buckets
+are done is the schedule's structure, the same on every replica.
+
 [Note: one replica]
 With nothing to reduce (one replica, no scaling), `in_place` lets autograd accumulate
 straight into the bucket slots: each step starts with the buckets zeroed and every .grad a
@@ -101,6 +110,27 @@ class GradientBuckets:
             p.grad = None
         self.start_round()
 
+    def holding(self, params) -> set[int]:
+        """The indices of the buckets holding any of `params`."""
+        return {self._slot[id(p)][0].index for p in params if id(p) in self._slot}
+
+    def launch_done(self, done: set[int]) -> None:
+        """The buckets `done` get no more gradients this step: launch them (see [Note: a
+        chunk done])."""
+        for bucket in self._round[self._next_launch:]:
+            if bucket.index in done and not bucket.all_ready:
+                self._zero_missing(bucket)
+                bucket.mark_all_ready()
+        self._launch_ready(until=len(self._round) - (1 if self.hold_last else 0))
+
+    def _zero_missing(self, bucket: Bucket) -> None:
+        """The slots of `bucket` that got no gradient this round, zeroed (allocated first)."""
+        if bucket.buffer is None:
+            self._allocate(bucket)
+        for i, p in enumerate(bucket.params):
+            if id(p) not in self._in_round:
+                bucket.absorb(i, None, self.scale, first=True)
+
     def start_round(self, reach: set[int] | None = None) -> None:
         """A new round; `reach`: the indices of the only buckets its backward can fill
         (see [Note: a round's reach]), None for all."""
@@ -166,11 +196,7 @@ class GradientBuckets:
         launched (in order)."""
         self.events.append(("backward_end", -1, time.perf_counter()))
         for bucket in self._round[self._next_launch:]:
-            if bucket.buffer is None:
-                self._allocate(bucket)
-            for i, p in enumerate(bucket.params):
-                if id(p) not in self._in_round:
-                    bucket.absorb(i, None, self.scale, first=True)
+            self._zero_missing(bucket)
         while self._next_launch < len(self._round):
             self._launch_next()
 

@@ -59,8 +59,8 @@ class ZeRO(GradientSync):
                  chunks: list[nn.Module] = ()) -> None:
         """`replicas`: parameters replicated over a group smaller than dp (experts over
         their edp group), each in buckets of its own, reduced and sharded over that group.
-        `chunks`: the modules this rank runs (an interleaved stage's chunks): under ZeRO-2
-        each chunk's parameters are bucketed apart (see `backward_reaches`)."""
+        `chunks`: the modules this rank runs (an interleaved stage's chunks): each chunk's
+        parameters are bucketed apart (see `backward_reaches`, `backward_done`)."""
         self.comm, self.axis, self.stage = comm, axis, plan.zero
         self._chunks = list(chunks)
         self.replicas = replicas = dict(replicas or {})
@@ -111,7 +111,7 @@ class ZeRO(GradientSync):
         dense = [p for n, p in self.named.items() if n not in self.replicas]
         groups = replica_groups(self.named, self.replicas) + parameter_groups(
             dense, [self.named[s] for s in shared if s in self.named],
-            self._chunks if self._reduces_each_microbatch(plan) else ())
+            self._chunks)
         return build_buckets([], plan.bucket_mb * 2**20, pad_to=self.n, dtype=compute,
                              lazy=self.stage == 2, groups=groups)
 
@@ -159,12 +159,14 @@ class ZeRO(GradientSync):
         self.grads.start_round()
 
     def backward_reaches(self, params: list[nn.Parameter]) -> None:
-        """ZeRO-2: the next round reduces only the buckets holding `params` (an interleaved
-        stage's chunk; see gradient_buckets.py, [Note: a round's reach])."""
+        """ZeRO-2: gradient_buckets.py, [Note: a round's reach]."""
         if self.each_microbatch:
-            ids = {id(p) for p in params}
-            self.grads.start_round({b.index for b in self.buckets
-                                    if any(id(p) in ids for p in b.params)})
+            self.grads.start_round(self.grads.holding(params))
+
+    def backward_done(self, params: list[nn.Parameter]) -> None:
+        """ZeRO-1, ZeRO-3 kept under stages: gradient_buckets.py, [Note: a chunk done]."""
+        if not self.each_microbatch:
+            self.grads.launch_done(self.grads.holding(params))
 
     def _launch(self, bucket: Bucket):
         target = self.grad_shards[bucket.index]
