@@ -117,11 +117,6 @@ def _add_run_options(p) -> None:
                         "(needs pip install -e \".[tb]\")")
 
 
-def default_warmup(warmup: int | None, steps: int) -> int:
-    """--warmup, else 30 steps or a quarter of the run, whichever is fewer."""
-    return min(30, steps // 4) if warmup is None else warmup
-
-
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -185,8 +180,7 @@ def build_config(args):
                      steps=250 if args.steps is None else args.steps,
                      batch_size=args.batch, optimizer=args.optimizer,
                      lr=DEFAULT_LR[args.optimizer] if args.lr is None else args.lr,
-                     momentum=args.momentum, seed=args.seed, warmup=default_warmup(
-                         args.warmup, 250 if args.steps is None else args.steps),
+                     momentum=args.momentum, warmup=args.warmup, seed=args.seed,
                      eval_every=args.eval_every, ckpt_every=args.ckpt_every,
                      progress=not args.no_progress, tensorboard=args.tensorboard,
                      collective_timeout=300.0 if args.collective_timeout is None

@@ -36,7 +36,7 @@ class RunConfig:
     optimizer: str = "adamw"       # "adamw" | "sgd" (with momentum, no weight decay)
     lr: float = 3e-3
     momentum: float = 0.9          # sgd's
-    warmup: int = 30
+    warmup: int | None = None      # lr warm-up steps (None: 30, or a quarter of `steps` if fewer)
     weight_decay: float = 0.1      # adamw's (decoupled)
     seed: int = 0
     eval_every: int = 100
@@ -51,6 +51,10 @@ class RunConfig:
     straggler: list | None = None    # [rank, seconds]: that rank is delayed every step
     trace: bool = False              # pipeline: save the last step's measured trace (trace.*)
     link: str | None = None          # emulated slow link, e.g. "dp=1Gb/s,5ms" (core/link.py)
+
+    def __post_init__(self) -> None:
+        if self.warmup is None:   # settled once, saved: a resume keeps the run's own
+            self.warmup = min(30, self.steps // 4)
 
     def save(self) -> None:
         path = Path(self.run_dir) / "config.json"
