@@ -140,8 +140,8 @@ class PipelineSchedule:
                         if a.kind is Kind.BACKWARD_WEIGHT or
                         (a.kind is Kind.BACKWARD and (a.microbatch, a.chunk) not in split)}
         last_backward = max(accumulating, default=-1)
-        step.chunk_ends = {max(i for i, c in accumulating.items() if c == chunk)
-                           for chunk in set(accumulating.values())} - {last_backward}
+        chunk_ends = {max(i for i, c in accumulating.items() if c == chunk)
+                      for chunk in set(accumulating.values())} - {last_backward}
         clock = Stopwatch(self.comm.mesh.device)
         blocks, waits = [], []   # (kind, micro-batch, chunk, begin mark, end mark)
         if sync is not None:   # a training step is traced (on CUDA: one synchronisation)
@@ -152,8 +152,8 @@ class PipelineSchedule:
             if a.kind in COMPUTE:
                 begin = clock.mark()
                 step.compute(a, final=i == last_backward)
-                if i in step.chunk_ends:   # this chunk's gradients are final
-                    step.sync.backward_done(list(self.stages.chunks[a.chunk].parameters()))
+                if i in chunk_ends:   # this chunk's gradients are final
+                    step.sync.backward_done(step.chunk_params[a.chunk])
                 blocks.append((a.kind, a.microbatch, a.chunk, begin, clock.mark()))
                 i += 1
                 continue
@@ -186,7 +186,9 @@ class _Step:
         self.last_stage = driver.stages.stages - 1
         self.held: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output, captured)
         self.split: set[tuple[int, int]] = set()  # (mb, chunk) whose backward is B then W
-        self.chunk_ends: set[int] = set()   # actions after which a chunk's gradients are final
+        # each chunk's parameters, where a rank holds several: what its backward reaches
+        chunks = driver.stages.chunks
+        self.chunk_params = [list(c.parameters()) for c in chunks] if len(chunks) > 1 else []
         self.inbox: dict[tuple[bool, int, int], torch.Tensor] = {}   # received
         self.outbox: dict[tuple[bool, int, int], torch.Tensor] = {}  # to send
         self.sending: list = []                            # (work, tensor) in flight
@@ -256,9 +258,8 @@ class _Step:
         several (ZeRO-2 then reduces that chunk's buckets only)."""
         if self.sync is None:
             return nullcontext()
-        chunks = self.d.stages.chunks
-        if len(chunks) > 1:
-            self.sync.backward_reaches(list(chunks[a.chunk].parameters()))
+        if self.chunk_params:
+            self.sync.backward_reaches(self.chunk_params[a.chunk])
         return nullcontext() if final else self.sync.no_sync()
 
     # ---- communication -------------------------------------------------------------------------
