@@ -183,8 +183,6 @@ class ZeRO(GradientSync):
         stats = torch.cat([local_loss.reshape(1).float(), self.grads.used_flags()])
         self.comm.all_reduce(stats, self.axis, tag="step")
         self.grads.wait()
-        for i in set(range(len(self.buckets))) - self._reduced:   # reached by no round
-            self.grad_shards[i].zero_()
         loss, *used_by = stats.tolist()   # one host sync: the loss and the flags
         self._skipped = [n for (n, p), users in zip(self.named.items(), used_by) if not users]
         self._stepped.update(n for (n, _), users in zip(self.named.items(), used_by) if users)
