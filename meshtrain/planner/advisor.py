@@ -13,9 +13,12 @@ recomputation), pruned so a 64-GPU cluster takes well under a second:
 - ZeRO-2 only without pipelining (its per-micro-batch gradient sharding fights pipelined
   accumulation; DeepSpeed refuses the combination); ZeRO-3 with pipelining as torchtitan
   runs FSDP under pp: units gathered once a step, gradients reduce-scattered once;
-- offload and recomputation are tried only when the plain variant does not fit: each is
-  strictly slower with everything else equal, so it can never outrank it; of the variants
-  that fit, only the fastest is ranked.
+- offload, recomputation and (pp > 1) stages balanced by parameters are tried only when
+  the plain variant does not fit: offload and recomputation are strictly slower with
+  everything else equal, so they can never outrank it; the parameter balance evens the
+  stages' weights rather than their FLOPs and, with the embedding counted, gives stage 0
+  (and its in-flight activations) fewer blocks: less memory on the fullest rank of a
+  large-vocabulary model; of the variants that fit, only the fastest is ranked.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import Memory, memory
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import RECOMPUTE, Candidate, Setup
+from meshtrain.planner.stage_split import stage_balances
 from meshtrain.planner.time_model import StepTime, step_time
 
 
@@ -133,11 +137,13 @@ def candidates_for(spec: ModelSpec, setup: Setup, cluster: Cluster):
                     # ZeRO-3 under stages: kept a step (fewer bytes) or regathered (less memory)
                     for regather in (False, True) if zero == 3 and pp > 1 else (False,):
                         group = []
-                        for offload, rc in product(offloads, recomputes):
+                        for balance, offload, rc in product(stage_balances(spec, pp, v),
+                                                            offloads, recomputes):
                             plan = Plan(dp=dp, pp=pp, tp=tp, cp=cp, cp_style=style, ep=ep,
                                         zero=zero, offload=offload, microbatches=m,
                                         schedule=schedule, virtual_stages=v,
-                                        precision=setup.precision, zero3_regather=regather)
+                                        precision=setup.precision, zero3_regather=regather,
+                                        stage_balance=balance)
                             if runnable(plan):
                                 group.append(Candidate(plan, b, rc, setup.sequence_parallel))
                         if group:
@@ -158,25 +164,35 @@ def advise(spec: ModelSpec, setup: Setup, cluster: Cluster) -> Advice:
     """Every fitting plan ranked by predicted step time (simpler plans first on ties)."""
     advice = Advice(spec, setup, cluster)
     for group in candidates_for(spec, setup, cluster):
-        # The first of a group (no offload, least recomputation) is the fastest of its group;
-        # when it fits it dominates the rest. Otherwise keep the fastest variant that fits.
-        fitting = []
-        for i, cand in enumerate(group):
-            ev = evaluate(spec, cand, setup, cluster)
-            advice.considered += 1
-            (fitting if ev.fits else advice.rejected).append(ev)
-            if ev.fits and i == 0:
+        # Balanced by parameters only where no compute-balanced variant fits: it holds less
+        # on the fullest rank, at a slower step.
+        for balance in dict.fromkeys(cand.plan.stage_balance for cand in group):
+            best = _fastest_fitting([c for c in group if c.plan.stage_balance == balance],
+                                    advice)
+            if best:
+                advice.ranked.append(best)
                 break
-        if fitting:
-            advice.ranked.append(min(fitting, key=lambda ev: ev.time.total))
     advice.ranked.sort(key=_rank_key)
     return advice
+
+
+def _fastest_fitting(variants: list[Candidate], advice: Advice) -> Evaluated | None:
+    """The fastest of `variants` that fits (the misfits kept as rejected). The first (no
+    offload, least recomputation) is the fastest of them: when it fits it dominates."""
+    fitting = []
+    for i, cand in enumerate(variants):
+        ev = evaluate(advice.spec, cand, advice.setup, advice.cluster)
+        advice.considered += 1
+        (fitting if ev.fits else advice.rejected).append(ev)
+        if ev.fits and i == 0:
+            break
+    return min(fitting, key=lambda ev: ev.time.total) if fitting else None
 
 
 def _rank_key(ev: Evaluated):
     p = ev.cand.plan
     simplicity = (p.offload != "none", p.pp > 1, p.tp > 1, p.zero, p.zero3_regather,
-                  ev.cand.recompute != "none", p.cp > 1, p.ep > 1)
+                  ev.cand.recompute != "none", p.stage_balance != "compute", p.cp > 1, p.ep > 1)
     return (round(ev.time.total, 12), simplicity, -ev.cand.micro_batch)
 
 

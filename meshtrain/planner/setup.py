@@ -109,7 +109,8 @@ class Candidate:
         parts = [f"dp{p.dp}"]
         if p.pp > 1:
             sched = p.schedule + (f"x{p.virtual_stages}" if p.virtual_stages > 1 else "")
-            parts.append(f"pp{p.pp}:{sched}")
+            parts.append(f"pp{p.pp}:{sched}" + (":by-params" if p.stage_balance == "parameters"
+                                                 and not p.stage_cuts else ""))
         if p.tp > 1:
             parts.append(f"tp{p.tp}" + ("+sp" if self.sp else ""))
         if p.cp > 1:

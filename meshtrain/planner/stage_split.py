@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 
-from meshtrain.core.plan import Plan
+from meshtrain.core.plan import STAGE_BALANCES, Plan
 from meshtrain.core.stage_split import (LOSS_FLOPS_PER_LOGIT, TRAIN_FLOPS_PER_WEIGHT,
                                         balanced_cuts, blocks_per_rank)
 from meshtrain.planner.model_spec import ModelSpec
@@ -31,6 +31,14 @@ def stage_blocks(spec: ModelSpec, plan: Plan) -> list[int]:
     the stages balanced by its stage_balance."""
     return list(_stage_blocks(spec, plan.pp, plan.virtual_stages, plan.stage_cuts,
                               plan.stage_balance))
+
+
+def stage_balances(spec: ModelSpec, pp: int, virtual: int) -> tuple[str, ...]:
+    """The stage balances that cut `spec` apart at pp ranks of `virtual` stages: the
+    default (compute) first, the parameter balance only where its blocks per rank differ."""
+    default, *others = STAGE_BALANCES
+    cut = _stage_blocks(spec, pp, virtual, None, default)
+    return (default, *(b for b in others if _stage_blocks(spec, pp, virtual, None, b) != cut))
 
 
 @functools.lru_cache(maxsize=1024)   # the advisor asks for each candidate's many times

@@ -13,6 +13,7 @@ from meshtrain.core.plan import PlanError
 from meshtrain.models.layer_compute import layer_flops
 from meshtrain.models.registry import build_model
 from meshtrain.planner import Setup, make_cluster, preset
+from meshtrain.planner.advisor import advise
 from meshtrain.planner.compute_time import micro_batch_compute
 from meshtrain.planner.memory import stage_memories
 from meshtrain.planner.model_spec import from_transformers_config
@@ -138,3 +139,28 @@ def test_stage_balance_refuses_other_values():
     with pytest.raises(PlanError, match=r"Plan.stage_balance='flops': choose one of "
                                         r"'compute', 'parameters'"):
         mt.Plan(pp=2, stage_balance="flops")
+
+
+def test_advisor_balances_by_parameters_where_compute_does_not_fit():
+    """Llama 3.1 8B over pp=8 at 1,024 tokens: the compute balance gives stage 0 the
+    embedding and more blocks (and their in-flight activations) than the parameter balance.
+    On 30 GB devices only the latter fits, and the advisor ranks it; on 80 GB devices the
+    compute balance fits and the parameter balance is not priced for that layout."""
+    spec = preset("llama3.1-8b", seq=1024)
+    setup = Setup(global_batch=64, micro_batch=1, recompute="none")
+
+    def layout(advice, balance):   # dp1 pp8 1F1B without ZeRO, ranked and rejected
+        return [ev for ev in (*advice.ranked, *advice.rejected)
+                if (ev.cand.plan.pp, ev.cand.plan.schedule, ev.cand.plan.zero,
+                    ev.cand.plan.stage_balance) == (8, "1f1b", 0, balance)]
+
+    small = make_cluster("A100-80GB", gpus_per_node=8, gpu_mem=30e9)
+    advice = advise(spec, setup, small)
+    [compute], [params] = layout(advice, "compute"), layout(advice, "parameters")
+    assert params.mem.total <= small.usable_mem < compute.mem.total
+    assert params in advice.ranked and compute in advice.rejected
+    assert stage_blocks(spec, params.cand.plan)[0] < stage_blocks(spec, compute.cand.plan)[0]
+    assert "pp8:1f1b:by-params" in params.cand.label()
+    roomy = advise(spec, setup, make_cluster("A100-80GB", gpus_per_node=8))
+    assert [ev in roomy.ranked for ev in layout(roomy, "compute")] == [True]
+    assert layout(roomy, "parameters") == []
