@@ -67,7 +67,9 @@ def four_ranks_fp8() -> list[dict]:
              mt.Plan(pp=2, tp=2, microbatches=2, schedule="zb-h1", **FP8),
              mt.Plan(tp=2, cp=2, cp_style="ring", **FP8),
              mt.Plan(dp=4, zero=3, **FP8),
-             mt.Plan(dp=2, pp=2, zero=3, zero3_regather=True, microbatches=2, **FP8)]
+             mt.Plan(dp=2, pp=2, zero=3, zero3_regather=True, microbatches=2, **FP8),
+             mt.Plan(dp=2, pp=2, zero=3, zero3_regather=True, microbatches=2,
+                     zero3_fp8_gather=False, **FP8)]
     return [eq.train(plan, "gpt", "sgd", steps=STEPS) for plan in plans]
 
 
@@ -154,8 +156,11 @@ def test_fp8_under_tp_with_dp_pp_cp_zero3_and_sequence_parallel_within_round_off
     ref = reference_fp8()
     for results in run_ranks(4, four_ranks_fp8, timeout=200):
         for result in results:   # dp2xtp2 ZeRO-1, dp2xtp2 ZeRO-3 sp, pp2xtp2, tp2xcp2, dp4,
-            # dp2xpp2 ZeRO-3 regathered (in float8)
+            # dp2xpp2 ZeRO-3 regathered (weights gathered in float8, then in bf16)
             check_within_bf16_round_off(result, ref)
+        float8, bf16 = results[-2:]   # the same casts: bit for bit
+        assert float8["losses"] == bf16["losses"]
+        assert all(torch.equal(float8["state"][k], v) for k, v in bf16["state"].items())
 
 
 def test_fp8_compiled_blocks_equal_eager():
