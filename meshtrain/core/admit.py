@@ -29,6 +29,7 @@ def check_plan(plan: Plan, model=None, world_size: int | None = None) -> None:
     _check_offload_dir(plan)
     _check_zero3_units(plan)
     _check_zero3_regather(plan)
+    _check_zero3_fp8_gather(plan)
     _check_stage_cuts(plan, _layer_count(model) if model is not None else None)
     _check_tp_plan(plan)
     if not isinstance(plan.measure_activations, bool):
@@ -206,6 +207,24 @@ def _check_zero3_regather(plan: Plan) -> None:
         raise PlanError("zero3_regather with schedule='zb-h1' is not built (its weight pass "
                         "would gather the units a third time); use schedule='1f1b', 'gpipe', "
                         "'interleaved' or 'naive', or drop zero3_regather")
+
+
+def _check_zero3_fp8_gather(plan: Plan) -> None:
+    asked = plan.zero3_fp8_gather
+    if asked is None or asked is False:
+        return
+    if asked is not True:
+        raise PlanError(f"Plan.zero3_fp8_gather={asked!r}: must be True, False or None")
+    if plan.zero != 3 or plan.precision != "fp8":
+        raise PlanError(f"zero3_fp8_gather all-gathers ZeRO-3's float8 linears' weights in "
+                        f"float8, but Plan.zero={plan.zero}, precision={plan.precision!r}; "
+                        "set zero=3 and precision='fp8', or drop zero3_fp8_gather")
+    if plan.fp8_recipe != "tensorwise":
+        raise PlanError(f"zero3_fp8_gather with fp8_recipe={plan.fp8_recipe!r}: a float8 "
+                        "all-gather is built for tensorwise scaling only (torchao has none "
+                        "for rowwise, whose weight is cast along each dim apart); drop "
+                        "zero3_fp8_gather (the weights are gathered in bf16) or use "
+                        "fp8_recipe='tensorwise'")
 
 
 def _check_zero3_units(plan: Plan) -> None:

@@ -133,6 +133,11 @@ class Plan:
     backward, reduce-scatter its gradients every micro-batch (a unit or two gathered at a
     time, 2M gathers a step). False: torchtitan's policy, each unit gathered once a step and
     kept, with its whole gradients, to the stage's last backward (one gather a step)."""
+    zero3_fp8_gather: bool | None = None
+    """zero=3, precision="fp8": all-gather the float8 linears' weights in e4m3, cast with
+    their whole weights' scales (half bf16's bytes, the same numbers;
+    strategies/zero/float8_gather.py). None: where it is built (fp8_recipe="tensorwise");
+    False: in bf16, as the other parameters."""
     stage_cuts: tuple[int, ...] | None = None
     """pp > 1: index of the first layer of stages 1..S-1 (None: balanced by stage_balance)."""
     stage_balance: str = "compute"
@@ -221,6 +226,12 @@ class Plan:
     def compile_mode(self) -> str | None:
         """torch.compile's mode: "reduce-overhead" (CUDA graphs) for compile="cudagraphs"."""
         return "reduce-overhead" if self.compile == "cudagraphs" else None
+
+    @property
+    def float8_gather(self) -> bool:
+        """Whether ZeRO-3 all-gathers the float8 linears' weights in e4m3."""
+        return (self.zero == 3 and self.dp_mode == "ddp" and self.precision == "fp8"
+                and self.fp8_recipe == "tensorwise" and self.zero3_fp8_gather is not False)
 
     @property
     def world_size(self) -> int:

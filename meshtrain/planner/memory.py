@@ -15,8 +15,9 @@ from meshtrain.planner.compression import powersgd_traffic
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
 from meshtrain.planner.stage_split import stage_blocks
-from meshtrain.planner.states import (local_step_states, master_states, server_states,
-                                      stage_params, staged_buffer_bytes)
+from meshtrain.planner.states import (gathered_unit_bytes, local_step_states, master_states,
+                                      server_states, stage_params, staged_buffer_bytes,
+                                      zero3_gathered_bytes)
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,9 @@ def memory(spec: ModelSpec, cand: Candidate, setup: Setup, bucket_bytes: float |
 
 
 def _zero_buffers(spec: ModelSpec, cand: Candidate, setup: Setup, psi: float,
-                  bucket_bytes: float | None) -> float:
-    """ZeRO's gradient and parameter buffers on a stage of `psi` parameters. DDP and ZeRO-1
+                  bucket_bytes: float | None, stage: int) -> float:
+    """ZeRO's gradient and parameter buffers on pipeline rank `stage`, of `psi` parameters
+    (ZeRO-3's float8 linears' weights gathered at 1 byte: strategies/zero/float8_gather.py). DDP and ZeRO-1
     reduce gradients in place (they are views of the flat buckets, as in PyTorch DDP with
     gradient_as_bucket_view and meshtrain's DDP); ZeRO-2 needs a bucket to reduce-scatter
     from before keeping only its shard."""
@@ -134,11 +136,11 @@ def _zero_buffers(spec: ModelSpec, cand: Candidate, setup: Setup, psi: float,
     if p.zero == 3 and p.pp > 1 and not p.zero3_regather:   # the stage's units stay and its
         # gradients accumulate whole from its first forward to its last backward (zero3.py,
         # [Note: ZeRO-3 under pipeline stages])
-        buffers += psi * (setup.param_bytes + setup.grad_bytes)
+        buffers += zero3_gathered_bytes(spec, p, setup, psi, stage) + psi * setup.grad_bytes
     elif p.zero == 3:  # a gathered unit and the prefetched next one, and its full gradient
         # (pp = 1, or zero3_regather: gathered for each micro-batch's forward and backward)
         unit = spec.largest_layer_params / p.tp
-        buffers += unit * (2 * setup.param_bytes + setup.grad_bytes)
+        buffers += 2 * gathered_unit_bytes(spec, p, setup) + unit * setup.grad_bytes
     return buffers
 
 
@@ -230,7 +232,7 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int,
         # projection's inputs (2 s b h elements) and the fp32 logits, for one micro-batch,
         # for all of them under GPipe (every forward, the loss's too, before any backward)
         acts += output_bytes(spec, cand, setup) * (inflight if p.schedule == "gpipe" else 1)
-    buffers = _zero_buffers(spec, cand, setup, psi, bucket_bytes)
+    buffers = _zero_buffers(spec, cand, setup, psi, bucket_bytes, stage)
     # the loss's backward works on logits-shaped tensors: on the last stage only; a stage
     # without the loss peaks in its last block's backward, with every activation still
     # saved, in the MLP's ffn-wide gradients (measured against the allocator's events:

@@ -122,7 +122,7 @@ def collective_buffer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> f
     if p.zero == 0 or p.dp == 1:
         return 0.0
     if p.zero == 3:
-        return spec.largest_layer_params / p.tp * setup.param_bytes
+        return gathered_unit_bytes(spec, p, setup)
     return min(stage_params(spec, p) * setup.param_bytes, p.bucket_mb * 2**20)
 
 
@@ -142,3 +142,36 @@ def largest_layer_bytes(spec: ModelSpec, setup: Setup, tp: int = 1) -> float:
     """A single layer with its gradient and optimizer state: (2 + 2 + K) Psi_layer / t."""
     per_param = setup.param_bytes + setup.grad_bytes + setup.optim_bytes
     return spec.largest_layer_params * per_param / tp
+
+
+# ---- ZeRO-3's float8 all-gather (strategies/zero/float8_gather.py) ------------------------------
+def float8_gathered_params(spec: ModelSpec, plan: Plan, blocks: float) -> float:
+    """Elements of `blocks` blocks' weights that ZeRO-3 all-gathers in float8 (`Plan.
+    float8_gather`), 1 byte each where bf16 takes 2: torchao's float8 linears, the
+    attention's q, k, v, o and a dense MLP's matrices (a mixture's experts are no linears;
+    under tp the split linears gather in bf16: none)."""
+    if not plan.float8_gather or plan.tp > 1:
+        return 0.0
+    h = spec.hidden
+    mlp = 0 if spec.experts else spec.mlp_matrices * h * spec.ffn_hidden
+    return blocks * (2 * h * h + 2 * h * spec.kv_dim + mlp)
+
+
+def zero3_gathered_bytes(spec: ModelSpec, plan: Plan, setup: Setup, psi: float,
+                         stage: int | None = None) -> float:
+    """One all-gather of pipeline rank `stage`'s `psi` parameters (None: the busiest
+    rank's), in bytes: the float8 weights at 1 byte, the rest at setup.param_bytes."""
+    if stage is None:
+        stage = max(range(plan.pp), key=lambda s: stage_params(spec, plan, s))
+    float8 = float8_gathered_params(spec, plan, stage_blocks(spec, plan)[stage])
+    return psi * setup.param_bytes - float8 * (setup.param_bytes - 1)
+
+
+def gathered_unit_bytes(spec: ModelSpec, plan: Plan, setup: Setup) -> float:
+    """The largest ZeRO-3 unit as gathered, in bytes: a block with its float8 weights at 1
+    byte under the float8 all-gather, else the largest layer at setup.param_bytes (an
+    embedding or a head larger than the block stays whole)."""
+    unit = spec.largest_layer_params / plan.tp * setup.param_bytes
+    float8 = float8_gathered_params(spec, plan, 1)
+    other = max(spec.embedding_params, spec.head_params) / plan.tp * setup.param_bytes
+    return max(unit - float8 * (setup.param_bytes - 1), min(other, unit))

@@ -24,7 +24,8 @@ from meshtrain.planner.hardware import Cluster, nearest
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
 from meshtrain.planner.stage_split import most_blocks, stage_blocks
-from meshtrain.planner.states import model_states, stage_params
+from meshtrain.planner.states import (gathered_unit_bytes, model_states, stage_params,
+                                      zero3_gathered_bytes)
 
 
 @dataclass(frozen=True)
@@ -259,10 +260,12 @@ def dp_comm_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluste
         # to hide it behind (DeepSpeed stage 2 runs it after the step)
         last = coll("reduce_scatter", last_bucket) + coll("all_gather", param_bytes)
         t_dp = m * coll("reduce_scatter", grad_bytes) + coll("all_gather", param_bytes)
-    else:   # under stages once a step each (zero3.py, [Note: ZeRO-3 under pipeline stages])
-        ag, rs = coll("all_gather", param_bytes), coll("reduce_scatter", grad_bytes)
+    else:   # under stages once a step each (zero3.py, [Note: ZeRO-3 under pipeline stages]);
+        # float8 linears' weights gathered at 1 byte (zero/float8_gather.py)
+        ag = coll("all_gather", zero3_gathered_bytes(spec, p, setup, psi))
+        rs = coll("reduce_scatter", grad_bytes)
         t_dp = ag + rs if p.pp > 1 and not p.zero3_regather else m * (2 * ag + rs)
-        unit = spec.largest_layer_params / p.tp * setup.param_bytes   # exposed: nothing runs
+        unit = gathered_unit_bytes(spec, p, setup)   # exposed: nothing runs
         last = coll("all_gather", unit) + coll("reduce_scatter", last_bucket)   # beside them
     if p.dp_mode.startswith("ps-") or p.dp_mode == "dp":
         t_dp, last = family_exchange(psi, setup, p, cluster), 0.0

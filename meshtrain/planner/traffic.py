@@ -11,7 +11,7 @@ from meshtrain.planner.compression import powersgd_traffic
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
 from meshtrain.planner.stage_split import stage_blocks
-from meshtrain.planner.states import stage_params
+from meshtrain.planner.states import stage_params, zero3_gathered_bytes
 
 
 def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None = None,
@@ -67,6 +67,8 @@ def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None
         if q.dp == 1:
             continue
         grads, params = psi * setup.grad_bytes, psi * setup.param_bytes
+        if q.zero == 3 and q is p:   # the float8 linears' weights gathered in e4m3
+            params = zero3_gathered_bytes(spec, p, setup, psi, stage)
         share = (q.dp - 1) / q.dp
         if q.dp_mode.startswith("ps-"):
             k = q.ps_shards

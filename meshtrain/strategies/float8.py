@@ -12,12 +12,15 @@ the last decoder layer), and every linear whose dims are not multiples of 16 (to
 `_scaled_mm` needs them). `Plan.fp8_emulate` runs the same casts with the matmul emulated
 in high precision: on a CPU, or a GPU without float8 matmuls, for tests only.
 
-Under ZeRO-3 (strategies/zero/zero3.py) a Float8Linear reads its weight as ZeRO-3 gathered
-it, each forward and again in backward, so its scale is one process's; the all-gather moves
-the bf16 weights. torchao's float8 all-gather is FSDP2's (`fully_shard`'s pre/post
-all-gather extensions on a weight subclass): here it would take a weight's amax over its
-pieces of the flat shards (an all-reduce max per unit), the shards cast to e4m3 before the
-gather (half the bytes) and the gathered float8 weight handed to torchao already cast.
+Under ZeRO-3 with tensorwise scaling (`Plan.float8_gather`, the default there) the weights
+of the float8 linears cross the all-gather in e4m3, as FSDP2 with torchao's
+`enable_fsdp_float8_all_gather` does (strategies/zero/float8_gather.py): each weight's scale
+from its whole amax, a max all-reduced over the ZeRO-3 group from the shards' pieces once a
+step, each piece cast by torchao before the gather (half bf16's bytes), the linear handed
+its weight already cast. The cast is one process's bit for bit, so the training is the bf16
+all-gather's (`zero3_fp8_gather=False`) exactly. Rowwise scaling casts the weight along
+each dim apart and torchao has no float8 all-gather for it: its weights gather in bf16, and
+each Float8Linear casts what ZeRO-3 gathered as one process does.
 
 Compiled blocks (strategies/compile.py) trace the float8 linears inside each block:
 aot_eager runs eager's numbers exactly; CUDA graphs are not checked with float8 (refused).

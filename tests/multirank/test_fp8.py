@@ -3,8 +3,9 @@ process equals plain torchao float8 training of the same model; every plan equal
 process within bf16's round-off, 2^-8 at one, on the losses and the fp32 masters:
 - DDP, ZeRO-1/2/3, pipeline micro-batches and cp: the float8 scales of activations and
   output gradients come from each rank's (or micro-batch's) part of the batch, so their
-  casts round differently; the weights' are one process's (ZeRO-3 gathers the same bf16
-  weights DDP holds). Measured 2.7e-3 on the masters after 6 steps; after 3, 1.3e-3 (dp=2
+  casts round differently; the weights' are one process's (ZeRO-3 gathers them in float8,
+  cast as one process casts them: bit for bit its bf16 gather's training,
+  test_zero3_float8.py). Measured 2.7e-3 on the masters after 6 steps; after 3, 1.3e-3 (dp=2
   ZeRO-3), 1.7e-3 (cp=2 all-to-all).
 - tp: every cast is one process's (the split operands' amax all-reduced over tp: exact on
   the split MLP, `split_layers_against_whole`), but the row layers' partial sums, added
@@ -23,6 +24,7 @@ from meshtrain.strategies.float8 import check_fp8
 from meshtrain.testing import run_ranks
 from tests.multirank import equivalence as eq
 from tests.multirank.test_zero import check_within_bf16_round_off
+from tests.multirank.test_zero3_float8 import check_float8_gather, two_ranks as zero3_float8
 
 pytest.importorskip("torchao")
 STEPS = 3
@@ -48,14 +50,15 @@ def reference_fp8(recipe: str = "tensorwise") -> dict:
     return eq.reference_bf16("gpt", "sgd", steps=STEPS, convert=convert)
 
 
-def two_ranks_fp8() -> tuple[list[dict], dict, dict, list[dict]]:
+def two_ranks_fp8() -> tuple[list[dict], dict, dict, list[dict], dict]:
     plans = [mt.Plan(dp=2, zero=zero, **FP8) for zero in (0, 1, 3)] + [
         mt.Plan(tp=2, **FP8), mt.Plan(pp=2, microbatches=2, schedule="1f1b", **FP8),
         mt.Plan(cp=2, cp_style="all-to-all", **FP8)]
     rowwise = eq.train(mt.Plan(tp=2, fp8_recipe="rowwise", **FP8), "gpt", "sgd", steps=STEPS)
     return ([eq.train(plan, "gpt", "sgd", steps=STEPS) for plan in plans], rowwise,
             float8_linears(mt.Plan(dp=2, zero=3, **FP8)),
-            [split_layers_against_whole(recipe) for recipe in ("tensorwise", "rowwise")])
+            [split_layers_against_whole(recipe) for recipe in ("tensorwise", "rowwise")],
+            zero3_float8())
 
 
 def four_ranks_fp8() -> list[dict]:
@@ -63,7 +66,10 @@ def four_ranks_fp8() -> list[dict]:
              mt.Plan(dp=2, tp=2, zero=3, sequence_parallel=True, **FP8),
              mt.Plan(pp=2, tp=2, microbatches=2, schedule="zb-h1", **FP8),
              mt.Plan(tp=2, cp=2, cp_style="ring", **FP8),
-             mt.Plan(dp=4, zero=3, **FP8)]
+             mt.Plan(dp=4, zero=3, **FP8),
+             mt.Plan(dp=2, pp=2, zero=3, zero3_regather=True, microbatches=2, **FP8),
+             mt.Plan(dp=2, pp=2, zero=3, zero3_regather=True, microbatches=2,
+                     zero3_fp8_gather=False, **FP8)]
     return [eq.train(plan, "gpt", "sgd", steps=STEPS) for plan in plans]
 
 
@@ -133,9 +139,12 @@ def test_fp8_one_process_is_torchaos_and_dp_zero3_tp_pp_cp_within_round_off():
     assert gap > 1e-4   # float8 really ran: it trains apart from bf16
     blocks = [f"blocks.{i}.{m}" for i in range(2)
               for m in ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc", "mlp.proj")]
-    for results, rowwise, zero3, split in run_ranks(2, two_ranks_fp8, timeout=200):
+    for rank, (results, rowwise, zero3, split, gather) in enumerate(
+            run_ranks(2, two_ranks_fp8, timeout=200)):
         for result in results:   # DDP, ZeRO-1, ZeRO-3, tp, pp, cp
             check_within_bf16_round_off(result, ref)
+        # ZeRO-3's weights gathered in float8 (eager: results[2]) against bf16's
+        check_float8_gather(gather, results[2], rank)
         check_within_bf16_round_off(rowwise, reference_fp8("rowwise"))   # tp
         assert zero3["float8"] == blocks   # ZeRO-3 gathers into torchao's own linears
         for products in split:   # one process's casts, tensorwise and rowwise
@@ -146,8 +155,12 @@ def test_fp8_one_process_is_torchaos_and_dp_zero3_tp_pp_cp_within_round_off():
 def test_fp8_under_tp_with_dp_pp_cp_zero3_and_sequence_parallel_within_round_off():
     ref = reference_fp8()
     for results in run_ranks(4, four_ranks_fp8, timeout=200):
-        for result in results:   # dp2xtp2 ZeRO-1, dp2xtp2 ZeRO-3 sp, pp2xtp2, tp2xcp2, dp4
+        for result in results:   # dp2xtp2 ZeRO-1, dp2xtp2 ZeRO-3 sp, pp2xtp2, tp2xcp2, dp4,
+            # dp2xpp2 ZeRO-3 regathered (weights gathered in float8, then in bf16)
             check_within_bf16_round_off(result, ref)
+        float8, bf16 = results[-2:]   # the same casts: bit for bit
+        assert float8["losses"] == bf16["losses"]
+        assert all(torch.equal(float8["state"][k], v) for k, v in bf16["state"].items())
 
 
 def test_fp8_compiled_blocks_equal_eager():

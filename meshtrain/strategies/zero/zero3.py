@@ -58,9 +58,8 @@ whose weight pass would need its units gathered a third time.
 
 Parameter storage follows a state machine named by what is in memory (`Held`): SHARDED (the
 shard alone; the parameters point at empty tensors), GATHERING (an all-gather in flight into
-a whole buffer), GATHERED (the parameters are views into it). Autograd saves a parameter by
-reference, so a unit freed after its forward and gathered again before its backward gives
-backward the same values.
+a whole buffer), GATHERED (the parameters are views into it). Under fp8's tensorwise scaling
+a unit's float8 linears' weights are a part of their own, gathered as e4m3 (float8_gather.py).
 """
 from __future__ import annotations
 
@@ -76,6 +75,8 @@ from meshtrain.core.memory import storage_bytes
 from meshtrain.core.plan import Plan
 from meshtrain.strategies.shared.buckets import Bucket, build_buckets
 from meshtrain.strategies.shared.precision import MasterWeights
+from meshtrain.strategies.zero.float8_gather import (Float8Part, Float8Scales, float8_part,
+                                                     float8_weights, split_float8)
 from meshtrain.strategies.zero.sharded import ZeRO
 from meshtrain.strategies.zero.units import check_units_run, output_tensors, wrapping_units
 
@@ -91,9 +92,11 @@ class Unit:
     gathered."""
 
     def __init__(self, name: str, bucket: Bucket, shard: torch.Tensor, comm: Comm, axis: str,
-                 owner: "ZeRO3") -> None:
+                 owner: "ZeRO3", float8: Float8Part | None = None) -> None:
+        """`float8`: a bucket of float8 linears' weights, gathered as e4m3 bytes."""
         self.name, self.bucket, self.shard = name, bucket, shard
-        self.comm, self.axis, self.owner = comm, axis, owner
+        self.comm, self.axis, self.owner, self.float8 = comm, axis, owner, float8
+        self.wire = torch.uint8 if float8 is not None else shard.dtype
         self.held = Held.SHARDED
         self.whole: torch.Tensor | None = None
         self.handle = None
@@ -101,7 +104,7 @@ class Unit:
 
     @property
     def nbytes(self) -> int:
-        return self.bucket.numel * self.shard.element_size()
+        return self.bucket.numel * self.wire.itemsize
 
     def gather(self) -> None:
         """Launch the all-gather of the whole unit (nothing if it is gathered or on its way)."""
@@ -109,10 +112,12 @@ class Unit:
             return
         device = self.comm.mesh.device   # the compute device, wherever offload keeps shards
         if self.whole is None:
-            self.whole = torch.empty(self.bucket.numel, dtype=self.shard.dtype, device=device)
+            self.whole = torch.empty(self.bucket.numel, dtype=self.wire, device=device)
         else:   # see [Note: one storage per unit]
             self.whole.untyped_storage().resize_(self.nbytes)
         shard = self.shard.to(device, non_blocking=self.shard.is_pinned())
+        if self.float8 is not None:
+            shard = self.float8.cast(shard)
         self.handle = self.comm.all_gather(self.whole, shard, self.axis, tag="param",
                                            async_op=True)
         self.held = Held.GATHERING
@@ -140,6 +145,9 @@ class Unit:
         self.owner.gathered_changed(-self.nbytes)
 
     def _point_at(self, whole: torch.Tensor | None) -> None:
+        if self.float8 is not None:
+            self.float8.point_at(whole)
+            return
         for offset, shape, p in zip(self.bucket.offsets, self.bucket.shapes, self.bucket.params):
             p.data = (whole[offset:offset + shape.numel()].view(shape) if whole is not None
                       else torch.empty(0, dtype=self.shard.dtype, device=self.comm.mesh.device))
@@ -186,6 +194,8 @@ class ZeRO3(ZeRO):
         self.regather = plan.pp > 1 and plan.zero3_regather
         self.keep_gathered = plan.pp > 1 and not self.regather
         check_units_run(self._unit_modules, entries or [model], named_params)
+        self._float8 = float8_weights(model, plan)   # id -> linear: gathered in e4m3
+        self.float8_scales = Float8Scales(comm, axis)
         self._fill = fill   # a model on the meta device: its values stream into the shards
         self._frozen = {n: p for n, p in named_params if not p.requires_grad}
         self.gathered_bytes = self.gathered_peak = 0
@@ -231,7 +241,7 @@ class ZeRO3(ZeRO):
         for p in params:
             parts.setdefault(self.replicas.get(name[id(p)]), []).append(p)
         dense = parts.pop(None, None)
-        return ([dense] if dense else []) + list(parts.values())
+        return (split_float8(dense, self._float8) if dense else []) + list(parts.values())
 
     def _make_storage(self, precision: str, compute: torch.dtype) -> MasterWeights:
         """Only this rank's shard of each unit; the optimizer steps it (its fp32 master)."""
@@ -249,7 +259,8 @@ class ZeRO3(ZeRO):
                 self._take(fp32, name, p.detach())
         # between uses, a unit's shard lives where offload keeps things (a file for "disk")
         self.shards = [self.offload.place(s.to(compute).clone()) for s in fp32]
-        self.units = [Unit(self._unit_name(b), b, shard, *self._where(b.index), self)
+        self.units = [Unit(self._unit_name(b), b, shard, *self._where(b.index), self,
+                           float8_part(b, shard, self.layout, self._float8, self.float8_scales))
                       for b, shard in zip(self.buckets, self.shards)]
         parts: dict[int | None, list[Unit]] = {}
         for unit, i in zip(self.units, self._unit_of_bucket):
@@ -355,7 +366,12 @@ class ZeRO3(ZeRO):
         return handle
 
     def _gather_updated(self) -> None:
-        pass   # the next forward gathers each unit as it needs it
+        # the next forward gathers each unit as it needs it, in float8 with new scales
+        self.float8_scales.changed()
+
+    def load_local(self, params, optimizer_state) -> None:
+        super().load_local(params, optimizer_state)
+        self.float8_scales.changed()
 
     # ---- accounting -----------------------------------------------------------------------------
     def gathered_changed(self, delta: int) -> None:
