@@ -120,7 +120,8 @@ def plan_from_args(args, world: int) -> Plan:
                 zero3_regather=args.zero3_regather)
 
 
-FLAGLESS = ("zero3_units", "stage_cuts", "tp_plan", "compression_min_rate")   # Plan(...) only
+FLAGLESS = ("zero3_units", "stage_cuts", "tp_plan", "compression_min_rate",
+            "zero3_fp8_gather")   # Plan(...) only
 _NOT_FLAGS = ("measure_activations", "fp8_emulate")   # always on / part of --precision
 
 

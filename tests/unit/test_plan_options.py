@@ -60,10 +60,25 @@ def test_every_plan_the_advisor_ranks_and_every_flag_make_the_same_plan_back():
         assert _round_trip(plan, parser) == want, plan
 
 
+def test_every_plan_field_has_a_flag_or_is_named_flagless():
+    import dataclasses
+
+    from meshtrain.cli.plan_options import _NOT_FLAGS, FLAGLESS
+    parser = build_parser()
+    train = next(a for a in parser._subparsers._group_actions[0].choices.values()
+                 if a.prog.endswith(" train"))
+    flags = {s for action in train._actions for s in action.option_strings}
+    missing = [f.name for f in dataclasses.fields(Plan) if f.name not in (*FLAGLESS, *_NOT_FLAGS)
+               and "--" + f.name.replace("_", "-") not in flags]
+    assert missing == []
+
+
 def test_a_plan_no_flag_reaches_has_no_command():
     from meshtrain.cli.plan_options import plan_flags
     assert plan_flags(Plan(dp=2, zero=3, zero3_units=("layers.0",))) is None
     assert plan_flags(Plan(pp=2, stage_cuts=(3,))) is None
+    assert plan_flags(Plan(dp=2, zero=3, precision="fp8", fp8_emulate=True,
+                           zero3_fp8_gather=False)) is None
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
