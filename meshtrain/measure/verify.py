@@ -68,6 +68,10 @@ PLANS = (({"dp": 1}, 8), ({"dp": 1, "microbatches": 2}, 16),
          ({"pp": 2, "microbatches": 4, "schedule": "interleaved", "virtual_stages": 2}, 8),
          # 2D plans on this machine's 4 ranks (3D needs 8: calibrate with --nproc 8 first)
          ({"dp": 2, "tp": 2, "zero": 1}, 8), ({"dp": 2, "pp": 2, "microbatches": 4}, 8),
+         # dp over interleaved stages: DDP launches a chunk's buckets once its last backward
+         # ran, ZeRO-2 reduces the chunk each backward reached
+         *(({"dp": 2, "pp": 2, "microbatches": 4, "schedule": "interleaved",
+             "virtual_stages": 2, "zero": z}, 8) for z in (0, 2)),
          ({"pp": 2, "tp": 2, "microbatches": 4}, 8),
          # the data-parallel family: a parameter server with one root, with 2 shards over 4
          # ranks (servers and workers differ), and DP's one process with 2 replicas
@@ -78,10 +82,12 @@ PLANS = (({"dp": 1}, 8), ({"dp": 1, "microbatches": 2}, 16),
          ({"dp": 2, "dp_mode": "diloco", "sync_every": 4}, 8),
          ({"dp": 2, "dp_mode": "local-sgd", "sync_every": 4}, 8),
          ({"dp": 2, "compression": "powersgd", "compression_rank": 4}, 8))
-# context parallel, each style, and expert parallel (on a mixture of experts' --model):
+# context parallel, each style, and expert parallel alone and under stages (on a mixture of
+# experts' --model, e.g. gpt-moe-tiny):
 # verified as the plans above once check_plan accepts them (their strategies landed), until
 # then named with its refusal (`waits_for_strategy`)
-BUILDING = (({"cp": 2}, 8), ({"cp": 2, "cp_style": "all-to-all"}, 8), ({"dp": 2, "ep": 2}, 8))
+BUILDING = (({"cp": 2}, 8), ({"cp": 2, "cp_style": "all-to-all"}, 8), ({"dp": 2, "ep": 2}, 8),
+            ({"dp": 2, "ep": 2, "pp": 2, "microbatches": 4}, 8))
 AXES = ("dp", "tp", "pp", "cp", "ep")   # the mesh axes bytes are counted and predicted on
 
 

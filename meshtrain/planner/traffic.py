@@ -82,9 +82,10 @@ def axis_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int | None
             sent = 2 * share * (t.whole + t.p + t.q) * setup.grad_bytes
         elif q.zero == 0:
             sent = 2 * share * grads
-        elif q.zero == 1 or (q.pp > 1 and not q.zero3_regather):   # ZeRO-3 kept: once
-            sent = share * (grads + params)
-        elif q.zero == 2:   # a reduce-scatter every micro-batch, one all-gather
+        elif q.zero == 1 or (q.zero == 3 and q.pp > 1 and not q.zero3_regather):   # ZeRO-3
+            sent = share * (grads + params)   # kept under stages: once, as ZeRO-1
+        elif q.zero == 2:   # a reduce-scatter every micro-batch, one all-gather; under
+            # stages too (under interleaved ones each reaches one chunk: m of them a chunk)
             sent = share * (m * grads + params)
         else:   # gathered for forward and again for backward (but what is gathered once),
             # scattered, every micro-batch

@@ -166,8 +166,10 @@ def test_verify_runs_the_cp_plans_and_keeps_ep_for_moe(capsys, monkeypatch, tmp_
     assert "not built yet" not in err
     assert [p for p, _ in plans if Plan(**p).cp > 1] == [p for p, _ in verify.BUILDING
                                                           if Plan(**p).cp > 1]
-    assert not [p for p, _ in plans if Plan(**p).ep > 1] and "1 need a mixture of experts" in err
+    ep = [{"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "pp": 2, "microbatches": 4}]   # and pp
+    assert [p for p, _ in verify.BUILDING if Plan(**p).ep > 1] == ep
+    assert not [p for p, _ in plans if Plan(**p).ep > 1] and "2 need a mixture of experts" in err
     plans, _, err = _verify_command(capsys, monkeypatch, tmp_path, "--model", "mixtral-tiny",
                                     "--seq", "64")
-    assert [p for p, _ in plans if Plan(**p).ep > 1] == [{"dp": 2, "ep": 2}]
+    assert [p for p, _ in plans if Plan(**p).ep > 1] == ep
     assert "need a mixture of experts" not in err
