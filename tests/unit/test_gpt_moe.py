@@ -88,7 +88,8 @@ def test_verify_runs_an_ep_plan_of_the_moe_preset(capsys, monkeypatch, tmp_path)
     plans, model, err = _verify_command(capsys, monkeypatch, tmp_path, "--model", "gpt-moe-tiny",
                                         "--seq", "64")
     assert model["experts"] == 4
-    assert [p for p, _ in plans if Plan(**p).ep > 1] == [{"dp": 2, "ep": 2}]
+    assert [p for p, _ in plans if Plan(**p).ep > 1] == [
+        {"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "pp": 2, "microbatches": 4}]   # and under stages
     assert "need a mixture of experts" not in err
 
 
