@@ -241,16 +241,15 @@ class Comm:
                                          async_op=async_op)
         received = torch.empty_like(input)   # (N, k): row j is rank j's slice for us
         self.staging.add(received.nbytes)
-        work = dist.all_to_all_single(received, input.reshape(-1), group=group, async_op=True)
+        sent = input.reshape(-1).detach()   # no view of `input` (set_ below frees only ours)
+        work = dist.all_to_all_single(received, sent, group=group, async_op=True)
 
         def reduce() -> None:
             torch.sum(received.view(n, -1), dim=0, dtype=output.dtype, out=output.view(-1))
             if op == "avg":
                 output.div_(n)
             self.staging.sub(received.nbytes)
-            # freed now, on this thread: gloo's drops its finished work whenever it does,
-            # and a free there escapes a profiler of this thread (verify's allocated peak)
-            received.set_()
+            received.set_(), sent.set_()   # freed here: gloo's thread's frees escape profilers
         handle = Then(work, reduce)
         if async_op:
             return handle
