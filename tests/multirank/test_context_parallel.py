@@ -279,6 +279,9 @@ def test_bad_input_is_refused_by_name_before_any_process_group():
                                         "attention dropout is not built under cp .* set "
                                         "attention_dropout=0.0, or cp=1"):
         mt.Trainer(dropping_mistral(), mt.Plan(cp=2, **A2A), optimizer=eq.sgd)
+    with pytest.raises(PlanError, match="use_bidirectional_attention=True: its attention is "
+                                        "causal only"):
+        mt.Trainer(bidirectional_gemma3(), mt.Plan(cp=2), optimizer=eq.sgd)
     assert not dist.is_initialized()
     with pytest.raises(PlanError, match="2\\*cp = 4 equal chunks, but the sequence has 10"):
         ChunkLayout(0, 2).split(torch.zeros(1, 10))
@@ -294,3 +297,32 @@ def dropping_mistral():
     config = config_of(WINDOWED)
     config.attention_dropout = 0.1
     return AutoModelForCausalLM.from_config(config)
+
+
+def bidirectional_gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from meshtrain.models.hf_presets import SIZES
+
+    return Gemma3ForCausalLM(Gemma3TextConfig(**SIZES, head_dim=16, sliding_window=6,
+                                              use_bidirectional_attention=True))
+
+
+def test_a_call_asking_for_attention_sinks_raises_rather_than_dropping_them():
+    """The registered function's guard (what no config says before the ranks start): a
+    family passing s_aux (gpt-oss's sinks) gets an error, not attention without them."""
+    pytest.importorskip("transformers")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from meshtrain.models.hf_presets import build
+    from meshtrain.strategies.context_parallel.layout import ChunkLayout
+    from meshtrain.strategies.context_parallel.models import replace_attention
+
+    model = build(WINDOWED)
+    replace_attention(model, None, ChunkLayout(0, 2), "ring")   # no exchange before the guard
+    attention = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
+    q = torch.zeros(1, 4, 8, 16)
+    with pytest.raises(ValueError, match="asks for attention sinks \\(s_aux\\), not built "
+                                         "under cp: use cp=1"):
+        attention(model.model.layers[0].self_attn, q, q[:, :2], q[:, :2], None,
+                  s_aux=torch.zeros(4))
