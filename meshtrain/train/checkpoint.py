@@ -42,8 +42,8 @@ from meshtrain.train.checkpoint_reader import (CheckpointError, SafeFileSystemRe
                                                SafeLoadPlanner, UnsafeCheckpoint,
                                                check_checkpoint_files)
 from meshtrain.train import checkpoint_regions, faults
-from meshtrain.train.checkpoint_regions import (ChunkedSavePlanner, CutsOf, RegionLoadPlanner,
-                                                RegionOf)
+from meshtrain.train.checkpoint_regions import (ChunkedSavePlanner, CutsOf, Placed,
+                                                RegionLoadPlanner, RegionOf)
 from meshtrain.core.state import StateLayout
 
 META = "meshtrain.json"
@@ -65,11 +65,13 @@ def _barrier() -> None:
 
 def save(path, model_state: dict[str, torch.Tensor], optimizer_state: dict | None, plan,
          extra: dict, shapes: dict[str, tuple[int, ...]] | None = None,
-         cuts_of: CutsOf | None = None) -> None:
+         cuts_of: CutsOf | None = None, placed: Placed | None = None) -> None:
     """Write the consolidated state: every rank passes its share of it (DCP writes the union,
-    each tensor once), or all the same; `optimizer_state` is None before the first optimizer
-    step. `shapes`: every state-dict key's shape (default: `model_state`'s). `cuts_of`:
-    where the saving plan cuts each tensor ([Note: a checkpoint in chunks]; default: none)."""
+    each element once), or all the same; `optimizer_state` is None before the first
+    optimizer step. `shapes`: every state-dict key's shape (default: `model_state`'s).
+    `cuts_of`: where the saving plan cuts each tensor ([Note: a checkpoint in chunks];
+    default: none). `placed`: the tensors passed as a range of rows of the whole, by entry
+    path: (first row, whole shape) ([Note: even shares] in checkpoint_shares.py)."""
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     if _rank() == 0:
@@ -81,7 +83,8 @@ def save(path, model_state: dict[str, torch.Tensor], optimizer_state: dict | Non
         state["optim"] = optimizer_state
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed(),
-                 planner=ChunkedSavePlanner(cuts_of or _no_cuts, checkpoint_regions.CHUNK_BYTES))
+                 planner=ChunkedSavePlanner(cuts_of or _no_cuts, checkpoint_regions.CHUNK_BYTES,
+                                            placed))
     faults.maybe_kill(_rank(), int(extra.get("steps_done", -1)), "checkpoint")
     _barrier()
     if _rank() == 0:

@@ -41,6 +41,7 @@ CHUNK_BYTES = 1 << 20   # a row block: a flat range reads at most one more at ea
 EntryPath = tuple   # a state-dict entry: ("model", key) or ("optim", "state", name, k)
 CutsOf = Callable[[EntryPath, tuple[int, ...]], list[list[int]]]
 RegionOf = Callable[[EntryPath, tuple[int, ...]], Region | None]
+Placed = dict[EntryPath, tuple[int, tuple[int, ...]]]   # entry -> (first row, whole shape)
 
 
 def chunk_grid(shape: tuple[int, ...], cuts: list[list[int]], itemsize: int,
@@ -63,11 +64,16 @@ def chunk_grid(shape: tuple[int, ...], cuts: list[list[int]], itemsize: int,
 
 
 class ChunkedSavePlanner(DefaultSavePlanner):
-    """DCP's save planner with each tensor written as `chunk_grid`'s chunks."""
+    """DCP's save planner with each tensor written as `chunk_grid`'s chunks. A tensor
+    `placed` names (entry path -> (first row, whole shape)) is a range of rows of a whole
+    tensor: it is written as the chunks of the whole's grid (cut where the range starts
+    and ends) that fall in the range, at their offsets in the whole tensor."""
 
-    def __init__(self, cuts_of: CutsOf, chunk_bytes: int) -> None:
+    def __init__(self, cuts_of: CutsOf, chunk_bytes: int,
+                 placed: Placed | None = None) -> None:
         super().__init__()
-        self.cuts_of, self.chunk_bytes = cuts_of, chunk_bytes
+        self.cuts_of, self.chunk_bytes, self.placed = cuts_of, chunk_bytes, placed or {}
+        self.first_row: dict[str, int] = {}   # by fqn: where a placed tensor starts
 
     def create_local_plan(self):
         plan = super().create_local_plan()
@@ -77,24 +83,33 @@ class ChunkedSavePlanner(DefaultSavePlanner):
                 items.append(item)
                 continue
             data = item.tensor_data
-            shape = tuple(data.size)
-            cuts = self.cuts_of(self.mappings.get(item.index.fqn, (item.index.fqn,)), shape)
+            entry = self.mappings.get(item.index.fqn, (item.index.fqn,))
+            first, shape = self.placed.get(entry, (0, tuple(data.size)))
+            end = first + (data.size[0] if len(data.size) else 0)
+            cuts = [list(c) for c in self.cuts_of(entry, shape)] or [[]]
+            cuts[0] = [*cuts[0], first, end]
+            self.first_row[item.index.fqn] = first
             for offsets, sizes in chunk_grid(shape, cuts, data.properties.dtype.itemsize,
                                              self.chunk_bytes):
+                if entry in self.placed and not first <= offsets[0] < end:
+                    continue   # another rank's rows
                 chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
                 items.append(WriteItem(
                     index=MetadataIndex(item.index.fqn, torch.Size(offsets)),
                     type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(chunk, data.properties, data.size)))
+                    tensor_data=TensorWriteData(chunk, data.properties, torch.Size(shape))))
         self.plan = dataclasses.replace(plan, items=items)
         return self.plan
 
     def resolve_data(self, write_item: WriteItem):
         if write_item.type != WriteItemType.SHARD:
             return super().resolve_data(write_item)
-        tensor = self.state_dict[write_item.index.fqn]
+        fqn = write_item.index.fqn
         chunk = write_item.tensor_data.chunk
-        return narrow_tensor_by_index(tensor, chunk.offsets, chunk.sizes)
+        offsets = list(chunk.offsets)
+        if offsets:
+            offsets[0] -= self.first_row[fqn]   # into this rank's range of rows
+        return narrow_tensor_by_index(self.state_dict[fqn], offsets, chunk.sizes)
 
 
 class RegionLoadPlanner(DefaultLoadPlanner):
