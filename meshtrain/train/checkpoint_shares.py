@@ -1,22 +1,26 @@
 """Each rank's share of the consolidated state a checkpoint writes (`Trainer.save`).
 
 [Note: even shares]
-The n ranks of a pipeline stage (its replicas x tp) write its state between them. The state
-is consolidated a group at a time (`GradientSync.local_state_groups`: ZeRO a bucket, ZeRO-3
-a unit; tp slices gathered per tensor), and of each tensor every rank keeps a contiguous
-range of rows (dim 0; rank i rows [i*R//n, (i+1)*R//n)), copied to host memory, before the
-group is dropped: a rank holds its share plus one consolidated group, never the state.
-DCP records each range at its offset in the whole tensor (`placed`, as it records a
-sharded DTensor's chunks), so the checkpoint stays the whole, plan-independent state.
-A parameter with its states under `WHOLE_BELOW` bytes, or with fewer rows than ranks, goes
-whole to the rank of the stage holding the fewest bytes so far (every rank makes the same
-choice: the sizes are the same everywhere), as does every 0-dim state (a step counter)
-with its parameter's first rows. So with T the stage's bytes, each rank's share is at most
-    T/n + the largest whole tensor (with its states) + one row of each cut tensor (with its
-    states), + the stage's buffers on its first rank,
-and at least T/n minus the same: `share_bound` says it in bytes.
+The n ranks of a pipeline stage (its replicas x tp) write its state between them: of each
+parameter and each per-element state of it, rank i keeps rows [i*R//n, (i+1)*R//n) of dim 0
+(R rows), copied to host memory as each group is taken, and DCP records each range at its
+offset in the whole tensor (`placed`, as it records a sharded DTensor's chunks): the
+checkpoint stays the whole, plan-independent state. The rows come
+- straight from the sync's shards where no layer is cut (`GradientSync.state_rows`: ZeRO
+  moves each rank its ranges of a bucket in one all-to-all, no rank holding a whole
+  bucket; DDP's whole tensors are cut where they are);
+- else consolidated a group at a time (`local_state_groups`: ZeRO a bucket, ZeRO-3 a unit;
+  tp slices gathered per tensor) and cut, the group dropped before the next.
+A parameter whose bytes with its states are under `WHOLE_BELOW`, or with fewer rows than
+ranks, goes whole to the rank holding the fewest bytes so far (every rank makes the same
+choice: the sizes are the same everywhere); a 0-dim state (a step counter) goes with its
+parameter's first rows. So, with T the stage's bytes, every rank's share is within
+    the largest whole parameter (with its states) + one row of each cut one (with its states)
+of T/n (`Share.bound`), the stage's buffers (on its first rank) and step counters aside.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -36,45 +40,39 @@ class Share:
         self.params: dict[str, torch.Tensor] = {}   # by parameter name
         self.model_state: dict[str, torch.Tensor] = {}   # by state-dict key, with buffers
         self.states: dict[str, dict] = {}
-        self.placed: Placed = {}   # optimizer states by entry path; model tensors by key
-        self.param_rows: dict[str, tuple[int, tuple[int, ...]]] = {}   # by parameter name
-        self.largest_whole = self.cut_rows = 0   # for `share_bound`
+        self.placed: Placed = {}   # by entry path: (first row, whole shape)
+        self.param_rows: dict[str, tuple[int, tuple[int, ...]]] = {}   # the cut ones', by name
+        self.largest_whole = self.cut_rows = 0   # for `bound`
 
-    def take(self, name: str, full: torch.Tensor, full_states: dict) -> None:
-        """Keep this rank's part of parameter `name` (whole) and its states."""
-        tensors = [full, *(v for v in full_states.values() if param_shaped(v))]
-        total = sum(t.numel() * t.element_size() for t in tensors)
-        rows = full.shape[0] if full.dim() else 0
+    def assign(self, name: str, shape: tuple[int, ...], element_bytes: int
+               ) -> list[tuple[int, int]]:
+        """Every rank's rows (first, last) of parameter `name` and its per-element states
+        (`element_bytes` an element, all of them): a range each, or the whole to one."""
+        total, rows = math.prod(shape) * element_bytes, shape[0] if shape else 0
         if total < WHOLE_BELOW or rows < self.ranks:
-            self._take_whole(name, full, full_states, total)
-            return
-        row_bytes = total // rows
+            keeper = self.held.index(min(self.held))
+            self.held[keeper] += total
+            self.largest_whole = max(self.largest_whole, total)
+            return [(0, rows or 1) if i == keeper else (0, 0) for i in range(self.ranks)]
         bounds = [i * rows // self.ranks for i in range(self.ranks + 1)]
         for i in range(self.ranks):
-            self.held[i] += (bounds[i + 1] - bounds[i]) * row_bytes
-        self.cut_rows += row_bytes
-        first, last = bounds[self.rank], bounds[self.rank + 1]
-        self.params[name] = _to_host(full.narrow(0, first, last - first))
-        self.param_rows[name] = (first, tuple(full.shape))
-        kept = {}
-        for key, value in full_states.items():
-            if param_shaped(value):
-                kept[key] = _to_host(value.narrow(0, first, last - first))
-                self.placed[("optim", "state", name, key)] = (first, tuple(value.shape))
-            elif self.rank == 0:   # a step counter: with the first rows
-                kept[key] = value
+            self.held[i] += (bounds[i + 1] - bounds[i]) * (total // rows)
+        self.cut_rows += total // rows
+        self.param_rows[name] = (bounds[self.rank], tuple(shape))
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def keep(self, name: str, part: torch.Tensor, states: dict) -> None:
+        """This rank's rows of parameter `name` (as `assign` gave them) and of its states,
+        copied to host memory; a 0-dim state (a step counter) with the first rows."""
+        first, shape = self.param_rows.get(name, (0, None))
+        self.params[name] = _to_host(part)
+        kept = {k: _to_host(v) if param_shaped(v) else v
+                for k, v in states.items() if param_shaped(v) or first == 0}
         if kept:
             self.states[name] = kept
-
-    def _take_whole(self, name: str, full: torch.Tensor, full_states: dict, total: int) -> None:
-        keeper = self.held.index(min(self.held))
-        self.held[keeper] += total
-        self.largest_whole = max(self.largest_whole, total)
-        if keeper == self.rank:
-            self.params[name] = _to_host(full)
-            if full_states:
-                self.states[name] = {k: _to_host(v) if isinstance(v, torch.Tensor) else v
-                                     for k, v in full_states.items()}
+        if shape is not None:
+            self.placed.update({("optim", "state", name, k): (first, shape)
+                                for k, v in states.items() if param_shaped(v)})
 
     def bytes(self) -> int:
         """Bytes of the tensors this rank writes."""
@@ -82,26 +80,25 @@ class Share:
                               *(v for s in self.states.values() for v in s.values())])
 
     def bound(self) -> int:
-        """How far from the stage's bytes / n a share may be, buffers aside."""
+        """How far from the stage's bytes / n a share may be ([Note: even shares])."""
         return self.largest_whole + self.cut_rows
 
 
 def share_of_state(trainer) -> Share:
     """This rank's share of `trainer`'s consolidated state ([Note: even shares]), with its
     model tensors by state-dict key (`model_state`) and where each cut one sits by entry
-    path (`placed`). Collective: every rank of the stage consolidates the same groups.
-    Tied tensors and buffers appear on every stage that holds them."""
-    mesh, sharding = trainer.mesh, trainer.sharding
+    path (`placed`). Collective: every rank of the stage takes the same groups. Tied
+    tensors and buffers appear on every stage that holds them."""
+    mesh, sync = trainer.mesh, trainer.data_parallel
     replicas = mesh.replica_axis   # every rank of a stage keeps a share
     share = Share(mesh.axis_rank(replicas) * mesh.size("tp") + mesh.axis_rank("tp"),
                   mesh.size(replicas) * mesh.size("tp"))
-    for local, local_states in trainer.data_parallel.local_state_groups():
-        for name, value in local.items():
-            full = sharding.full(name, value)   # collective over tp
-            full_states = {k: sharding.full(name, v) if param_shaped(v) else v
-                           for k, v in local_states.get(name, {}).items()}
-            share.take(name, full, full_states)
-            del full, full_states   # the group's whole tensors go with the group
+    # the sync's own rows where no layer is cut: its ranks are then the stage's
+    rows = sync.state_rows(share.assign) if trainer.plan.tp == trainer.plan.ep == 1 else None
+    for params, states in rows if rows is not None else _cut_groups(trainer, share):
+        for name, part in params.items():
+            share.keep(name, part, states.get(name, {}))
+        del params, states   # the group goes before the next is taken
     params = dict(share.params)
     if share.rank == 0:
         params.update({n: b.detach() for n, b in trainer.stages.named_buffers()})
@@ -111,6 +108,31 @@ def share_of_state(trainer) -> Share:
             if name in share.param_rows:
                 share.placed[("model", key)] = share.param_rows[name]
     return share
+
+
+def _cut_groups(trainer, share: Share):
+    """Each group consolidated (`local_state_groups`, tp slices gathered), then cut to this
+    rank's rows (views: `Share.keep` copies them before the group goes)."""
+    sharding = trainer.sharding
+    for local, local_states in trainer.data_parallel.local_state_groups():
+        params, states = {}, {}
+        for name, value in local.items():
+            full = sharding.full(name, value)   # collective over tp
+            full_states = {k: sharding.full(name, v) if param_shaped(v) else v
+                           for k, v in local_states.get(name, {}).items()}
+            element_bytes = full.element_size() + sum(
+                v.element_size() for v in full_states.values() if param_shaped(v))
+            first, last = share.assign(name, tuple(full.shape), element_bytes)[share.rank]
+            if last > first:
+                params[name] = _rows(full, first, last)
+                states[name] = {k: _rows(v, first, last) if param_shaped(v) else v
+                                for k, v in full_states.items()}
+        del local, local_states
+        yield params, states
+
+
+def _rows(t: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    return t if t.dim() == 0 else t.narrow(0, first, last - first)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
