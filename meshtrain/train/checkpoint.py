@@ -9,8 +9,11 @@ What is saved is the consolidated, one-process state (core/state.py): the model'
 state-dict keys at full shapes, and the optimizer's state keyed by parameter name. So a
 checkpoint does not depend on the plan that wrote it: it loads under any other plan, each
 rank reading only the regions of each tensor it keeps (`load_regions`, written in chunks for
-that: [Note: a checkpoint in chunks] in checkpoint_regions.py). Each rank hands DCP its share of the
-state (Trainer.save: no rank holds it whole); DCP writes their union.
+that: [Note: a checkpoint in chunks] in checkpoint_regions.py). Each rank hands DCP an even
+share of the state, its range of rows of each tensor at their offsets in the whole (`placed`;
+[Note: even shares] in checkpoint_shares.py: no rank holds the state whole, nor writes much
+more than its part of it); DCP writes their union, as it writes a sharded DTensor's chunks.
+A checkpoint written with each tensor by one rank (before the shares) reads the same way.
 
 [Note: atomic save]
 Every rank writes into `<path>.partial`; after a barrier, rank 0 writes meshtrain.json last
