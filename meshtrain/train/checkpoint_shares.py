@@ -95,10 +95,12 @@ def share_of_state(trainer) -> Share:
                   mesh.size(replicas) * mesh.size("tp"))
     # the sync's own rows where no layer is cut: its ranks are then the stage's
     rows = sync.state_rows(share.assign) if trainer.plan.tp == trainer.plan.ep == 1 else None
-    for params, states in rows if rows is not None else _cut_groups(trainer, share):
+    if rows is None:
+        _keep_cut_groups(trainer, share)
+    for params, states in rows or ():
         for name, part in params.items():
             share.keep(name, part, states.get(name, {}))
-        del params, states   # the group goes before the next is taken
+        del params, states   # the bucket's rows go before the next are taken
     params = dict(share.params)
     if share.rank == 0:
         params.update({n: b.detach() for n, b in trainer.stages.named_buffers()})
@@ -110,12 +112,11 @@ def share_of_state(trainer) -> Share:
     return share
 
 
-def _cut_groups(trainer, share: Share):
-    """Each group consolidated (`local_state_groups`, tp slices gathered), then cut to this
-    rank's rows (views: `Share.keep` copies them before the group goes)."""
+def _keep_cut_groups(trainer, share: Share) -> None:
+    """Each group consolidated (`local_state_groups`), each tensor of it gathered whole
+    over tp and cut to this rank's rows, one at a time; the group goes before the next."""
     sharding = trainer.sharding
     for local, local_states in trainer.data_parallel.local_state_groups():
-        params, states = {}, {}
         for name, value in local.items():
             full = sharding.full(name, value)   # collective over tp
             full_states = {k: sharding.full(name, v) if param_shaped(v) else v
@@ -124,11 +125,11 @@ def _cut_groups(trainer, share: Share):
                 v.element_size() for v in full_states.values() if param_shaped(v))
             first, last = share.assign(name, tuple(full.shape), element_bytes)[share.rank]
             if last > first:
-                params[name] = _rows(full, first, last)
-                states[name] = {k: _rows(v, first, last) if param_shaped(v) else v
-                                for k, v in full_states.items()}
+                share.keep(name, _rows(full, first, last),
+                           {k: _rows(v, first, last) if param_shaped(v) else v
+                            for k, v in full_states.items()})
+            del full, full_states   # before the next tensor is gathered
         del local, local_states
-        yield params, states
 
 
 def _rows(t: torch.Tensor, first: int, last: int) -> torch.Tensor:

@@ -256,10 +256,10 @@ class ZeRO(GradientSync):
 
     def local_state_groups(self):
         """One bucket at a time (ZeRO-3: one unit), so no rank gathers the whole model."""
-        for i in range(len(self.buckets)):
-            state = self._bucket_optimizer_state(i)
-            yield self._bucket_parameters(i), {n: s for n, s in state.items()
-                                               if s and n in self._stepped}
+        for i in range(len(self.buckets)):   # none of a bucket kept past its yield
+            yield self._bucket_parameters(i), {
+                n: s for n, s in self._bucket_optimizer_state(i).items()
+                if s and n in self._stepped}
 
     def state_rows(self, rows_of: RowsOf):   # not where a bucket has a group of its own
         return None if any(self._group_of.values()) else state_rows(self, rows_of)
