@@ -8,9 +8,10 @@ offset in the whole tensor (`placed`, as it records a sharded DTensor's chunks):
 checkpoint stays the whole, plan-independent state. The rows come
 - straight from the sync's shards where no layer is cut (`GradientSync.state_rows`: ZeRO
   moves each rank its ranges of a bucket in one all-to-all, no rank holding a whole
-  bucket; DDP's whole tensors are cut where they are);
-- else consolidated a group at a time (`local_state_groups`: ZeRO a bucket, ZeRO-3 a unit;
-  tp slices gathered per tensor) and cut, the group dropped before the next.
+  bucket, nor a whole tensor);
+- else from a group consolidated at a time (`local_state_groups`: ZeRO a bucket, ZeRO-3 a
+  unit; DDP and the other syncs hold theirs whole already, nothing gathered), each tensor
+  gathered whole over tp, cut and dropped before the next, the group before the next.
 A parameter whose bytes with its states are under `WHOLE_BELOW`, or with fewer rows than
 ranks, goes whole to the rank holding the fewest bytes so far (every rank makes the same
 choice: the sizes are the same everywhere); a 0-dim state (a step counter) goes with its

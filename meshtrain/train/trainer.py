@@ -298,9 +298,9 @@ class Trainer:
         """Checkpoint (torch.distributed.checkpoint) of the consolidated state, written
         atomically; loadable under any plan, except a DiLoCo / local SGD checkpoint taken
         mid-round under a plan keeping one replica (refused by name). No rank holds the
-        whole state: it is consolidated a group at a time (ZeRO: a bucket, ZeRO-3 a unit)
-        and each rank of a stage keeps and writes an even share of it, in host memory
-        ([Note: even shares] in train/checkpoint_shares.py)."""
+        whole state: each rank of a stage takes its rows of every tensor (under ZeRO
+        straight from the shards, else from a group consolidated at a time) and writes
+        that even share from host memory ([Note: even shares] in train/checkpoint_shares.py)."""
         self.train_peak = max(self.train_peak, peak_process_bytes())   # the steps' so far
         reset_process_peak()
         share = checkpoint_shares.share_of_state(self)
@@ -362,4 +362,3 @@ def _loss_in_fp32(loss_fn: Callable) -> Callable:
 
 def _list(values) -> list | None:
     return None if values is None else list(values)
-

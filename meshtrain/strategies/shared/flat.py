@@ -126,7 +126,6 @@ class FlatLayout:
             flats.append(flat.to(shard.device))
         return flats
 
-
     def regather(self, bucket: int, shard: torch.Tensor, wanted: list[list[tuple[int, int]]],
                  comm: Comm, axis: str, tag: str = "state") -> torch.Tensor:
         """Of bucket `bucket`, the element ranges this rank wants, from every rank's `shard`
