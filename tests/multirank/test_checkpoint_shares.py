@@ -1,7 +1,7 @@
 """A checkpoint is written in even shares ([Note: even shares] in train/checkpoint_shares.py):
 every rank of a stage writes its rows of each tensor, within a stated bound of the stage's
 bytes / n, kept in host memory in their own storages; the save's memory peak stays under
-training's; and what one plan saves another loads exactly."""
+training's plus the share; and what one plan saves another loads exactly."""
 import pytest
 import torch
 
@@ -82,8 +82,11 @@ def test_every_rank_writes_an_even_share_of_the_state(saved, kind):
     assert sum(shares) == total, (kind, shares, total)   # each element written once
     counters = len(list(GPT(CONFIG).parameters())) * FP32   # 0-dim, with the first rows
     for rank, result in enumerate(saved):
-        assert result[kind]["bound"] == bound, (kind, rank)   # the bound the code states
-        assert abs(shares[rank] - total / len(saved)) <= bound + counters, (kind, rank, shares)
+        # the bound the code states: the theory's where every tensor is whole over the
+        # ranks; tp slices have smaller parts and rows no longer
+        stated = result[kind]["bound"]
+        assert stated == bound if kind == "zero3" else 0 < stated <= bound, (kind, rank, stated)
+        assert abs(shares[rank] - total / len(saved)) <= stated + counters, (kind, rank, shares)
     # the bound is far below the largest tensor, which one rank would write whole
     assert max(shares) < largest < total / len(saved) + largest
 
@@ -95,13 +98,15 @@ def test_a_share_is_kept_in_host_memory_in_its_own_storage(saved, kind):
         assert result[kind]["own_storage"], kind   # no kept rows hold a whole tensor alive
 
 
-def test_a_zero3_save_peaks_no_higher_than_training_and_its_share(saved):
-    """ZeRO-3 moves each rank its rows (no unit gathered): the save holds the share (and
-    a bucket's rows in transit) over what the rank holds between steps, which training's
-    gathered units, gradient buckets and activations exceed."""
+@pytest.mark.parametrize("kind", sorted(PLANS))
+def test_the_save_peaks_no_higher_than_training_and_its_share(saved, kind):
+    """ZeRO moves each rank its rows (no unit or bucket gathered, nothing gathered over
+    tp): the save holds the share (and a bucket's rows in transit) over what the rank
+    holds between steps, which training's gathered units, gradient buckets and
+    activations exceed."""
     for rank, result in enumerate(saved):
-        got = result["zero3"]
-        assert got["checkpoint_peak"] <= got["train_peak"] + got["share"], (rank, got)
+        got = result[kind]
+        assert got["checkpoint_peak"] <= got["train_peak"] + got["share"], (kind, rank, got)
 
 
 @pytest.mark.parametrize("kind", sorted(PLANS))
