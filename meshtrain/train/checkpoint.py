@@ -10,7 +10,7 @@ state-dict keys at full shapes, and the optimizer's state keyed by parameter nam
 checkpoint does not depend on the plan that wrote it: it loads under any other plan, each
 rank reading only the regions of each tensor it keeps (`load_regions`, written in chunks for
 that: [Note: a checkpoint in chunks] in checkpoint_regions.py). Each rank hands DCP an even
-share of the state, its range of rows of each tensor at their offsets in the whole (`placed`;
+share of the state, its rows of each tensor at their offsets in the whole (`placed`;
 [Note: even shares] in checkpoint_shares.py: no rank holds the state whole, nor writes much
 more than its part of it); DCP writes their union, as it writes a sharded DTensor's chunks.
 A checkpoint written with each tensor by one rank (before the shares) reads the same way.
@@ -73,8 +73,9 @@ def save(path, model_state: dict[str, torch.Tensor], optimizer_state: dict | Non
     each element once), or all the same; `optimizer_state` is None before the first
     optimizer step. `shapes`: every state-dict key's shape (default: `model_state`'s).
     `cuts_of`: where the saving plan cuts each tensor ([Note: a checkpoint in chunks];
-    default: none). `placed`: the tensors passed as a range of rows of the whole, by entry
-    path: (first row, whole shape) ([Note: even shares] in checkpoint_shares.py)."""
+    default: none). `placed`: the tensors passed as a part of the whole, by entry path:
+    (whole shape, the boxes of it the part fills) ([Note: even shares] in
+    checkpoint_shares.py)."""
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     if _rank() == 0:
