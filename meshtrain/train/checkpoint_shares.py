@@ -54,7 +54,8 @@ class Share:
         self.states: dict[str, dict] = {}
         self.placed: Placed = {}   # by entry path: (whole shape, boxes)
         self.param_places: dict[str, tuple] = {}   # the placed parameters', by name
-        self.rows: dict[str, tuple[tuple[int, int], int]] = {}   # (kept rows, first given)
+        # by name: (rows kept, the first row given, the boxes of the whole they fill)
+        self.rows: dict[str, tuple[tuple[int, int], int, tuple]] = {}
         self.largest_whole = self.cut_rows = 0   # for `bound`
 
     def assign(self, name: str, shape: tuple[int, ...], element_bytes: int
@@ -73,7 +74,7 @@ class Share:
             for r in range(keeper - keeper % group, keeper - keeper % group + group):
                 self.held[r] += total
             if keeper - keeper % group <= self.rank < keeper - keeper % group + group:
-                self.rows[name] = ((0, rows or 1), 0)
+                self._mine(name, shape, (0, rows or 1), 0)
             return [(0, rows or 1) if q == keeper // self.tp else (0, 0)
                     for q in range(self.replicas)]
         self.cut_rows += total // rows
@@ -85,33 +86,41 @@ class Share:
         given = [(bounds[q * per_replica], bounds[(q + 1) * per_replica])
                  for q in range(self.replicas)]
         mine = self.rank // group
-        self.rows[name] = ((bounds[mine], bounds[mine + 1]), given[self.q][0])
+        self._mine(name, shape, (bounds[mine], bounds[mine + 1]), given[self.q][0])
         return given
 
-    def keep(self, name: str, part: torch.Tensor, states: dict) -> None:
+    def _mine(self, name: str, shape: tuple[int, ...], rows: tuple[int, int], given: int
+              ) -> None:
+        """This rank keeps `rows` of `name` (of `shape`), given from row `given` on."""
+        whole_shape, region = self.region_of(name)
+        boxes = ()
+        if shape and (region != whole(whole_shape) or rows[1] - rows[0] < whole_shape[0]):
+            row = math.prod(shape[1:])   # not the whole tensor: where its part sits
+            boxes = tuple(region.within((rows[0] * row, rows[1] * row)).reads())
+        self.rows[name] = (rows, given, boxes)
+
+    def keep(self, name: str, part: torch.Tensor | None, states: dict) -> None:
         """Of the rows of parameter `name` `assign` gave this rank's replica (`part`, and
-        `states` of it), this rank's, copied to host memory with where they sit."""
+        `states` of it; either may come alone), this rank's, copied to host memory with
+        where they sit."""
         if name not in self.rows:
             return
-        (first, last), given = self.rows.pop(name)
-        shape, region = self.region_of(name)
-        boxes = ()
-        if part.dim():
-            part, states = _rows(part, first - given, last - given), {
-                k: _rows(v, first - given, last - given) if param_shaped(v) else v
-                for k, v in states.items()}
-            if region != whole(shape) or last - first < shape[0]:   # not the whole tensor
-                row = math.prod(part.shape[1:])
-                boxes = tuple(region.within((first * row, last * row)).reads())
-        self.params[name] = _to_host(part)
+        (first, last), given, boxes = self.rows[name]
+        shape = self.region_of(name)[0]
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return _to_host(_rows(t, first - given, last - given))
+        if part is not None:
+            self.params[name] = cut(part)
+            if boxes:
+                self.param_places[name] = (shape, boxes)
         # a 0-dim state (a step counter) with the whole tensor's first element
         first_element = not boxes or any(not any(b.offsets) for b in boxes)
-        kept = {k: _to_host(v) if param_shaped(v) else v
+        kept = {k: cut(v) if param_shaped(v) else v
                 for k, v in states.items() if param_shaped(v) or first_element}
         if kept:
-            self.states[name] = kept
+            self.states.setdefault(name, {}).update(kept)
         if boxes:
-            self.param_places[name] = (shape, boxes)
             self.placed.update({("optim", "state", name, k): (shape, boxes)
                                 for k, v in states.items() if param_shaped(v)})
 
@@ -140,10 +149,10 @@ def share_of_state(trainer) -> Share:
     rows = None if gathered else sync.state_rows(share.assign)
     if rows is None:
         _keep_groups(trainer, share, gathered)
-    for params, states in rows or ():
-        for name, part in params.items():
-            share.keep(name, part, states.get(name, {}))
-        del params, states   # the bucket's rows go before the next are taken
+    for params, states in rows or ():   # parameters and their states may come apart
+        for name in {*params, *states}:
+            share.keep(name, params.get(name), states.get(name, {}))
+        del params, states   # these rows go before the next are taken
     params = dict(share.params)
     if share.rank == 0:
         params.update({n: b.detach() for n, b in trainer.stages.named_buffers()})

@@ -20,8 +20,9 @@ RowsOf = Callable[[str, tuple[int, ...], int], list[tuple[int, int]]]
 
 
 def state_rows(zero, rows_of: RowsOf) -> Iterator[tuple[dict, dict]]:
-    """(parameters, optimizer states) by name, each this rank's rows of it, a bucket at a
-    time; collective over the ZeRO axis."""
+    """(parameters, optimizer states) by name, each this rank's rows of it: of each bucket
+    the parameters (with their 0-dim states), then each per-element state apart;
+    collective over the ZeRO axis."""
     layout = zero.layout
     for i in range(len(zero.buckets)):
         pieces = [p for p in layout.pieces if p.bucket == i]
@@ -42,16 +43,15 @@ def state_rows(zero, rows_of: RowsOf) -> Iterator[tuple[dict, dict]]:
         else:
             params = _split(pieces, rows, me, layout.regather(i, master.detach(), wanted, comm,
                                                               axis, tag="param"))
-        states: dict[str, dict] = {}
-        for key, value in per_element.items():
+        stepped = [name for name in params if name in zero._stepped]
+        scalars = {k: v for k, v in state.items() if k not in per_element}   # Adam's step
+        yield params, {name: {k: v.clone() if isinstance(v, torch.Tensor) else v
+                              for k, v in scalars.items()} for name in stepped}
+        del params
+        for key, value in per_element.items():   # one state at a time: less in transit
             parts = _split(pieces, rows, me, layout.regather(i, value, wanted, comm, axis))
-            for name, part in parts.items():
-                if name in zero._stepped:
-                    states.setdefault(name, {})[key] = part
-        for name, kept in states.items():   # a 0-dim state (Adam's step) with each
-            kept.update({k: v.clone() if isinstance(v, torch.Tensor) else v
-                         for k, v in state.items() if k not in per_element})
-        yield params, states
+            yield {}, {name: {key: parts[name]} for name in stepped}
+            del parts
 
 
 def _some(rows: tuple[int, int]) -> bool:
