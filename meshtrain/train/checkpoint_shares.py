@@ -35,7 +35,7 @@ from meshtrain.core.regions import Region, whole
 from meshtrain.train.checkpoint_regions import Placed
 
 WHOLE_BELOW = 64 << 10   # smaller tensors (with their states) are not worth cutting
-RegionOf = Callable[[str], tuple[tuple[int, ...], Region]]   # name -> (whole shape, region)
+WholeOf = Callable[[str], tuple[tuple[int, ...], Region]]   # name -> (whole shape, region)
 
 
 class Share:
@@ -43,7 +43,7 @@ class Share:
     parameter name, and where each cut one sits in its whole tensor. This rank is (q, t)
     of the stage: replica q, tp rank t."""
 
-    def __init__(self, q: int, replicas: int, t: int, tp: int, region_of: RegionOf) -> None:
+    def __init__(self, q: int, replicas: int, t: int, tp: int, region_of: WholeOf) -> None:
         """`region_of(name)`: the whole tensor's shape, and the boxes of it this rank's
         tensor `name` (as the sync holds it) is made of."""
         self.q, self.replicas, self.t, self.tp = q, replicas, t, tp
