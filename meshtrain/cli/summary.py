@@ -87,9 +87,9 @@ def print_summary(s: dict) -> None:
     print("\n".join(lines))
 
 
-def after_failure(run_dir) -> str:
-    """What a failed run leaves to continue from: its last checkpoint, or nothing (a run
-    that failed before its first checkpoint is started again, not resumed)."""
+def after_failure(run_dir, failed: bool = True) -> str:
+    """What a failed (or, `failed` False, interrupted) run leaves to continue from: its last
+    checkpoint, or nothing (a run stopped before its first checkpoint is started again)."""
     from meshtrain.train.config import latest_checkpoint
     from meshtrain.train.errors import CheckpointError
 
@@ -98,9 +98,11 @@ def after_failure(run_dir) -> str:
     except CheckpointError:
         kept = None
     if kept is None or not kept.is_dir():
-        return "It wrote no checkpoint: fix the cause and start the run again."
+        return ("It wrote no checkpoint: fix the cause and start the run again." if failed
+                else "It wrote no checkpoint: start the run again.")
+    restarts = " (or add --max-restarts K to restart on a failure)" if failed else ""
     return (f"The run folder keeps its last checkpoint ({kept.name}): continue with --resume "
-            f"{run_dir} (or add --max-restarts K to restart on a failure).")
+            f"{run_dir}{restarts}.")
 
 
 def fall_back(refusal, run_dir) -> str:

@@ -243,7 +243,6 @@ def run(args) -> int:
         from meshtrain.core.processes import start_forkserver
         from meshtrain.models.hf_presets import names_transformers
         start_forkserver(transformers=names_transformers(args.model))
-    from meshtrain.launch import LaunchError, launch
     from meshtrain.models.registry import check_model_spec
     from meshtrain.train import errors
     from meshtrain.train.config import check_run_config
@@ -294,11 +293,22 @@ def run(args) -> int:
         shutdown_distributed(exit_code=0)   # see docs/history.md on gloo's abort at exit
     print(f"meshtrain train: {plan.describe()} on {plan.world_size} local rank(s) "
           f"({config.device}), run folder {config.run_dir}", file=sys.stderr)
+    return _launch_ranks(config, plan, args.max_restarts)
+
+
+def _launch_ranks(config, plan: Plan, max_restarts: int) -> int:
+    """The run on local ranks, then its summary; a failure or an interrupt in a few lines."""
+    from meshtrain.launch import Interrupted, LaunchError, launch
+
     try:
         # by name: this process need not import the training stack the ranks run
         summary = launch(TRAIN_RANK, nproc=plan.world_size, args=(config,),
-                         max_restarts=args.max_restarts, device=config.device,
+                         max_restarts=max_restarts, device=config.device,
                          collective_timeout_s=config.collective_timeout)[0]
+    except Interrupted as exc:   # Ctrl-C: the ranks are stopped; an unfinished save never counts
+        print(f"meshtrain train: interrupted ({exc.signal_name}); the ranks were stopped. "
+              f"{after_failure(config.run_dir, failed=False)}", file=sys.stderr)
+        return 130
     except LaunchError as exc:
         first = exc.first_raised()
         if first and first["type"] in ("CheckpointError", "UnsafeCheckpoint"):
