@@ -62,8 +62,9 @@ def prepare(inputs: list[str], tokenizer_path, out, workers: int = 1, shard_mb: 
             progress(stats["documents"])
     shards = [done[k] for k in sorted(done)]
     if not shards or sum(s["tokens"] for s in shards) == 0:
-        raise DataError(f"no documents found in {', '.join(inputs)}; give text files, "
-                        f"JSON lines with a {text_field!r} field, or Parquet files")
+        raise DataError(f"no text found in {', '.join(inputs)} (empty documents are left "
+                        f"out); give text files, JSON lines with a {text_field!r} field, or "
+                        "Parquet files")
     index = {"format": "meshtrain-tokens", "version": 1, "shards": shards,
              "tokens": sum(s["tokens"] for s in shards),
              "documents": sum(s["documents"] for s in shards), "dtype": dtype.name,
@@ -76,7 +77,8 @@ def prepare(inputs: list[str], tokenizer_path, out, workers: int = 1, shard_mb: 
 
 
 def documents(inputs: list[str], text_field: str = "text") -> Iterator[str]:
-    """Every document of `inputs`, in order (a folder's files sorted by path)."""
+    """Every document of `inputs` that holds text, in order (a folder's files sorted by
+    path); an empty one would add only an EOS."""
     from meshtrain.data.corpus import _is_text, _walk
 
     def wanted(p: Path) -> bool:
@@ -87,10 +89,10 @@ def documents(inputs: list[str], text_field: str = "text") -> Iterator[str]:
         if not path.exists():
             raise DataError(f"{name}: no such file or folder")
         if path.is_file():   # a .json named here is JSON lines; in a folder, a document
-            yield from _documents_of(path, text_field, path.suffix == ".json")
+            yield from filter(None, _documents_of(path, text_field, path.suffix == ".json"))
             continue
         for file in _walk(path, wanted, lambda n: n.startswith(".")):
-            yield from _documents_of(file, text_field)
+            yield from filter(None, _documents_of(file, text_field))
 
 
 def _documents_of(path: Path, text_field: str, json_lines: bool = False) -> Iterator[str]:
@@ -116,7 +118,25 @@ def _documents_of(path: Path, text_field: str, json_lines: bool = False) -> Iter
         for batch in table.iter_batches(columns=[text_field]):
             yield from (t for t in batch.column(0).to_pylist() if t)
     else:
-        yield path.read_text(encoding="utf-8", errors="replace")
+        yield _text_of(path)
+
+
+def _text_of(path: Path) -> str:
+    """A text file's text: a binary file or one not in UTF-8 is refused, not tokenised as
+    replacement characters (a folder's binary files are skipped before this)."""
+    from meshtrain.data.corpus import _SNIFF_BYTES
+
+    data = path.read_bytes()
+    if b"\0" in data[:_SNIFF_BYTES]:
+        raise DataError(f"{path}: a binary file (a NUL byte in its first "
+                        f"{_SNIFF_BYTES // 1024} KiB), not text; leave it out")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}, "
+                        f"offset {exc.start}); convert it first, e.g. iconv -f latin1 -t utf-8 "
+                        "(naming its encoding)") from None
 
 
 def _field(path: Path, number: int, line: str, text_field: str) -> str:

@@ -154,3 +154,20 @@ def test_a_prepared_dataset_says_what_text_it_was_made_from(tokenizer, inputs, t
     prepare(inputs, tokenizer, tmp_path / "d")
     assert open_tokens(str(tmp_path / "d")).source.startswith(
         f"{tmp_path / 'd'} (made from {inputs[0]} and 2 more; 1 shard(s), ")
+
+
+def test_binary_non_utf8_and_empty_text_are_refused_not_tokenised(tokenizer, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blob.txt").write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)))
+    (tmp_path / "latin1.txt").write_bytes("ok\ncaf\u00e9\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"no text found in .*empty\.txt"):
+        prepare([str(tmp_path / "empty.txt")], tokenizer, tmp_path / "a")
+    with pytest.raises(DataError, match=r"blob\.txt: a binary file .*not text"):
+        prepare([str(tmp_path / "blob.txt")], tokenizer, tmp_path / "b")
+    with pytest.raises(DataError, match=r"latin1\.txt: not UTF-8 text \(byte 0xe9 on line 2, "
+                                        r"offset 6\); convert it"):
+        prepare([str(tmp_path / "latin1.txt")], tokenizer, tmp_path / "c")
+    (tmp_path / "lines.jsonl").write_text('{"text": ""}\n{"text": "words"}\n')
+    index = prepare([str(tmp_path / "empty.txt"), str(tmp_path / "lines.jsonl")], tokenizer,
+                    tmp_path / "d")
+    assert index["documents"] == 1   # only the document with text, one EOS
