@@ -173,6 +173,7 @@ def build_config(args):
     is_gpt = kind_of(args.model) == "gpt"
     overrides = shape_overrides(args, is_gpt)
     run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    check_new_run_dir(run_dir)
     return RunConfig(run_dir=run_dir, plan=plan.to_dict(), model=args.model, device=device,
                      model_overrides=overrides, seq_len=None if is_gpt else args.seq,
                      loss=args.loss, data=args.data, tokenizer=args.tokenizer,
@@ -210,6 +211,23 @@ def make_run_dir(run_dir, offload_dir=None) -> None:
         except OSError as exc:
             raise ValueError(f"{flag} {path}: cannot create the {flag[2:-4]} folder there "
                              f"({exc.strerror or exc}); give a writable folder") from None
+
+
+def check_new_run_dir(run_dir) -> None:
+    """A new run's folder must not hold another run: its config, metrics and `latest` would
+    be overwritten and its checkpoints mixed with the new run's. (A restarted attempt under
+    torchrun runs this command again on a folder its first attempt made: left alone.)"""
+    from meshtrain.train.faults import attempt
+
+    folder = Path(run_dir)
+    held = [n for n in ("config.json", "metrics.jsonl", "checkpoints/latest")
+            if (folder / n).exists()]
+    if held and attempt() == 0:
+        latest = folder / "checkpoints" / "latest"
+        last = f", last checkpoint {latest.read_text().strip()[:40]}" if latest.exists() else ""
+        raise PlanError(f"--run-dir {run_dir} holds a run already ({held[0]}{last}): continue "
+                        f"it with --resume {run_dir}, or give a new --run-dir (or delete "
+                        "that folder to start again)")
 
 
 def parse_straggler(text: str, world: int) -> list:

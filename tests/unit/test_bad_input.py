@@ -268,3 +268,19 @@ def test_the_same_error_on_every_rank_is_said_once_and_whole():
               2: dict(type="ValueError", message="other\nTraceback ...")}
     assert _culprits(SimpleNamespace(failures={}), raised, []) == [
         f"ranks 0, 1 raised PlanError: {why}", "rank 2 raised ValueError: other"]
+
+
+def test_a_new_run_into_a_folder_holding_a_run_is_refused(workdir, capsys):
+    run = workdir / "runs" / "old"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step_00000030\n")
+    code = main(["train", "--steps", "2", "--run-dir", str(run), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert (f"--run-dir {run} holds a run already (config.json, last checkpoint step_00000030): "
+            f"continue it with --resume {run}") in err
+    assert sorted(p.name for p in run.rglob("*")) == ["checkpoints", "config.json", "latest"]
+    (workdir / "fresh").mkdir()   # an empty folder made beforehand is a new run's to fill
+    from meshtrain.cli.train_cmd import check_new_run_dir
+    check_new_run_dir(workdir / "fresh")
