@@ -18,7 +18,8 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("export", help="write a run's latest weights as one safetensors file",
+    p = sub.add_parser("export", help="write a run's latest weights as one safetensors file "
+                       "or a transformers folder",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by meshtrain train")
     p.add_argument("out", metavar="OUT", help="the .safetensors file to write, or (a "

@@ -14,7 +14,8 @@ import sys
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="sample text from a trained run's latest checkpoint",
+    p = sub.add_parser("generate", help="sample text from a trained run's latest checkpoint "
+                       "or a transformers folder",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by meshtrain train, "
                    "or a transformers model folder with its tokenizer.json (what meshtrain "
