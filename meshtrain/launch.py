@@ -148,7 +148,11 @@ def _worker(ref, payload: bytes, result_dir: str, collective_timeout_s: float = 
             (Path(result_dir) / f"rank{rank}.err").write_text(json.dumps({
                 "type": type(exc).__name__, "message": str(exc),
                 "traceback": traceback.format_exc()}))
-            raise
+            if isinstance(exc, (Exception, KeyboardInterrupt, SystemExit)):
+                raise
+            # DCP's CheckpointException is a BaseException: torch's worker wrapper would let
+            # it through to multiprocessing, which prints it whole on the console
+            raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
         tmp = Path(result_dir) / f"rank{rank}.tmp"
         tmp.write_bytes(pickle.dumps(result))
         tmp.replace(Path(result_dir) / f"rank{rank}.pkl")

@@ -105,6 +105,16 @@ def after_failure(run_dir, failed: bool = True) -> str:
             f"{run_dir}{restarts}.")
 
 
+def failure_cause(exc) -> str:
+    """A failed launch's cause in a line: each rank's (launch.LaunchError.culprits), or, where
+    a rank ran out of disk (a checkpoint, metrics), that and what to do."""
+    if any("No space left on device" in info.get("traceback", "")
+           for info in exc.raised.values()):
+        return ("the disk holding the run folder is full (No space left on device): free "
+                "space there, or move the run folder to a larger disk")
+    return "; ".join(exc.culprits) or "a rank failed"
+
+
 def fall_back(refusal, run_dir) -> str:
     """How to resume from an earlier checkpoint when the latest cannot be loaded (the
     refusal says to use one): the ones the run keeps, and the pointer to move."""

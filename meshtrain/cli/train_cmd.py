@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from meshtrain.cli.summary import after_failure, fall_back, print_report, print_summary
+from meshtrain.cli.summary import (after_failure, failure_cause, fall_back, print_report,
+                                   print_summary)
 from meshtrain.cli.plan_options import add_plan_options, plan_from_args
 from meshtrain.cli.train_checks import (add_shape_options, check_batch_split, check_init_from,
                                         check_model_plan, ignored_on_resume, shape_overrides)
@@ -331,15 +332,24 @@ def _launch_ranks(config, plan: Plan, max_restarts: int) -> int:
         first = exc.first_raised()
         if first and first["type"] in ("CheckpointError", "UnsafeCheckpoint"):
             return _refused(first["message"], config.run_dir)
-        log = Path(config.run_dir) / "failure.log"
-        log.write_text(str(exc) + "\n")
-        print(f"meshtrain train: the run failed: {'; '.join(exc.culprits) or 'a rank failed'}.\n"
-              f"  Each rank's error in full: {log}. {after_failure(config.run_dir)}",
-              file=sys.stderr)
+        print(f"meshtrain train: the run failed: {failure_cause(exc)}.\n"
+              f"  {_keep_failure(exc, Path(config.run_dir) / 'failure.log')} "
+              f"{after_failure(config.run_dir)}", file=sys.stderr)
         return 1
     print_summary(summary)
     print_report(config.run_dir)
     return 0
+
+
+def _keep_failure(exc, log: Path) -> str:
+    """Every rank's error in full, in the run folder's failure.log; here if it cannot be
+    written there (a full or read-only disk)."""
+    try:
+        log.write_text(str(exc) + "\n")
+        return f"Each rank's error in full: {log}."
+    except OSError as err:
+        print(str(exc), file=sys.stderr)
+        return f"Each rank's error in full above ({log} could not be written: {err.strerror})."
 
 
 def _refused(message, run_dir) -> int:

@@ -284,3 +284,24 @@ def test_a_new_run_into_a_folder_holding_a_run_is_refused(workdir, capsys):
     (workdir / "fresh").mkdir()   # an empty folder made beforehand is a new run's to fill
     from meshtrain.cli.train_cmd import check_new_run_dir
     check_new_run_dir(workdir / "fresh")
+
+
+def test_a_full_disk_is_named_and_the_errors_kept_when_failure_log_cannot_be(tmp_path, capsys):
+    from meshtrain.cli.summary import failure_cause
+    from meshtrain.cli.train_cmd import _keep_failure
+    from meshtrain.launch import LaunchError
+
+    full = LaunchError("rank 0 failed: ...", {0: {
+        "type": "CheckpointException", "message": "CheckpointException ranks:dict_keys([0])",
+        "traceback": "OSError: [Errno 28] No space left on device\n"}},
+        ["rank 0 raised CheckpointException: CheckpointException ranks:dict_keys([0])"])
+    assert failure_cause(full).startswith("the disk holding the run folder is full")
+    other = LaunchError("rank 1 failed", {}, ["rank 1 died without an error of its own"])
+    assert failure_cause(other) == "rank 1 died without an error of its own"
+    (tmp_path / "file").write_text("")
+    said = _keep_failure(full, tmp_path / "file" / "failure.log")   # cannot be written
+    assert said == ("Each rank's error in full above (" + str(tmp_path / "file" / "failure.log")
+                    + " could not be written: Not a directory).")
+    assert "rank 0 failed: ..." in capsys.readouterr().err
+    assert _keep_failure(full, tmp_path / "failure.log").startswith("Each rank's error in full: ")
+    assert (tmp_path / "failure.log").read_text() == "rank 0 failed: ...\n"
