@@ -14,6 +14,7 @@ import argparse
 import math
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -56,9 +57,26 @@ def export(run_dir, out, force: bool = False, shard_bytes: int | None = None
     # tied weights are one tensor under several keys: safetensors wants each key its own
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
     tmp = out.with_name(out.name + ".tmp")
-    save_file(state, str(tmp), metadata={"meshtrain_run": str(run_dir), "step": str(steps)})
+    with _writing(tmp, out):
+        save_file(state, str(tmp), metadata={"meshtrain_run": str(run_dir), "step": str(steps)})
     os.replace(tmp, out)
     return out, len(state), steps
+
+
+@contextmanager
+def _writing(tmp: Path, out: Path):
+    """Writes into `tmp`: a failed write (a full disk) leaves nothing behind and is said in
+    one line (safetensors raises its own error type)."""
+    import shutil
+
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        raise OSError(f"cannot write {out}: {exc}; free space there or choose another place"
+                      ) from None
 
 
 def export_folder(run_dir, out: Path, force: bool = False, shard_bytes: int = 0
@@ -99,15 +117,17 @@ def export_folder(run_dir, out: Path, force: bool = False, shard_bytes: int = 0
     entries = {k: saved[k] for k in layout.keys if layout.canonical[k] == k}
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model.config.save_pretrained(str(tmp))
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(str(tmp))
-    write_shards(tmp, entries, lambda group: checkpoint.read_tensors(path, group), shard_bytes)
-    tokenizer = Path(run_dir) / "tokenizer"
-    if tokenizer.is_dir():   # the run's tokenizer: the folder loads with AutoTokenizer too
-        for file in tokenizer.iterdir():
-            shutil.copyfile(file, tmp / file.name)
+    with _writing(tmp, out):
+        tmp.mkdir()
+        model.config.save_pretrained(str(tmp))
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(str(tmp))
+        write_shards(tmp, entries, lambda group: checkpoint.read_tensors(path, group),
+                     shard_bytes)
+        tokenizer = Path(run_dir) / "tokenizer"
+        if tokenizer.is_dir():   # the run's tokenizer: the folder loads with AutoTokenizer too
+            for file in tokenizer.iterdir():
+                shutil.copyfile(file, tmp / file.name)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

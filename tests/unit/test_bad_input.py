@@ -305,3 +305,21 @@ def test_a_full_disk_is_named_and_the_errors_kept_when_failure_log_cannot_be(tmp
     assert "rank 0 failed: ..." in capsys.readouterr().err
     assert _keep_failure(full, tmp_path / "failure.log").startswith("Each rank's error in full: ")
     assert (tmp_path / "failure.log").read_text() == "rank 0 failed: ...\n"
+
+
+def test_an_export_that_cannot_be_written_leaves_nothing_and_says_why(tmp_path):
+    from safetensors import SafetensorError
+
+    from meshtrain.cli.export_cmd import _writing
+
+    for tmp in (tmp_path / "model.tmp", tmp_path / "w.safetensors.tmp"):   # folder, file
+        with pytest.raises(OSError, match=r"cannot write .*out: I/O error: No space left on "
+                                          r"device \(os error 28\); free space there"):
+            with _writing(tmp, tmp_path / "out"):
+                if tmp.suffix == ".tmp" and "model" in tmp.name:
+                    tmp.mkdir()
+                    (tmp / "config.json").write_text("{}")
+                else:
+                    tmp.write_bytes(b"half")
+                raise SafetensorError("I/O error: No space left on device (os error 28)")
+        assert not tmp.exists()
