@@ -46,6 +46,8 @@ def run(args) -> int:
                         args.text_field, args.eos, progress=bar.update)
     except (DataError, OSError) as exc:
         bar.close()
+        if isinstance(exc, OSError) and not exc.filename:   # numpy's writes name no file
+            exc = f"writing into {args.out}: {exc.strerror or exc}"
         print(f"meshtrain prepare: {exc}", file=sys.stderr)
         return 2
     bar.close()

@@ -171,3 +171,19 @@ def test_binary_non_utf8_and_empty_text_are_refused_not_tokenised(tokenizer, tmp
     index = prepare([str(tmp_path / "empty.txt"), str(tmp_path / "lines.jsonl")], tokenizer,
                     tmp_path / "d")
     assert index["documents"] == 1   # only the document with text, one EOS
+
+
+def test_a_full_disk_names_the_folder_being_written(tokenizer, tmp_path, monkeypatch, capsys):
+    import errno
+
+    import meshtrain.data.prepare as prepare_module
+
+    def full(*args):   # numpy's tofile raises without a file name
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prepare_module, "write_shard", full)
+    (tmp_path / "a.txt").write_text("some words")
+    assert main(["prepare", str(tmp_path / "a.txt"), "--tokenizer", str(tokenizer), "--out",
+                 str(tmp_path / "d"), "--no-progress"]) == 2
+    assert (f"meshtrain prepare: writing into {tmp_path / 'd'}: No space left on device"
+            in capsys.readouterr().err)
