@@ -40,7 +40,7 @@ def settle_data(config):
             raise PlanError("--tokenizer needs --data: text to tokenise, or token shards")
         return None
     if tok is not None and text:
-        config.data = str(tokenize_once(config.data, tok))
+        config.data = str(tokenize_once(config.data, tok, config.progress))
     data = load_data(config.data)   # every shard's header checked; DataError names the file
     seq_len = run_seq_len(config)
     if seq_len is not None:   # a split without one window would fail on every rank
@@ -75,9 +75,10 @@ def model_tokenizer(config) -> Path | None:
     return None
 
 
-def tokenize_once(spec: str, tok) -> Path:
+def tokenize_once(spec: str, tok, progress: bool = False) -> Path:
     """Text `spec` as token shards in the cache (`cache_dir()/<key>`), prepared
-    on first use; the key is the files' paths, sizes and times and the tokenizer's hash."""
+    on first use (with a progress bar); the key is the files' paths, sizes and times and the
+    tokenizer's hash."""
     import hashlib
     import os
 
@@ -90,8 +91,11 @@ def tokenize_once(spec: str, tok) -> Path:
     key = hashlib.sha256(json.dumps([stamp, tok.sha256]).encode()).hexdigest()[:16]
     out = cache_dir() / key
     if not (out / INDEX).exists():
+        from meshtrain.cli.prepare_cmd import progress_bar
+
         print(f"meshtrain train: tokenising {spec} once, into {out}", file=sys.stderr)
-        prepare([spec], tok.file, out, eos=tok.eos)
+        with progress_bar([spec], progress) as bar:
+            prepare([spec], tok.file, out, eos=tok.eos, progress=bar.update)
     return out
 
 

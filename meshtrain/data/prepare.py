@@ -44,7 +44,7 @@ def prepare(inputs: list[str], tokenizer_path, out, workers: int = 1, shard_mb: 
             text_field: str = "text", eos: str | None = None,
             progress: Callable[[int], None] | None = None) -> dict:
     """Tokenise `inputs` into shards in `out` (module docstring); returns the index.
-    `progress(documents)` is called as each shard is done."""
+    `progress(characters)` is called with each shard's text as it is done (or found done)."""
     tok = Tokenizer(tokenizer_path, eos)
     if not shard_mb > 0 or workers < 1:
         raise DataError(f"--shard-mb {shard_mb} and --workers {workers}: give positive numbers")
@@ -54,12 +54,14 @@ def prepare(inputs: list[str], tokenizer_path, out, workers: int = 1, shard_mb: 
                         text_field, shard_mb)
     done = _resumable(out, settings)
     dtype = dtype_for_vocab(tok.vocab_size)
-    chunks = _chunks(documents(inputs, text_field), int(shard_mb * 2**20))
+    sizes = {}   # characters per chunk, by shard name: what each finished shard reports
+    chunks = _sized(_chunks(documents(inputs, text_field), int(shard_mb * 2**20)), sizes,
+                    done, progress or (lambda n: None))
     for stats in _run(chunks, done, out, dtype.name, tokenizer_path, tok.eos, workers):
         done[stats["file"]] = stats
         _write_json(out / PROGRESS, {"settings": asdict(settings), "done": done})
         if progress is not None:
-            progress(stats["documents"])
+            progress(sizes.pop(stats["file"]))
     shards = [done[k] for k in sorted(done)]
     if not shards or sum(s["tokens"] for s in shards) == 0:
         raise DataError(f"no text found in {', '.join(inputs)} (empty documents are left "
@@ -161,6 +163,28 @@ def _chunks(docs: Iterator[str], chunk_chars: int) -> Iterator[list[str]]:
             chunk, size = [], 0
     if chunk:
         yield chunk
+
+
+def _sized(chunks: Iterator[list[str]], sizes: dict, done: dict, progress):
+    """The chunks, each one's characters noted in `sizes` by its shard's name; those of
+    shards already done (a resumed prepare) reported to `progress` at once."""
+    for k, chunk in enumerate(chunks):
+        chars = sum(map(len, chunk))
+        if _name(k) in done:
+            progress(chars)
+        else:
+            sizes[_name(k)] = chars
+        yield chunk
+
+
+def input_bytes(inputs: list[str]) -> int | None:
+    """The inputs' size on disk, a progress bar's total for the text they hold (characters:
+    as many for ASCII); None where Parquet's compression makes it no measure."""
+    files = [p for name in inputs for p in ([Path(name)] if Path(name).is_file()
+                                            else Path(name).rglob("*")) if p.is_file()]
+    if any(p.suffix in PARQUET for p in files):
+        return None
+    return sum(p.stat().st_size for p in files)
 
 
 def _resumable(out: Path, settings: Settings) -> dict:

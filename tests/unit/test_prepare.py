@@ -94,7 +94,9 @@ def test_workers_and_a_resumed_prepare_make_the_same_shards(tokenizer, inputs, t
     (parallel / (names[3] + ".tmp")).write_bytes(b"partial")
     (parallel / "index.json").unlink()
     untouched = (parallel / names[0]).stat().st_mtime_ns
-    prepare(inputs, tokenizer, parallel, shard_mb=0.002)
+    seen = []   # the progress bar's updates: every document's characters, resumed ones too
+    prepare(inputs, tokenizer, parallel, shard_mb=0.002, progress=seen.append)
+    assert sum(seen) == sum(map(len, DOCS)) and len(seen) == len(names)
     for name in names:
         assert (parallel / name).read_bytes() == (whole / name).read_bytes()
     assert (parallel / names[0]).stat().st_mtime_ns == untouched   # skipped, not redone
@@ -187,3 +189,14 @@ def test_a_full_disk_names_the_folder_being_written(tokenizer, tmp_path, monkeyp
                  str(tmp_path / "d"), "--no-progress"]) == 2
     assert (f"meshtrain prepare: writing into {tmp_path / 'd'}: No space left on device"
             in capsys.readouterr().err)
+
+
+def test_the_progress_total_is_the_inputs_bytes_where_they_measure_the_text(inputs, tmp_path):
+    from meshtrain.data.prepare import input_bytes
+
+    texts = [str(tmp_path / "a.txt"), str(tmp_path / "d")]
+    (tmp_path / "a.txt").write_text("abc")
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "e" / "b.jsonl").write_text('{"text": "x"}\n')
+    assert input_bytes(texts) == 3 + 14
+    assert input_bytes(inputs) is None   # Parquet: compressed, no measure of its text
