@@ -53,6 +53,8 @@ def prepare(inputs: list[str], tokenizer_path, out, workers: int = 1, shard_mb: 
     settings = Settings(tuple(str(Path(i).resolve()) for i in inputs), tok.sha256, tok.eos,
                         text_field, shard_mb)
     done = _resumable(out, settings)
+    # before any shard: workers finish shards out of order, and an interrupt can come first
+    _write_json(out / PROGRESS, {"settings": asdict(settings), "done": done})
     dtype = dtype_for_vocab(tok.vocab_size)
     sizes = {}   # characters per chunk, by shard name: what each finished shard reports
     chunks = _sized(_chunks(documents(inputs, text_field), int(shard_mb * 2**20)), sizes,
@@ -218,8 +220,9 @@ def _run(chunks, done: dict, out: Path, dtype: str, tokenizer_path, eos: str, wo
         yield from (_make_shard(k, c, str(out), dtype) for k, c in todo)
         return
     ctx = get_context("spawn")   # the tokenizers library's threads do not survive a fork
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
-                             initargs=(str(tokenizer_path), eos)) as pool:
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
+                               initargs=(str(tokenizer_path), eos))
+    try:
         pending = []
         for k, chunk in todo:
             pending.append(pool.submit(_make_shard, k, chunk, str(out), dtype))
@@ -227,6 +230,10 @@ def _run(chunks, done: dict, out: Path, dtype: str, tokenizer_path, eos: str, wo
                 yield pending.pop(0).result()
         for future in pending:
             yield future.result()
+    except BaseException:   # Ctrl-C, a bad document: the queued chunks are not started
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
 
 
 _TOKENIZER: Tokenizer | None = None   # a worker process's own, loaded once

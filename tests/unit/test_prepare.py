@@ -200,3 +200,24 @@ def test_the_progress_total_is_the_inputs_bytes_where_they_measure_the_text(inpu
     (tmp_path / "d" / "e" / "b.jsonl").write_text('{"text": "x"}\n')
     assert input_bytes(texts) == 3 + 14
     assert input_bytes(inputs) is None   # Parquet: compressed, no measure of its text
+
+
+def test_a_prepare_interrupted_before_its_first_shard_is_recorded_resumes(tokenizer, inputs,
+                                                                         tmp_path, monkeypatch):
+    """Workers finish shards out of order: a shard written before the first one is recorded
+    (then Ctrl-C) left a folder the same command refused ("holds shards but no
+    progress.json")."""
+    import meshtrain.data.prepare as prepare_module
+
+    real = prepare_module.write_shard
+
+    def interrupted(path, tokens, dtype):
+        real(path, tokens, dtype)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module, "write_shard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(inputs, tokenizer, tmp_path / "d", shard_mb=0.002)
+    monkeypatch.setattr(prepare_module, "write_shard", real)
+    index = prepare(inputs, tokenizer, tmp_path / "d", shard_mb=0.002)
+    assert index["documents"] == len(DOCS)
