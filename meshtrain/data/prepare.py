@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
@@ -154,15 +155,16 @@ def _field(path: Path, number: int, line: str, text_field: str) -> str:
     return text
 
 
-def _chunks(docs: Iterator[str], chunk_chars: int) -> Iterator[list[str]]:
-    """Documents in consecutive chunks of at least `chunk_chars` characters (the last less)."""
-    chunk, size = [], 0
+def _chunks(docs: Iterator, chunk_chars: int, size=len) -> Iterator[list]:
+    """Documents in consecutive chunks of at least `chunk_chars` characters (the last less;
+    `size(doc)` a document's)."""
+    chunk, chars = [], 0
     for doc in docs:
         chunk.append(doc)
-        size += len(doc)
-        if size >= chunk_chars:
+        chars += size(doc)
+        if chars >= chunk_chars:
             yield chunk
-            chunk, size = [], 0
+            chunk, chars = [], 0
     if chunk:
         yield chunk
 
@@ -245,14 +247,44 @@ def _init(tokenizer_path: str, eos: str) -> None:
 
 
 def _make_shard(k: int, texts: list[str], out: str, dtype: str) -> dict:
-    """Shard k from its chunk's texts, encoded ENCODE_CHARS at a time: the library's
-    encodings (offsets, strings, masks) take ~100 bytes a token, the ids kept here 2 or 4."""
-    parts = [np.asarray(ids, dtype=dtype) for group in _chunks(iter(texts), ENCODE_CHARS)
-             for ids in _TOKENIZER.encode_documents(group)]
+    """Shard k from its chunk's texts, EOS before each, encoded ENCODE_CHARS at a time (a
+    longer document in pieces): the library's encodings (offsets, strings, masks) take some
+    hundreds of bytes a token, the ids kept here 2 or 4."""
+    eos = np.asarray([_TOKENIZER.eos_id], dtype=dtype)
+    pieces = [(piece, i == 0) for text in texts for i, piece in enumerate(_split(text))]
+    parts = []
+    for group in _chunks(iter(pieces), ENCODE_CHARS, size=lambda piece: len(piece[0])):
+        for (_, first), ids in zip(group, _TOKENIZER.encode_batch([p for p, _ in group])):
+            if first:   # a document's first piece
+                parts.append(eos)
+            parts.append(np.asarray(ids, dtype=dtype))
     tokens = np.concatenate(parts)
     write_shard(Path(out) / _name(k), tokens, np.dtype(dtype))
     return {"file": _name(k), "tokens": int(tokens.size), "documents": len(texts),
             "max_token": int(tokens.max())}
+
+
+_PIECE_END = re.compile(r"\S\n")
+
+
+def _split(text: str, size: int | None = None) -> list[str]:
+    """`text` in pieces of about `size` characters, each cut just before a newline that
+    follows a non-space: no pre-tokenizer's word (a regex's, as GPT-2's or Llama 3's) spans
+    such a cut, so the pieces encode to the whole text's ids. Text without one stays whole."""
+    size = size or ENCODE_CHARS
+    pieces, start = [], 0
+    while len(text) - start > size:
+        cut = None
+        for match in _PIECE_END.finditer(text, start + size // 2, start + size):
+            cut = match.start() + 1   # the last cut in the window
+        if cut is None:
+            match = _PIECE_END.search(text, start + size)
+            if match is None:
+                break
+            cut = match.start() + 1
+        pieces.append(text[start:cut])
+        start = cut
+    return pieces + [text[start:]]
 
 
 def _name(k: int) -> str:

@@ -202,6 +202,29 @@ def test_the_progress_total_is_the_inputs_bytes_where_they_measure_the_text(inpu
     assert input_bytes(inputs) is None   # Parquet: compressed, no measure of its text
 
 
+def test_a_long_document_is_encoded_in_pieces_to_its_whole_ids(tokenizer, tmp_path, monkeypatch):
+    """A document longer than ENCODE_CHARS (a book as one file) is encoded in pieces cut
+    where no word spans the cut: the library's per-token overhead (hundreds of bytes) stays
+    bounded, and the ids are the whole text's."""
+    import meshtrain.data.prepare as prepare_module
+    from meshtrain.data.tokenizer import Tokenizer
+
+    tok = Tokenizer(tokenizer)
+    text = "".join(DOCS) + "end.\n\n\n  spaced\n \nlast line \n\nx"
+    pieces = prepare_module._split(text, 120)
+    assert "".join(pieces) == text and len(pieces) > 20   # longer where no cut is near
+    assert [i for p in pieces for i in tok.encode(p)] == tok.encode(text)
+    monkeypatch.setattr(prepare_module, "ENCODE_CHARS", 120)
+    (tmp_path / "book.txt").write_text(text)
+    tokens, _ = _all_tokens_of(prepare([str(tmp_path / "book.txt")], tokenizer, tmp_path / "d"),
+                               tmp_path / "d")
+    assert tokens.tolist() == [tok.eos_id, *tok.encode(text)]
+
+
+def _all_tokens_of(index, out):
+    return np.concatenate([open_shard(out / s["file"]) for s in index["shards"]]), index
+
+
 def test_a_prepare_interrupted_before_its_first_shard_is_recorded_resumes(tokenizer, inputs,
                                                                          tmp_path, monkeypatch):
     """Workers finish shards out of order: a shard written before the first one is recorded
