@@ -17,6 +17,7 @@ import os
 import re
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+from itertools import chain, islice
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable, Iterator
@@ -264,27 +265,33 @@ def _make_shard(k: int, texts: list[str], out: str, dtype: str) -> dict:
             "max_token": int(tokens.max())}
 
 
-_PIECE_END = re.compile(r"\S\n")
+_WORD_END = re.compile(r"\S(?=\s)")
+_TRIES = 8   # cuts tried in a window (then as many past it) before a text is left whole
 
 
-def _split(text: str, size: int | None = None) -> list[str]:
-    """`text` in pieces of about `size` characters, each cut just before a newline that
-    follows a non-space: no pre-tokenizer's word (a regex's, as GPT-2's or Llama 3's) spans
-    such a cut, so the pieces encode to the whole text's ids. Text without one stays whole."""
-    size = size or ENCODE_CHARS
+def _split(text: str, size: int | None = None, exact=None) -> list[str]:
+    """`text` in pieces of about `size` characters, each cut at a word's end (a non-space
+    before a space or newline) where `exact(text, cut)` finds the ids around the cut equal
+    cut or whole: a regex pre-tokenizer's (GPT-2's, Llama 3's) always are; a tokenizer that
+    marks the start of each input, or merges across spaces, is left uncut."""
+    size, exact = size or ENCODE_CHARS, exact or _exact_cut
     pieces, start = [], 0
     while len(text) - start > size:
-        cut = None
-        for match in _PIECE_END.finditer(text, start + size // 2, start + size):
-            cut = match.start() + 1   # the last cut in the window
+        ends = [m.end() for m in _WORD_END.finditer(text, start + size // 2, start + size)]
+        later = (m.end() for m in _WORD_END.finditer(text, start + size))
+        tries = chain(reversed(ends[-_TRIES:]), islice(later, _TRIES))
+        cut = next((c for c in tries if exact(text, c)), None)
         if cut is None:
-            match = _PIECE_END.search(text, start + size)
-            if match is None:
-                break
-            cut = match.start() + 1
+            break
         pieces.append(text[start:cut])
         start = cut
     return pieces + [text[start:]]
+
+
+def _exact_cut(text: str, cut: int, width: int = 256) -> bool:
+    """The ids of the text around `cut` are the same encoded whole or in two."""
+    left, right = text[max(cut - width, 0):cut], text[cut:cut + width]
+    return _TOKENIZER.encode(left + right) == _TOKENIZER.encode(left) + _TOKENIZER.encode(right)
 
 
 def _name(k: int) -> str:

@@ -211,9 +211,12 @@ def test_a_long_document_is_encoded_in_pieces_to_its_whole_ids(tokenizer, tmp_pa
 
     tok = Tokenizer(tokenizer)
     text = "".join(DOCS) + "end.\n\n\n  spaced\n \nlast line \n\nx"
-    pieces = prepare_module._split(text, 120)
-    assert "".join(pieces) == text and len(pieces) > 20   # longer where no cut is near
+    anywhere = prepare_module._split(text, 120, exact=lambda text, cut: True)
+    monkeypatch.setattr(prepare_module, "_TOKENIZER", tok)
+    pieces = prepare_module._split(text, 120)   # each cut checked on the text around it
+    assert pieces == anywhere and len(pieces) > 20   # this BPE's words never span a word's end
     assert [i for p in pieces for i in tok.encode(p)] == tok.encode(text)
+    assert prepare_module._split(text, 120, exact=lambda text, cut: False) == [text]
     monkeypatch.setattr(prepare_module, "ENCODE_CHARS", 120)
     (tmp_path / "book.txt").write_text(text)
     tokens, _ = _all_tokens_of(prepare([str(tmp_path / "book.txt")], tokenizer, tmp_path / "d"),
