@@ -47,6 +47,8 @@ def settle_data(config):
         check_fits(data, seq_len)
     if not data.tokens:
         return None
+    if tok is None and (beside := model_tokenizer(config)) is not None:
+        _check_model_tokenizer(Tokenizer(beside), data, beside)
     for t in data.tokens:
         if tok is not None:
             check_matches(tok, t.index, str(Path(t.files[0]).parent))
@@ -73,6 +75,21 @@ def model_tokenizer(config) -> Path | None:
         if (folder / "tokenizer.json").is_file():
             return folder
     return None
+
+
+def _check_model_tokenizer(model_tok, data, folder: Path) -> None:
+    """Token data for a model folder holding its own tokenizer (--init-from, --model FOLDER)
+    must be made by that tokenizer: other ids would train silently, and the run, generate
+    and export would carry the data's tokenizer beside weights learnt with another."""
+    for t in data.tokens:
+        made = (t.index or {}).get("tokenizer")
+        if made and made.get("sha256") != model_tok.sha256:
+            where = Path(t.files[0]).parent
+            raise PlanError(f"--data {where}: made by another tokenizer than the model's "
+                            f"({folder / 'tokenizer.json'}; the data's has vocabulary "
+                            f"{made.get('vocab_size')}, the model's {model_tok.vocab_size}); "
+                            f"prepare it with the model's (meshtrain prepare ... --tokenizer "
+                            f"{folder}), or name the data's with --tokenizer to train with it")
 
 
 def tokenize_once(spec: str, tok, progress: bool = False) -> Path:

@@ -247,3 +247,31 @@ def test_a_prepare_interrupted_before_its_first_shard_is_recorded_resumes(tokeni
     monkeypatch.setattr(prepare_module, "write_shard", real)
     index = prepare(inputs, tokenizer, tmp_path / "d", shard_mb=0.002)
     assert index["documents"] == len(DOCS)
+
+
+def test_token_data_made_by_another_tokenizer_than_the_models_is_refused(tokenizer, inputs,
+                                                                          tmp_path):
+    from transformers import LlamaConfig
+
+    from meshtrain.cli.train_data import settle_data
+    from meshtrain.core.plan import PlanError
+    from meshtrain.train.config import RunConfig
+
+    model = tmp_path / "model"   # a save_pretrained folder with its own tokenizer
+    LlamaConfig(vocab_size=320, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=64).save_pretrained(model)
+    train_tokenizer(model / "tokenizer.json", vocab_size=290)
+    prepare(inputs, tokenizer, tmp_path / "theirs")
+    prepare(inputs, model, tmp_path / "ours")
+
+    def config(data, tok=None):
+        return RunConfig(run_dir=str(tmp_path / "run"), model=str(model / "config.json"),
+                         init_from=str(model), data=str(tmp_path / data), tokenizer=tok,
+                         seq_len=16)
+
+    with pytest.raises(PlanError, match=r"theirs: made by another tokenizer than the model's "
+                                        r"\(.*model/tokenizer\.json; the data's has vocabulary "
+                                        r"300, the model's 290\)"):
+        settle_data(config("theirs"))
+    assert settle_data(config("ours")).vocab_size == 290
+    assert settle_data(config("theirs", str(tokenizer))).vocab_size == 300   # named: taken
