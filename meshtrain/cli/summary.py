@@ -98,8 +98,9 @@ def after_failure(run_dir, failed: bool = True) -> str:
     except CheckpointError:
         kept = None
     if kept is None or not kept.is_dir():
-        return ("It wrote no checkpoint: fix the cause and start the run again." if failed
-                else "It wrote no checkpoint: start the run again.")
+        over = f" (--resume {run_dir} starts it over in its folder)"
+        return (f"It wrote no checkpoint: fix the cause and start the run again{over}." if failed
+                else f"It wrote no checkpoint: start the run again{over}.")
     restarts = " (or add --max-restarts K to restart on a failure)" if failed else ""
     return (f"The run folder keeps its last checkpoint ({kept.name}): continue with --resume "
             f"{run_dir}{restarts}.")

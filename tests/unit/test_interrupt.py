@@ -47,9 +47,29 @@ def test_an_interrupted_run_says_where_to_resume_in_one_line(tmp_path, monkeypat
     assert code == 130
     assert "Traceback" not in err
     assert "interrupted (SIGINT); the ranks were stopped" in err
-    assert "It wrote no checkpoint: start the run again." in err
+    assert (f"It wrote no checkpoint: start the run again (--resume {run} starts it over in "
+            "its folder).") in err
     (run / "checkpoints" / "step_00000004").mkdir(parents=True)
     (run / "checkpoints" / "latest").write_text("step_00000004\n")
     from meshtrain.cli.summary import after_failure
     assert after_failure(run, failed=False) == ("The run folder keeps its last checkpoint "
                                                 f"(step_00000004): continue with --resume {run}.")
+
+
+def test_a_resume_without_a_checkpoint_starts_its_metrics_over(tmp_path):
+    """`--resume` of a run stopped before its first checkpoint trains from step 0 again:
+    its earlier records go, as a restart's do, not doubled after them."""
+    import json
+    from types import SimpleNamespace
+
+    from meshtrain.train.config import RunConfig
+    from meshtrain.train.run import _Metrics, _start_point
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "val_loss": 5.0}\n'
+                                            '{"step": 1, "loss": 4.0}\n')
+    config = RunConfig(run_dir=str(tmp_path), resume=True)
+    trainer = SimpleNamespace(mesh=SimpleNamespace(rank=0), evaluate=lambda val: 5.5)
+    metrics = _Metrics(tmp_path / "metrics.jsonl", enabled=True)
+    assert _start_point(trainer, config, metrics, val=None) == (0, {"val_loss": 5.5})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [{"step": 0, "val_loss": 5.5}]
