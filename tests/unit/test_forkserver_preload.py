@@ -64,3 +64,14 @@ def test_ctrl_c_while_preloading_leaves_no_traceback_and_the_handler_back():
                           timeout=60)
     assert done.returncode == 0 and "KeyboardInterrupt" not in done.stderr, done.stderr
     assert done.stdout.split() == ["True", "True"]
+
+
+def test_the_resource_tracker_started_for_the_ranks_keeps_its_leak_warnings_quiet():
+    """A killed rank's semaphores: released by multiprocessing's resource tracker, which
+    otherwise warns of each below the failure's own message."""
+    import subprocess
+
+    from meshtrain.core.processes import QUIET_TRACKER, forkserver_context
+
+    forkserver_context()
+    assert "-W" + QUIET_TRACKER in subprocess._args_from_interpreter_flags()
