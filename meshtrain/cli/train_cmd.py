@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -327,7 +328,7 @@ def _launch_ranks(config, plan: Plan, max_restarts: int) -> int:
     except Interrupted as exc:   # Ctrl-C: the ranks are stopped; an unfinished save never counts
         print(f"meshtrain train: interrupted ({exc.signal_name}); the ranks were stopped. "
               f"{after_failure(config.run_dir, failed=False)}", file=sys.stderr)
-        return 130
+        return 128 + signal.Signals[exc.signal_name].value   # the shell's code: 130 for Ctrl-C
     except LaunchError as exc:
         first = exc.first_raised()
         if first and first["type"] in ("CheckpointError", "UnsafeCheckpoint"):

@@ -37,6 +37,9 @@ def test_an_interrupted_run_says_where_to_resume_in_one_line(tmp_path, monkeypat
     def interrupted(*args, **kwargs):
         raise launch_module.Interrupted("SIGINT")
 
+    def stopped(*args, **kwargs):
+        raise launch_module.Interrupted("SIGTERM")
+
     monkeypatch.setattr(processes, "start_forkserver", lambda **kwargs: None)
     monkeypatch.setattr(launch_module, "launch", interrupted)
     (tmp_path / "book.txt").write_text("some text to train on. " * 2000)
@@ -44,11 +47,15 @@ def test_an_interrupted_run_says_where_to_resume_in_one_line(tmp_path, monkeypat
     code = main(["train", "--data", str(tmp_path / "book.txt"), "--steps", "2",
                  "--run-dir", str(run), "--no-progress"])
     err = capsys.readouterr().err
-    assert code == 130
+    assert code == 130   # 128 + SIGINT, as a shell reports it
     assert "Traceback" not in err
     assert "interrupted (SIGINT); the ranks were stopped" in err
     assert (f"It wrote no checkpoint: start the run again (--resume {run} starts it over in "
             "its folder).") in err
+    monkeypatch.setattr(launch_module, "launch", stopped)   # a scheduler's SIGTERM
+    assert main(["train", "--data", str(tmp_path / "book.txt"), "--steps", "2",
+                 "--run-dir", str(tmp_path / "other"), "--no-progress"]) == 143
+    assert "interrupted (SIGTERM)" in capsys.readouterr().err
     (run / "checkpoints" / "step_00000004").mkdir(parents=True)
     (run / "checkpoints" / "latest").write_text("step_00000004\n")
     from meshtrain.cli.summary import after_failure
