@@ -123,7 +123,7 @@ def export_folder(run_dir, out: Path, force: bool = False, shard_bytes: int = 0
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(str(tmp))
         write_shards(tmp, entries, lambda group: checkpoint.read_tensors(path, group),
-                     shard_bytes)
+                     shard_bytes, progress=True)
         tokenizer = Path(run_dir) / "tokenizer"
         if tokenizer.is_dir():   # the run's tokenizer: the folder loads with AutoTokenizer too
             for file in tokenizer.iterdir():
@@ -137,13 +137,16 @@ def export_folder(run_dir, out: Path, force: bool = False, shard_bytes: int = 0
 SHARD_BYTES = 256 << 20   # 25 files for a 6 GB model; about this much held at once
 
 
-def write_shards(folder: Path, entries: dict, read, shard_bytes: int) -> None:
+def write_shards(folder: Path, entries: dict, read, shard_bytes: int,
+                 progress: bool = False) -> None:
     """`entries` (key -> (shape, dtype)) as safetensors files in `folder`: model.safetensors,
     or model-0000i-of-0000n.safetensors and their index; `read(group)` gives a group's
-    tensors. A file holds at most `shard_bytes`, or the largest tensor where larger."""
+    tensors. A file holds at most `shard_bytes`, or the largest tensor where larger.
+    `progress`: a bar of the bytes written (on a terminal), with an ETA for a large model."""
     import json
 
     from safetensors.torch import save_file
+    from tqdm import tqdm
 
     size = {k: math.prod(shape) * dtype.itemsize for k, (shape, dtype) in entries.items()}
     cap = max([shard_bytes, *size.values()])
@@ -154,8 +157,12 @@ def write_shards(folder: Path, entries: dict, read, shard_bytes: int) -> None:
         groups[-1][key] = entry
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
-    for name, group in zip(names, groups):
-        save_file(read(group), str(folder / name), metadata={"format": "pt"})
+    bar = tqdm(total=sum(size.values()), desc="export", unit="B", unit_scale=True,
+               disable=None if progress else True, file=sys.stderr)
+    with bar:
+        for name, group in zip(names, groups):
+            save_file(read(group), str(folder / name), metadata={"format": "pt"})
+            bar.update(sum(size[k] for k in group))
     if len(groups) > 1:
         index = {"metadata": {"total_size": sum(size.values())},
                  "weight_map": {k: name for name, g in zip(names, groups) for k in g}}

@@ -323,3 +323,26 @@ def test_an_export_that_cannot_be_written_leaves_nothing_and_says_why(tmp_path):
                     tmp.write_bytes(b"half")
                 raise SafetensorError("I/O error: No space left on device (os error 28)")
         assert not tmp.exists()
+
+
+def test_a_folder_export_shows_the_bytes_written_on_a_terminal(tmp_path, monkeypatch):
+    import io
+    import sys
+
+    import torch
+
+    from meshtrain.cli.export_cmd import write_shards
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    shown = Terminal()
+    monkeypatch.setattr(sys, "stderr", shown)
+    entries = {"a": ((64, 64), torch.float32), "b": ((64,), torch.float32)}
+    write_shards(tmp_path, entries, lambda group: {k: torch.zeros(shape, device="cpu")
+                                                  for k, (shape, _) in group.items()},
+                 shard_bytes=64 * 64 * 4, progress=True)
+    assert "export: 100%" in shown.getvalue() and "16.6k/16.6k" in shown.getvalue()
+    assert sorted(p.name for p in tmp_path.iterdir())[:2] == ["model-00001-of-00002.safetensors",
+                                                             "model-00002-of-00002.safetensors"]
