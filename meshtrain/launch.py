@@ -148,7 +148,11 @@ def _worker(ref, payload: bytes, result_dir: str, collective_timeout_s: float = 
             (Path(result_dir) / f"rank{rank}.err").write_text(json.dumps({
                 "type": type(exc).__name__, "message": str(exc),
                 "traceback": traceback.format_exc()}))
-            raise
+            if isinstance(exc, (Exception, KeyboardInterrupt, SystemExit)):
+                raise
+            # DCP's CheckpointException is a BaseException: torch's worker wrapper would let
+            # it through to multiprocessing, which prints it whole on the console
+            raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
         tmp = Path(result_dir) / f"rank{rank}.tmp"
         tmp.write_bytes(pickle.dumps(result))
         tmp.replace(Path(result_dir) / f"rank{rank}.pkl")
@@ -198,6 +202,7 @@ def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
     attempt sees TORCHELASTIC_RESTART_COUNT (train_rank resumes from its last checkpoint).
     A collective that waits longer than `collective_timeout_s` fails (the watchdog then
     names the rank behind or gone)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -226,6 +231,8 @@ def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
                                            device)
         except ChildFailedError as err:
             failure = err
+        except SignalException as err:   # the agent's own handler: a traceback, not a message
+            raise Interrupted(err.sigval.name) from None
         results = _read_results(Path(result_dir), nproc)
         raised = _read_raised(Path(result_dir))
         died = [rank for rank in range(nproc) if results[rank] is _MISSING
@@ -241,6 +248,15 @@ def launch(fn, nproc: int, args: tuple = (), kwargs: dict | None = None,
 
 
 _MISSING = object()
+
+
+class Interrupted(KeyboardInterrupt):
+    """This process was told to stop (Ctrl-C, a kill) while its ranks ran: the elastic agent
+    has stopped them. A KeyboardInterrupt, so every command answers it as one."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
 
 
 def _read_results(folder: Path, nproc: int) -> list:

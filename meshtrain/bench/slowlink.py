@@ -16,6 +16,7 @@ steps' measured compute and its own link model, side by side (slowlink_crossover
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,7 @@ def run(out: str, nproc: int = 4, link: str = "dp=1Gb/s,5ms", steps: int = 128,
     rows = {}
     for name, flags in methods.items():
         run_dir = Path(out) / name.replace(" ", "_").replace("=", "")
+        shutil.rmtree(run_dir, ignore_errors=True)   # the bench's own: a new run each time
         cmd = [sys.executable, "-m", "meshtrain", "train", "--nproc", str(nproc), "--steps",
                str(steps), "--eval-every", str(eval_every), "--batch", str(batch), "--model",
                model, "--link", link, "--seed", "0", "--ckpt-every", str(steps),

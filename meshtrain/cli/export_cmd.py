@@ -14,11 +14,13 @@ import argparse
 import math
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("export", help="write a run's latest weights as one safetensors file",
+    p = sub.add_parser("export", help="write a run's latest weights as one safetensors file "
+                       "or a transformers folder",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by meshtrain train")
     p.add_argument("out", metavar="OUT", help="the .safetensors file to write, or (a "
@@ -55,9 +57,26 @@ def export(run_dir, out, force: bool = False, shard_bytes: int | None = None
     # tied weights are one tensor under several keys: safetensors wants each key its own
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
     tmp = out.with_name(out.name + ".tmp")
-    save_file(state, str(tmp), metadata={"meshtrain_run": str(run_dir), "step": str(steps)})
+    with _writing(tmp, out):
+        save_file(state, str(tmp), metadata={"meshtrain_run": str(run_dir), "step": str(steps)})
     os.replace(tmp, out)
     return out, len(state), steps
+
+
+@contextmanager
+def _writing(tmp: Path, out: Path):
+    """Writes into `tmp`: a failed write (a full disk) leaves nothing behind and is said in
+    one line (safetensors raises its own error type)."""
+    import shutil
+
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        raise OSError(f"cannot write {out}: {exc}; free space there or choose another place"
+                      ) from None
 
 
 def export_folder(run_dir, out: Path, force: bool = False, shard_bytes: int = 0
@@ -98,15 +117,17 @@ def export_folder(run_dir, out: Path, force: bool = False, shard_bytes: int = 0
     entries = {k: saved[k] for k in layout.keys if layout.canonical[k] == k}
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model.config.save_pretrained(str(tmp))
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(str(tmp))
-    write_shards(tmp, entries, lambda group: checkpoint.read_tensors(path, group), shard_bytes)
-    tokenizer = Path(run_dir) / "tokenizer"
-    if tokenizer.is_dir():   # the run's tokenizer: the folder loads with AutoTokenizer too
-        for file in tokenizer.iterdir():
-            shutil.copyfile(file, tmp / file.name)
+    with _writing(tmp, out):
+        tmp.mkdir()
+        model.config.save_pretrained(str(tmp))
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(str(tmp))
+        write_shards(tmp, entries, lambda group: checkpoint.read_tensors(path, group),
+                     shard_bytes, progress=True)
+        tokenizer = Path(run_dir) / "tokenizer"
+        if tokenizer.is_dir():   # the run's tokenizer: the folder loads with AutoTokenizer too
+            for file in tokenizer.iterdir():
+                shutil.copyfile(file, tmp / file.name)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -116,13 +137,16 @@ def export_folder(run_dir, out: Path, force: bool = False, shard_bytes: int = 0
 SHARD_BYTES = 256 << 20   # 25 files for a 6 GB model; about this much held at once
 
 
-def write_shards(folder: Path, entries: dict, read, shard_bytes: int) -> None:
+def write_shards(folder: Path, entries: dict, read, shard_bytes: int,
+                 progress: bool = False) -> None:
     """`entries` (key -> (shape, dtype)) as safetensors files in `folder`: model.safetensors,
     or model-0000i-of-0000n.safetensors and their index; `read(group)` gives a group's
-    tensors. A file holds at most `shard_bytes`, or the largest tensor where larger."""
+    tensors. A file holds at most `shard_bytes`, or the largest tensor where larger.
+    `progress`: a bar of the bytes written (on a terminal), with an ETA for a large model."""
     import json
 
     from safetensors.torch import save_file
+    from tqdm import tqdm
 
     size = {k: math.prod(shape) * dtype.itemsize for k, (shape, dtype) in entries.items()}
     cap = max([shard_bytes, *size.values()])
@@ -133,8 +157,12 @@ def write_shards(folder: Path, entries: dict, read, shard_bytes: int) -> None:
         groups[-1][key] = entry
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
-    for name, group in zip(names, groups):
-        save_file(read(group), str(folder / name), metadata={"format": "pt"})
+    bar = tqdm(total=sum(size.values()), desc="export", unit="B", unit_scale=True,
+               disable=None if progress else True, file=sys.stderr)
+    with bar:
+        for name, group in zip(names, groups):
+            save_file(read(group), str(folder / name), metadata={"format": "pt"})
+            bar.update(sum(size[k] for k in group))
     if len(groups) > 1:
         index = {"metadata": {"total_size": sum(size.values())},
                  "weight_map": {k: name for name, g in zip(names, groups) for k in g}}

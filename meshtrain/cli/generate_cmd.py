@@ -1,8 +1,10 @@
 """`meshtrain generate RUN_DIR`: sample text from a run's latest checkpoint, in one process,
 whatever plan trained it; prompts are encoded and output decoded with the run's tokenizer
-(its folder's tokenizer/), or as bytes for a byte-level run.
+(its folder's tokenizer/), or as bytes for a byte-level run. A transformers model folder
+(`meshtrain export`'s, save_pretrained's) works too, with the tokenizer.json beside it.
 
     meshtrain generate runs/2026-11-23_10-00-00 --prompt "def " --tokens 200
+    meshtrain generate my-llama/ --prompt "def "
 """
 from __future__ import annotations
 
@@ -12,16 +14,19 @@ import sys
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="sample text from a trained run's latest checkpoint",
+    p = sub.add_parser("generate", help="sample text from a trained run's latest checkpoint "
+                       "or a transformers folder",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by meshtrain train")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by meshtrain train, "
+                   "or a transformers model folder with its tokenizer.json (what meshtrain "
+                   "export or save_pretrained writes)")
     p.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
     p.add_argument("--tokens", type=int, default=200,
                    help="tokens (bytes for a byte-level run) to generate (default: 200)")
     p.add_argument("--temperature", type=float, default=0.8,
-                   help="softmax temperature; 0 takes the most likely byte (default: 0.8)")
+                   help="softmax temperature; 0 takes the most likely token (default: 0.8)")
     p.add_argument("--top-k", type=int, default=40,
-                   help="sample among the k most likely bytes (default: 40; 0 for all)")
+                   help="sample among the k most likely tokens (default: 40; 0 for all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.set_defaults(run=run)
 
@@ -39,7 +44,8 @@ def run(args) -> int:
         print(f"meshtrain generate: {exc}", file=sys.stderr)
         return 2
     unit = "bytes" if tokenizer is None else "tokens"
-    print(f"# {args.run_dir}, step {steps}: {args.tokens} {unit} after {args.prompt!r}",
+    where = f"step {steps}" if steps is not None else "a transformers model folder"
+    print(f"# {args.run_dir}, {where}: {args.tokens} {unit} after {args.prompt!r}",
           file=sys.stderr)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")   # bytes may split a char
     sys.stdout.write(args.prompt)

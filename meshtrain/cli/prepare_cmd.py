@@ -34,18 +34,29 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def run(args) -> int:
+def progress_bar(inputs: list[str], enabled: bool = True):
+    """Text tokenised, in characters, against the inputs' bytes: a rate and an ETA."""
     from tqdm import tqdm
+
+    from meshtrain.data.prepare import input_bytes
+
+    return tqdm(desc="prepare", unit="B", unit_scale=True, disable=not enabled,
+                total=input_bytes(inputs) if enabled else None, file=sys.stderr)
+
+
+def run(args) -> int:
 
     from meshtrain.data.prepare import prepare
     from meshtrain.data.shards import DataError
 
-    bar = tqdm(desc="prepare", unit="doc", disable=args.no_progress, file=sys.stderr)
+    bar = progress_bar(args.inputs, enabled=not args.no_progress)
     try:
         index = prepare(args.inputs, args.tokenizer, args.out, args.workers, args.shard_mb,
                         args.text_field, args.eos, progress=bar.update)
     except (DataError, OSError) as exc:
         bar.close()
+        if isinstance(exc, OSError) and not exc.filename:   # numpy's writes name no file
+            exc = f"writing into {args.out}: {exc.strerror or exc}"
         print(f"meshtrain prepare: {exc}", file=sys.stderr)
         return 2
     bar.close()

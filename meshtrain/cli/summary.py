@@ -87,9 +87,9 @@ def print_summary(s: dict) -> None:
     print("\n".join(lines))
 
 
-def after_failure(run_dir) -> str:
-    """What a failed run leaves to continue from: its last checkpoint, or nothing (a run
-    that failed before its first checkpoint is started again, not resumed)."""
+def after_failure(run_dir, failed: bool = True) -> str:
+    """What a failed (or, `failed` False, interrupted) run leaves to continue from: its last
+    checkpoint, or nothing (a run stopped before its first checkpoint is started again)."""
     from meshtrain.train.config import latest_checkpoint
     from meshtrain.train.errors import CheckpointError
 
@@ -98,9 +98,22 @@ def after_failure(run_dir) -> str:
     except CheckpointError:
         kept = None
     if kept is None or not kept.is_dir():
-        return "It wrote no checkpoint: fix the cause and start the run again."
+        over = f" (--resume {run_dir} starts it over in its folder)"
+        return (f"It wrote no checkpoint: fix the cause and start the run again{over}." if failed
+                else f"It wrote no checkpoint: start the run again{over}.")
+    restarts = " (or add --max-restarts K to restart on a failure)" if failed else ""
     return (f"The run folder keeps its last checkpoint ({kept.name}): continue with --resume "
-            f"{run_dir} (or add --max-restarts K to restart on a failure).")
+            f"{run_dir}{restarts}.")
+
+
+def failure_cause(exc) -> str:
+    """A failed launch's cause in a line: each rank's (launch.LaunchError.culprits), or, where
+    a rank ran out of disk (a checkpoint, metrics), that and what to do."""
+    if any("No space left on device" in info.get("traceback", "")
+           for info in exc.raised.values()):
+        return ("the disk holding the run folder is full (No space left on device): free "
+                "space there, or move the run folder to a larger disk")
+    return "; ".join(exc.culprits) or "a rank failed"
 
 
 def fall_back(refusal, run_dir) -> str:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
-from meshtrain.cli.summary import after_failure, fall_back, print_report, print_summary
+from meshtrain.cli.summary import (after_failure, failure_cause, fall_back, print_report,
+                                   print_summary)
 from meshtrain.cli.plan_options import add_plan_options, plan_from_args
 from meshtrain.cli.train_checks import (add_shape_options, check_batch_split, check_init_from,
                                         check_model_plan, ignored_on_resume, shape_overrides)
@@ -173,6 +175,7 @@ def build_config(args):
     is_gpt = kind_of(args.model) == "gpt"
     overrides = shape_overrides(args, is_gpt)
     run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    check_new_run_dir(run_dir)
     return RunConfig(run_dir=run_dir, plan=plan.to_dict(), model=args.model, device=device,
                      model_overrides=overrides, seq_len=None if is_gpt else args.seq,
                      loss=args.loss, data=args.data, tokenizer=args.tokenizer,
@@ -212,6 +215,23 @@ def make_run_dir(run_dir, offload_dir=None) -> None:
                              f"({exc.strerror or exc}); give a writable folder") from None
 
 
+def check_new_run_dir(run_dir) -> None:
+    """A new run's folder must not hold another run: its config, metrics and `latest` would
+    be overwritten and its checkpoints mixed with the new run's. (A restarted attempt under
+    torchrun runs this command again on a folder its first attempt made: left alone.)"""
+    from meshtrain.train.faults import attempt
+
+    folder = Path(run_dir)
+    held = [n for n in ("config.json", "metrics.jsonl", "checkpoints/latest")
+            if (folder / n).exists()]
+    if held and attempt() == 0:
+        latest = folder / "checkpoints" / "latest"
+        last = f", last checkpoint {latest.read_text().strip()[:40]}" if latest.exists() else ""
+        raise PlanError(f"--run-dir {run_dir} holds a run already ({held[0]}{last}): continue "
+                        f"it with --resume {run_dir}, or give a new --run-dir (or delete "
+                        "that folder to start again)")
+
+
 def parse_straggler(text: str, world: int) -> list:
     """"RANK:SECONDS" -> [rank, seconds], refusing a rank outside the world."""
     try:
@@ -243,7 +263,6 @@ def run(args) -> int:
         from meshtrain.core.processes import start_forkserver
         from meshtrain.models.hf_presets import names_transformers
         start_forkserver(transformers=names_transformers(args.model))
-    from meshtrain.launch import LaunchError, launch
     from meshtrain.models.registry import check_model_spec
     from meshtrain.train import errors
     from meshtrain.train.config import check_run_config
@@ -294,24 +313,44 @@ def run(args) -> int:
         shutdown_distributed(exit_code=0)   # see docs/history.md on gloo's abort at exit
     print(f"meshtrain train: {plan.describe()} on {plan.world_size} local rank(s) "
           f"({config.device}), run folder {config.run_dir}", file=sys.stderr)
+    return _launch_ranks(config, plan, args.max_restarts)
+
+
+def _launch_ranks(config, plan: Plan, max_restarts: int) -> int:
+    """The run on local ranks, then its summary; a failure or an interrupt in a few lines."""
+    from meshtrain.launch import Interrupted, LaunchError, launch
+
     try:
         # by name: this process need not import the training stack the ranks run
         summary = launch(TRAIN_RANK, nproc=plan.world_size, args=(config,),
-                         max_restarts=args.max_restarts, device=config.device,
+                         max_restarts=max_restarts, device=config.device,
                          collective_timeout_s=config.collective_timeout)[0]
+    except Interrupted as exc:   # Ctrl-C: the ranks are stopped; an unfinished save never counts
+        print(f"meshtrain train: interrupted ({exc.signal_name}); the ranks were stopped. "
+              f"{after_failure(config.run_dir, failed=False)}", file=sys.stderr)
+        return 128 + signal.Signals[exc.signal_name].value   # the shell's code: 130 for Ctrl-C
     except LaunchError as exc:
         first = exc.first_raised()
         if first and first["type"] in ("CheckpointError", "UnsafeCheckpoint"):
             return _refused(first["message"], config.run_dir)
-        log = Path(config.run_dir) / "failure.log"
-        log.write_text(str(exc) + "\n")
-        print(f"meshtrain train: the run failed: {'; '.join(exc.culprits) or 'a rank failed'}.\n"
-              f"  Each rank's error in full: {log}. {after_failure(config.run_dir)}",
-              file=sys.stderr)
+        print(f"meshtrain train: the run failed: {failure_cause(exc)}.\n"
+              f"  {_keep_failure(exc, Path(config.run_dir) / 'failure.log')} "
+              f"{after_failure(config.run_dir)}", file=sys.stderr)
         return 1
     print_summary(summary)
     print_report(config.run_dir)
     return 0
+
+
+def _keep_failure(exc, log: Path) -> str:
+    """Every rank's error in full, in the run folder's failure.log; here if it cannot be
+    written there (a full or read-only disk)."""
+    try:
+        log.write_text(str(exc) + "\n")
+        return f"Each rank's error in full: {log}."
+    except OSError as err:
+        print(str(exc), file=sys.stderr)
+        return f"Each rank's error in full above ({log} could not be written: {err.strerror})."
 
 
 def _refused(message, run_dir) -> int:

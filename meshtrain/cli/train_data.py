@@ -40,13 +40,15 @@ def settle_data(config):
             raise PlanError("--tokenizer needs --data: text to tokenise, or token shards")
         return None
     if tok is not None and text:
-        config.data = str(tokenize_once(config.data, tok))
+        config.data = str(tokenize_once(config.data, tok, config.progress))
     data = load_data(config.data)   # every shard's header checked; DataError names the file
     seq_len = run_seq_len(config)
     if seq_len is not None:   # a split without one window would fail on every rank
         check_fits(data, seq_len)
     if not data.tokens:
         return None
+    if tok is None and (beside := model_tokenizer(config)) is not None:
+        _check_model_tokenizer(Tokenizer(beside), data, beside)
     for t in data.tokens:
         if tok is not None:
             check_matches(tok, t.index, str(Path(t.files[0]).parent))
@@ -75,9 +77,25 @@ def model_tokenizer(config) -> Path | None:
     return None
 
 
-def tokenize_once(spec: str, tok) -> Path:
+def _check_model_tokenizer(model_tok, data, folder: Path) -> None:
+    """Token data for a model folder holding its own tokenizer (--init-from, --model FOLDER)
+    must be made by that tokenizer: other ids would train silently, and the run, generate
+    and export would carry the data's tokenizer beside weights learnt with another."""
+    for t in data.tokens:
+        made = (t.index or {}).get("tokenizer")
+        if made and made.get("sha256") != model_tok.sha256:
+            where = Path(t.files[0]).parent
+            raise PlanError(f"--data {where}: made by another tokenizer than the model's "
+                            f"({folder / 'tokenizer.json'}; the data's has vocabulary "
+                            f"{made.get('vocab_size')}, the model's {model_tok.vocab_size}); "
+                            f"prepare it with the model's (meshtrain prepare ... --tokenizer "
+                            f"{folder}), or name the data's with --tokenizer to train with it")
+
+
+def tokenize_once(spec: str, tok, progress: bool = False) -> Path:
     """Text `spec` as token shards in the cache (`cache_dir()/<key>`), prepared
-    on first use; the key is the files' paths, sizes and times and the tokenizer's hash."""
+    on first use (with a progress bar); the key is the files' paths, sizes and times and the
+    tokenizer's hash."""
     import hashlib
     import os
 
@@ -90,8 +108,11 @@ def tokenize_once(spec: str, tok) -> Path:
     key = hashlib.sha256(json.dumps([stamp, tok.sha256]).encode()).hexdigest()[:16]
     out = cache_dir() / key
     if not (out / INDEX).exists():
+        from meshtrain.cli.prepare_cmd import progress_bar
+
         print(f"meshtrain train: tokenising {spec} once, into {out}", file=sys.stderr)
-        prepare([spec], tok.file, out, eos=tok.eos)
+        with progress_bar([spec], progress) as bar:
+            prepare([spec], tok.file, out, eos=tok.eos, progress=bar.update)
     return out
 
 

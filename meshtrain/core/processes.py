@@ -24,6 +24,12 @@ def threads_per_rank(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
+QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
+"""A rank killed (kill -9, the launcher stopping a failed group) cannot release the
+semaphores it holds; multiprocessing's resource tracker releases them and warns of each
+"leak" below the failure's own message: a warning with nothing to act on."""
+
+
 @functools.lru_cache(maxsize=2)
 def forkserver_context(transformers: bool = False):
     """The multiprocessing context whose forkserver preloads torch and meshtrain (once), and
@@ -31,6 +37,8 @@ def forkserver_context(transformers: bool = False):
     that build its models. The forkserver is one per process: the preload set when it starts
     is the one it keeps."""
     ctx = mp.get_context("forkserver")
+    if QUIET_TRACKER not in sys.warnoptions:   # read when the resource tracker is started
+        sys.warnoptions.append(QUIET_TRACKER)
     extra = ["meshtrain._preload_transformers"] if transformers else []
     ctx.set_forkserver_preload(["meshtrain._preload", *extra])
     return ctx

@@ -55,6 +55,7 @@ def load_corpus(path: str | os.PathLike | None = None, max_bytes: int | None = 1
             raise FileNotFoundError(f"corpus path {str(root)!r} does not exist; pass a text "
                                     f"file or a folder of text files, or None for the default")
         if root.is_file():
+            _check_text_file(root)
             files = iter([root])
         else:
             files = _walk(root, _is_text, skip_dir=lambda n: n.startswith("."))
@@ -94,6 +95,18 @@ def _walk(root: Path, keep, skip_dir) -> Iterator[Path]:
 
 def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _check_text_file(path: Path) -> None:
+    """A file named for byte-level training must be text: Parquet's compressed bytes or a
+    binary would train, and JSON lines would train on their syntax."""
+    if path.suffix in (".parquet", ".jsonl"):
+        raise ValueError(f"{path}: {path.suffix[1:]} documents are read with a tokenizer: give "
+                         "--tokenizer (or `meshtrain prepare` it); text read as bytes must be "
+                         "a plain text file")
+    if not _is_text(path):
+        raise ValueError(f"{path}: a binary file (a NUL byte in its first "
+                         f"{_SNIFF_BYTES // 1024} KiB), not text; give a text file or folder")
 
 
 def _is_text(path: Path) -> bool:

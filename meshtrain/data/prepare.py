@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+from itertools import chain, islice
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable, Iterator
@@ -44,7 +46,7 @@ def prepare(inputs: list[str], tokenizer_path, out, workers: int = 1, shard_mb: 
             text_field: str = "text", eos: str | None = None,
             progress: Callable[[int], None] | None = None) -> dict:
     """Tokenise `inputs` into shards in `out` (module docstring); returns the index.
-    `progress(documents)` is called as each shard is done."""
+    `progress(characters)` is called with each shard's text as it is done (or found done)."""
     tok = Tokenizer(tokenizer_path, eos)
     if not shard_mb > 0 or workers < 1:
         raise DataError(f"--shard-mb {shard_mb} and --workers {workers}: give positive numbers")
@@ -53,17 +55,22 @@ def prepare(inputs: list[str], tokenizer_path, out, workers: int = 1, shard_mb: 
     settings = Settings(tuple(str(Path(i).resolve()) for i in inputs), tok.sha256, tok.eos,
                         text_field, shard_mb)
     done = _resumable(out, settings)
+    # before any shard: workers finish shards out of order, and an interrupt can come first
+    _write_json(out / PROGRESS, {"settings": asdict(settings), "done": done})
     dtype = dtype_for_vocab(tok.vocab_size)
-    chunks = _chunks(documents(inputs, text_field), int(shard_mb * 2**20))
+    sizes = {}   # characters per chunk, by shard name: what each finished shard reports
+    chunks = _sized(_chunks(documents(inputs, text_field), int(shard_mb * 2**20)), sizes,
+                    done, progress or (lambda n: None))
     for stats in _run(chunks, done, out, dtype.name, tokenizer_path, tok.eos, workers):
         done[stats["file"]] = stats
         _write_json(out / PROGRESS, {"settings": asdict(settings), "done": done})
         if progress is not None:
-            progress(stats["documents"])
+            progress(sizes.pop(stats["file"]))
     shards = [done[k] for k in sorted(done)]
     if not shards or sum(s["tokens"] for s in shards) == 0:
-        raise DataError(f"no documents found in {', '.join(inputs)}; give text files, "
-                        f"JSON lines with a {text_field!r} field, or Parquet files")
+        raise DataError(f"no text found in {', '.join(inputs)} (empty documents are left "
+                        f"out); give text files, JSON lines with a {text_field!r} field, or "
+                        "Parquet files")
     index = {"format": "meshtrain-tokens", "version": 1, "shards": shards,
              "tokens": sum(s["tokens"] for s in shards),
              "documents": sum(s["documents"] for s in shards), "dtype": dtype.name,
@@ -76,7 +83,8 @@ def prepare(inputs: list[str], tokenizer_path, out, workers: int = 1, shard_mb: 
 
 
 def documents(inputs: list[str], text_field: str = "text") -> Iterator[str]:
-    """Every document of `inputs`, in order (a folder's files sorted by path)."""
+    """Every document of `inputs` that holds text, in order (a folder's files sorted by
+    path); an empty one would add only an EOS."""
     from meshtrain.data.corpus import _is_text, _walk
 
     def wanted(p: Path) -> bool:
@@ -87,10 +95,10 @@ def documents(inputs: list[str], text_field: str = "text") -> Iterator[str]:
         if not path.exists():
             raise DataError(f"{name}: no such file or folder")
         if path.is_file():   # a .json named here is JSON lines; in a folder, a document
-            yield from _documents_of(path, text_field, path.suffix == ".json")
+            yield from filter(None, _documents_of(path, text_field, path.suffix == ".json"))
             continue
         for file in _walk(path, wanted, lambda n: n.startswith(".")):
-            yield from _documents_of(file, text_field)
+            yield from filter(None, _documents_of(file, text_field))
 
 
 def _documents_of(path: Path, text_field: str, json_lines: bool = False) -> Iterator[str]:
@@ -116,7 +124,25 @@ def _documents_of(path: Path, text_field: str, json_lines: bool = False) -> Iter
         for batch in table.iter_batches(columns=[text_field]):
             yield from (t for t in batch.column(0).to_pylist() if t)
     else:
-        yield path.read_text(encoding="utf-8", errors="replace")
+        yield _text_of(path)
+
+
+def _text_of(path: Path) -> str:
+    """A text file's text: a binary file or one not in UTF-8 is refused, not tokenised as
+    replacement characters (a folder's binary files are skipped before this)."""
+    from meshtrain.data.corpus import _SNIFF_BYTES
+
+    data = path.read_bytes()
+    if b"\0" in data[:_SNIFF_BYTES]:
+        raise DataError(f"{path}: a binary file (a NUL byte in its first "
+                        f"{_SNIFF_BYTES // 1024} KiB), not text; leave it out")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}, "
+                        f"offset {exc.start}); convert it first, e.g. iconv -f latin1 -t utf-8 "
+                        "(naming its encoding)") from None
 
 
 def _field(path: Path, number: int, line: str, text_field: str) -> str:
@@ -130,17 +156,40 @@ def _field(path: Path, number: int, line: str, text_field: str) -> str:
     return text
 
 
-def _chunks(docs: Iterator[str], chunk_chars: int) -> Iterator[list[str]]:
-    """Documents in consecutive chunks of at least `chunk_chars` characters (the last less)."""
-    chunk, size = [], 0
+def _chunks(docs: Iterator, chunk_chars: int, size=len) -> Iterator[list]:
+    """Documents in consecutive chunks of at least `chunk_chars` characters (the last less;
+    `size(doc)` a document's)."""
+    chunk, chars = [], 0
     for doc in docs:
         chunk.append(doc)
-        size += len(doc)
-        if size >= chunk_chars:
+        chars += size(doc)
+        if chars >= chunk_chars:
             yield chunk
-            chunk, size = [], 0
+            chunk, chars = [], 0
     if chunk:
         yield chunk
+
+
+def _sized(chunks: Iterator[list[str]], sizes: dict, done: dict, progress):
+    """The chunks, each one's characters noted in `sizes` by its shard's name; those of
+    shards already done (a resumed prepare) reported to `progress` at once."""
+    for k, chunk in enumerate(chunks):
+        chars = sum(map(len, chunk))
+        if _name(k) in done:
+            progress(chars)
+        else:
+            sizes[_name(k)] = chars
+        yield chunk
+
+
+def input_bytes(inputs: list[str]) -> int | None:
+    """The inputs' size on disk, a progress bar's total for the text they hold (characters:
+    as many for ASCII); None where Parquet's compression makes it no measure."""
+    files = [p for name in inputs for p in ([Path(name)] if Path(name).is_file()
+                                            else Path(name).rglob("*")) if p.is_file()]
+    if any(p.suffix in PARQUET for p in files):
+        return None
+    return sum(p.stat().st_size for p in files)
 
 
 def _resumable(out: Path, settings: Settings) -> dict:
@@ -174,8 +223,9 @@ def _run(chunks, done: dict, out: Path, dtype: str, tokenizer_path, eos: str, wo
         yield from (_make_shard(k, c, str(out), dtype) for k, c in todo)
         return
     ctx = get_context("spawn")   # the tokenizers library's threads do not survive a fork
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
-                             initargs=(str(tokenizer_path), eos)) as pool:
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
+                               initargs=(str(tokenizer_path), eos))
+    try:
         pending = []
         for k, chunk in todo:
             pending.append(pool.submit(_make_shard, k, chunk, str(out), dtype))
@@ -183,6 +233,10 @@ def _run(chunks, done: dict, out: Path, dtype: str, tokenizer_path, eos: str, wo
                 yield pending.pop(0).result()
         for future in pending:
             yield future.result()
+    except BaseException:   # Ctrl-C, a bad document: the queued chunks are not started
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
 
 
 _TOKENIZER: Tokenizer | None = None   # a worker process's own, loaded once
@@ -194,14 +248,50 @@ def _init(tokenizer_path: str, eos: str) -> None:
 
 
 def _make_shard(k: int, texts: list[str], out: str, dtype: str) -> dict:
-    """Shard k from its chunk's texts, encoded ENCODE_CHARS at a time: the library's
-    encodings (offsets, strings, masks) take ~100 bytes a token, the ids kept here 2 or 4."""
-    parts = [np.asarray(ids, dtype=dtype) for group in _chunks(iter(texts), ENCODE_CHARS)
-             for ids in _TOKENIZER.encode_documents(group)]
+    """Shard k from its chunk's texts, EOS before each, encoded ENCODE_CHARS at a time (a
+    longer document in pieces): the library's encodings (offsets, strings, masks) take some
+    hundreds of bytes a token, the ids kept here 2 or 4."""
+    eos = np.asarray([_TOKENIZER.eos_id], dtype=dtype)
+    pieces = [(piece, i == 0) for text in texts for i, piece in enumerate(_split(text))]
+    parts = []
+    for group in _chunks(iter(pieces), ENCODE_CHARS, size=lambda piece: len(piece[0])):
+        for (_, first), ids in zip(group, _TOKENIZER.encode_batch([p for p, _ in group])):
+            if first:   # a document's first piece
+                parts.append(eos)
+            parts.append(np.asarray(ids, dtype=dtype))
     tokens = np.concatenate(parts)
     write_shard(Path(out) / _name(k), tokens, np.dtype(dtype))
     return {"file": _name(k), "tokens": int(tokens.size), "documents": len(texts),
             "max_token": int(tokens.max())}
+
+
+_WORD_END = re.compile(r"\S(?=\s)")
+_TRIES = 8   # cuts tried in a window (then as many past it) before a text is left whole
+
+
+def _split(text: str, size: int | None = None, exact=None) -> list[str]:
+    """`text` in pieces of about `size` characters, each cut at a word's end (a non-space
+    before a space or newline) where `exact(text, cut)` finds the ids around the cut equal
+    cut or whole: a regex pre-tokenizer's (GPT-2's, Llama 3's) always are; a tokenizer that
+    marks the start of each input, or merges across spaces, is left uncut."""
+    size, exact = size or ENCODE_CHARS, exact or _exact_cut
+    pieces, start = [], 0
+    while len(text) - start > size:
+        ends = [m.end() for m in _WORD_END.finditer(text, start + size // 2, start + size)]
+        later = (m.end() for m in _WORD_END.finditer(text, start + size))
+        tries = chain(reversed(ends[-_TRIES:]), islice(later, _TRIES))
+        cut = next((c for c in tries if exact(text, c)), None)
+        if cut is None:
+            break
+        pieces.append(text[start:cut])
+        start = cut
+    return pieces + [text[start:]]
+
+
+def _exact_cut(text: str, cut: int, width: int = 256) -> bool:
+    """The ids of the text around `cut` are the same encoded whole or in two."""
+    left, right = text[max(cut - width, 0):cut], text[cut:cut + width]
+    return _TOKENIZER.encode(left + right) == _TOKENIZER.encode(left) + _TOKENIZER.encode(right)
 
 
 def _name(k: int) -> str:

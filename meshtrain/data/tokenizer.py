@@ -58,10 +58,9 @@ class Tokenizer:
         return {"sha256": self.sha256, "vocab_size": self.vocab_size, "eos": self.eos,
                 "eos_id": self.eos_id}
 
-    def encode_documents(self, texts: list[str]) -> list[list[int]]:
-        """Each document's ids, EOS first (llm.c's layout: EOS separates documents)."""
-        return [[self.eos_id, *enc.ids] for enc in
-                self.backend.encode_batch(texts, add_special_tokens=False)]
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Each text's ids, encoded in parallel by the library."""
+        return [enc.ids for enc in self.backend.encode_batch(texts, add_special_tokens=False)]
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids

@@ -25,6 +25,8 @@ def _config(name: str):
         return tf.Qwen2Config(**SIZES, tie_word_embeddings=False)
     if name == "mistral-tiny":
         return tf.MistralConfig(**SIZES, tie_word_embeddings=False, sliding_window=None)
+    if name == "mistral-window-tiny":   # every layer's window 6 keys, narrower than 16 tokens
+        return tf.MistralConfig(**SIZES, tie_word_embeddings=False, sliding_window=6)
     if name == "hf-gpt2-tiny":
         return tf.GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4,
                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -89,8 +91,8 @@ def _moe_config(tf, name: str):
 MOE = ("mixtral-tiny", "qwen3-moe-tiny", "olmoe-tiny", "qwen2-moe-tiny")
 FAMILIES = ("qwen3-tiny", "olmo2-tiny", "phi3-tiny", "gemma2-tiny", "gpt-neox-tiny",
             "stablelm-tiny")
-PRESETS = ("llama-tiny", "llama-tiny-tied", "qwen2-tiny", "mistral-tiny", "hf-gpt2-tiny",
-           *FAMILIES, *MOE)
+PRESETS = ("llama-tiny", "llama-tiny-tied", "qwen2-tiny", "mistral-tiny", "mistral-window-tiny",
+           "hf-gpt2-tiny", *FAMILIES, *MOE)
 
 
 def names_transformers(spec: str) -> bool:

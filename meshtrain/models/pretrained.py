@@ -154,7 +154,8 @@ def from_pretrained(folder) -> nn.Module:
     except (ValueError, OSError) as exc:
         raise PretrainedError(f"{folder / 'config.json'} cannot be read by transformers "
                               f"({str(exc).splitlines()[0]})") from None
-    return attach(build_on_meta(lambda: AutoModelForCausalLM.from_config(config)), weights)
+    return attach(build_on_meta(lambda: AutoModelForCausalLM.from_config(
+        config, dtype=torch.get_default_dtype())), weights)   # as registry builds it
 
 
 def attach(model: nn.Module, weights: SafetensorsFolder) -> nn.Module:

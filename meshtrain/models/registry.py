@@ -209,10 +209,13 @@ def _from_callable(spec: str) -> nn.Module:
 
 def _from_transformers(spec: str) -> nn.Module:
     """The causal LM as transformers builds it from its config: no wrapper (the Trainer
-    reads its logits, layers and tp plan itself: models/hf.py)."""
+    reads its logits, layers and tp plan itself: models/hf.py). In torch's default dtype
+    (fp32) whatever dtype the config records (a bf16 checkpoint's "dtype": "bfloat16"): the
+    Plan's precision decides the compute, and the weights stay fp32 masters."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(transformers_config(spec))
+    return AutoModelForCausalLM.from_config(transformers_config(spec),
+                                            dtype=torch.get_default_dtype())
 
 
 def _context_of(module: nn.Module) -> int | None:

@@ -20,7 +20,9 @@ ring (Liu et al. 2023; torch's experimental context_parallel):
   A step's send hides behind that step's attention on one block: 4 b (s/N)^2 h / t FLOPs
   forward (the planner's 4 s h per token of attention, Megatron 2021 §5.1, over 1/N of the
   keys), twice that backward: per step, exposed = comm - min(comm, compute); the last dK/dV
-  hop has nothing left to hide behind.
+  hop has nothing left to hide behind. A sliding window leaves fewer keys a query
+  (ModelSpec.keys_per_query) and so less to hide behind; the ring still sends every block
+  the whole way round (strategies/context_parallel/ring.py), so the bytes stay.
 all-to-all (DeepSpeed Ulysses, Jacobs et al. 2023): q (h wide), k and v (kv) scattered over
   heads and gathered over the sequence, the output (h) back: 4 all-to-alls, each rank
   sending (N-1)/N of b (s/N) (2h + 2kv) e / t bytes forward, the same 4 backward; attention
@@ -106,10 +108,13 @@ def alltoall_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
 
 def block_compute(spec: ModelSpec, cand: Candidate, cluster: Cluster) -> float:
     """Seconds of one ring step's forward attention: the rank's queries on one K/V block,
-    4 b (s/N)^2 h / t FLOPs."""
+    4 b (s/N) (k/N) h / t FLOPs, k = s keys a query (fewer under a sliding window,
+    `ModelSpec.keys_per_query`: the chunk pairs it skips leave less to hide the sends
+    behind, spread evenly over the steps)."""
     p = cand.plan
     tokens = cand.micro_batch * spec.seq / p.cp
-    return 4 * tokens * (spec.seq / p.cp) * spec.hidden / p.tp / cluster.achievable_flops
+    keys = spec.keys_per_query(spec.seq) / p.cp
+    return 4 * tokens * keys * spec.hidden / p.tp / cluster.achievable_flops
 
 
 def exposed_time(spec: ModelSpec, cand: Candidate, setup: Setup, cluster: Cluster,

@@ -13,9 +13,10 @@ def forward_flops_per_token(spec: ModelSpec, seq: int) -> tuple[float, float, fl
     """(per layer, of which attention scores, logits) forward FLOPs for one token.
 
     Each weight is one multiply-add (2 FLOPs) per token; attention's QK^T and (attn)V add
-    2 * 2 * s * h per token (Megatron 2021 §5.1: 24 B s h^2 + 4 B s^2 h per layer forward);
+    2 * 2 * s * h per token (Megatron 2021 §5.1: 24 B s h^2 + 4 B s^2 h per layer forward),
+    s the keys a query counts (fewer under a sliding window: ModelSpec.keys_per_query);
     the logit layer 2 h V."""
-    attn_scores = 4 * seq * spec.hidden
+    attn_scores = 4 * spec.keys_per_query(seq) * spec.hidden
     layer = 2 * spec.layer_matmul_params + attn_scores
     logits = 2 * spec.hidden * spec.vocab
     return layer, attn_scores, logits

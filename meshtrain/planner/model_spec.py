@@ -57,6 +57,9 @@ class ModelSpec:
     top_k: int = 0                  # experts each token is routed to
     expert_ffn: int = 0             # one expert's MLP width (0: ffn)
     shared_ffn: int = 0             # the always-on shared experts' MLP width, all together
+    # sliding-window attention (Mistral, Gemma-2/3's local layers): a query sees `window` keys
+    window: int = 0                 # keys a sliding layer's query sees (0: no window)
+    windowed_layers: int = 0        # how many layers slide (0 with a window: every layer)
     # one context-parallel rank's view of a sequence (context_parallel.rank_view): it holds
     # `seq` tokens of a longer sequence, which its queries attend and its table positions
     attention_span: int = 0         # keys each query attends (0: seq)
@@ -103,6 +106,18 @@ class ModelSpec:
     @property
     def span(self) -> int:
         return self.attention_span or self.seq
+
+    def keys_per_query(self, span: int) -> float:
+        """Keys a query's scores count over a sequence of `span` (the planner counts all
+        `span` for a full-attention query), averaged over the layers: a sliding layer counts
+        `span` x the share of the causal (query, key) pairs its window keeps,
+        (w(w+1)/2 + (span-w) w) / (span(span+1)/2)."""
+        w = self.window
+        if not w or w >= span:
+            return float(span)
+        kept = (w * (w + 1) / 2 + (span - w) * w) / (span * (span + 1) / 2)
+        sliding = (self.windowed_layers or self.layers) / self.layers
+        return span * (1 - sliding * (1 - kept))
 
     @property
     def position_rows(self) -> int:
@@ -321,7 +336,8 @@ def from_transformers_config(config, seq: int | None = None, name: str | None = 
     A mixture of experts (Mixtral's num_local_experts, Qwen-MoE's and OLMoE's num_experts,
     DeepSeek's n_routed_experts; num_experts_per_tok; each expert moe_intermediate_size wide,
     else intermediate_size; shared experts as Qwen2-MoE's shared_expert_intermediate_size or
-    DeepSeek's n_shared_experts of moe_intermediate_size) is read as one in every layer.
+    DeepSeek's n_shared_experts of moe_intermediate_size) is read as one in every layer;
+    a sliding window (sliding_window, on the layer_types that say sliding_attention) too.
     `seq`: the training sequence (default: the config's context); `params`, `largest`: the
     exact counts of the built model, where known."""
     def field(*names, default=None):
@@ -344,7 +360,20 @@ def from_transformers_config(config, seq: int | None = None, name: str | None = 
                      norm="rmsnorm" if hasattr(config, "rms_norm_eps") else "layernorm",
                      tied=bool(field("tie_word_embeddings", default=True)), learned_pos=gpt2,
                      dropout=bool(drop), flash_attention=True, measured_params=params,
-                     measured_largest=largest, **_moe_fields(config))
+                     measured_largest=largest, **_moe_fields(config), **_window_fields(config))
+
+
+def _window_fields(config) -> dict:
+    """A config's sliding window and how many layers slide (its layer_types' sliding ones,
+    else every layer); nothing without one (Qwen2 nulls it unless use_sliding_window)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window:
+        return {}
+    sliding = sum(t == "sliding_attention" for t in types) if types else 0
+    if types and not sliding:
+        return {}
+    return dict(window=window, windowed_layers=sliding)
 
 
 def _moe_fields(config) -> dict:

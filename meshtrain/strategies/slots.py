@@ -160,6 +160,16 @@ class GradientSync(ABC):
         sharded: every dp rank gets the same groups in the same order."""
         yield self.local_parameters(), self.local_optimizer_state()[0]
 
+    def state_rows(self, rows_of: Callable[[str, tuple[int, ...], int], list[tuple[int, int]]]
+                   ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, dict]]] | None:
+        """As `local_state_groups`, but of each parameter and each per-element state of it
+        only this rank's rows, and a parameter's states may come in later pairs than it:
+        rows_of(name, shape, bytes per element with its states) gives every dp rank's
+        (first, last) of dim 0 (a 0-dim one: (0, 1) or none), each rank calling it for the
+        same parameters in the same order. None (the default): not offered; the caller
+        consolidates `local_state_groups` and cuts."""
+        return None
+
     def optimizer_groups(self) -> list[dict]:
         """The optimizer's param groups by parameter name (as `local_optimizer_state`)."""
         return self.local_optimizer_state()[1]

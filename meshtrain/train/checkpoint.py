@@ -9,8 +9,11 @@ What is saved is the consolidated, one-process state (core/state.py): the model'
 state-dict keys at full shapes, and the optimizer's state keyed by parameter name. So a
 checkpoint does not depend on the plan that wrote it: it loads under any other plan, each
 rank reading only the regions of each tensor it keeps (`load_regions`, written in chunks for
-that: [Note: a checkpoint in chunks] in checkpoint_regions.py). Each rank hands DCP its share of the
-state (Trainer.save: no rank holds it whole); DCP writes their union.
+that: [Note: a checkpoint in chunks] in checkpoint_regions.py). Each rank hands DCP an even
+share of the state, its rows of each tensor at their offsets in the whole (`placed`;
+[Note: even shares] in checkpoint_shares.py: no rank holds the state whole, nor writes much
+more than its part of it); DCP writes their union, as it writes a sharded DTensor's chunks.
+A checkpoint written with each tensor by one rank (before the shares) reads the same way.
 
 [Note: atomic save]
 Every rank writes into `<path>.partial`; after a barrier, rank 0 writes meshtrain.json last
@@ -42,8 +45,8 @@ from meshtrain.train.checkpoint_reader import (CheckpointError, SafeFileSystemRe
                                                SafeLoadPlanner, UnsafeCheckpoint,
                                                check_checkpoint_files)
 from meshtrain.train import checkpoint_regions, faults
-from meshtrain.train.checkpoint_regions import (ChunkedSavePlanner, CutsOf, RegionLoadPlanner,
-                                                RegionOf)
+from meshtrain.train.checkpoint_regions import (ChunkedSavePlanner, CutsOf, Placed,
+                                                RegionLoadPlanner, RegionOf)
 from meshtrain.core.state import StateLayout
 
 META = "meshtrain.json"
@@ -65,11 +68,14 @@ def _barrier() -> None:
 
 def save(path, model_state: dict[str, torch.Tensor], optimizer_state: dict | None, plan,
          extra: dict, shapes: dict[str, tuple[int, ...]] | None = None,
-         cuts_of: CutsOf | None = None) -> None:
+         cuts_of: CutsOf | None = None, placed: Placed | None = None) -> None:
     """Write the consolidated state: every rank passes its share of it (DCP writes the union,
-    each tensor once), or all the same; `optimizer_state` is None before the first optimizer
-    step. `shapes`: every state-dict key's shape (default: `model_state`'s). `cuts_of`:
-    where the saving plan cuts each tensor ([Note: a checkpoint in chunks]; default: none)."""
+    each element once), or all the same; `optimizer_state` is None before the first
+    optimizer step. `shapes`: every state-dict key's shape (default: `model_state`'s).
+    `cuts_of`: where the saving plan cuts each tensor ([Note: a checkpoint in chunks];
+    default: none). `placed`: the tensors passed as a part of the whole, by entry path:
+    (whole shape, the boxes of it the part fills) ([Note: even shares] in
+    checkpoint_shares.py)."""
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     if _rank() == 0:
@@ -81,7 +87,8 @@ def save(path, model_state: dict[str, torch.Tensor], optimizer_state: dict | Non
         state["optim"] = optimizer_state
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed(),
-                 planner=ChunkedSavePlanner(cuts_of or _no_cuts, checkpoint_regions.CHUNK_BYTES))
+                 planner=ChunkedSavePlanner(cuts_of or _no_cuts, checkpoint_regions.CHUNK_BYTES,
+                                            placed))
     faults.maybe_kill(_rank(), int(extra.get("steps_done", -1)), "checkpoint")
     _barrier()
     if _rank() == 0:

@@ -34,13 +34,14 @@ from torch.distributed.checkpoint.planner_helpers import (_create_read_items,
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed._shard._utils import narrow_tensor_by_index   # as DCP imports it
 
-from meshtrain.core.regions import Region
+from meshtrain.core.regions import Box, Region
 from meshtrain.train.checkpoint_reader import load_plain_value
 
 CHUNK_BYTES = 1 << 20   # a row block: a flat range reads at most one more at each end
 EntryPath = tuple   # a state-dict entry: ("model", key) or ("optim", "state", name, k)
 CutsOf = Callable[[EntryPath, tuple[int, ...]], list[list[int]]]
 RegionOf = Callable[[EntryPath, tuple[int, ...]], Region | None]
+Placed = dict[EntryPath, tuple[tuple[int, ...], tuple[Box, ...]]]   # (whole shape, boxes)
 
 
 def chunk_grid(shape: tuple[int, ...], cuts: list[list[int]], itemsize: int,
@@ -63,11 +64,17 @@ def chunk_grid(shape: tuple[int, ...], cuts: list[list[int]], itemsize: int,
 
 
 class ChunkedSavePlanner(DefaultSavePlanner):
-    """DCP's save planner with each tensor written as `chunk_grid`'s chunks."""
+    """DCP's save planner with each tensor written as `chunk_grid`'s chunks. A tensor
+    `placed` names (entry path -> (whole shape, boxes)) is a part of a whole tensor: each
+    box (`core/regions.Box`: its offsets and sizes in the whole, `local` where it starts
+    in the part) is written as the chunks of the whole's grid, cut at the box's edges,
+    that fall in it, at their offsets in the whole."""
 
-    def __init__(self, cuts_of: CutsOf, chunk_bytes: int) -> None:
+    def __init__(self, cuts_of: CutsOf, chunk_bytes: int,
+                 placed: Placed | None = None) -> None:
         super().__init__()
-        self.cuts_of, self.chunk_bytes = cuts_of, chunk_bytes
+        self.cuts_of, self.chunk_bytes, self.placed = cuts_of, chunk_bytes, placed or {}
+        self.in_part: dict[tuple, tuple[int, ...]] = {}   # (fqn, offsets) -> offsets in part
 
     def create_local_plan(self):
         plan = super().create_local_plan()
@@ -76,25 +83,38 @@ class ChunkedSavePlanner(DefaultSavePlanner):
             if item.type != WriteItemType.TENSOR:
                 items.append(item)
                 continue
-            data = item.tensor_data
-            shape = tuple(data.size)
-            cuts = self.cuts_of(self.mappings.get(item.index.fqn, (item.index.fqn,)), shape)
-            for offsets, sizes in chunk_grid(shape, cuts, data.properties.dtype.itemsize,
-                                             self.chunk_bytes):
-                chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
-                items.append(WriteItem(
-                    index=MetadataIndex(item.index.fqn, torch.Size(offsets)),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(chunk, data.properties, data.size)))
+            data, fqn = item.tensor_data, item.index.fqn
+            entry = self.mappings.get(fqn, (fqn,))
+            shape, boxes = self.placed.get(entry, (tuple(data.size), None))
+            for box in boxes or [None]:
+                for offsets, sizes in self._chunks(entry, shape, data, box):
+                    self.in_part[fqn, offsets] = offsets if box is None else tuple(
+                        at + o - b for at, o, b in zip(box.local, offsets, box.offsets))
+                    chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+                    items.append(WriteItem(
+                        index=MetadataIndex(fqn, torch.Size(offsets)),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(chunk, data.properties, torch.Size(shape))))
         self.plan = dataclasses.replace(plan, items=items)
         return self.plan
+
+    def _chunks(self, entry, shape, data, box):
+        """The grid's chunks of the whole tensor in `box` (None: all of them)."""
+        cuts = [list(c) for c in self.cuts_of(entry, shape)] or [[] for _ in shape]
+        cuts += [[] for _ in range(len(shape) - len(cuts))]
+        if box is not None:
+            cuts = [[*c, o, o + s] for c, o, s in zip(cuts, box.offsets, box.sizes)]
+        return [(offsets, sizes) for offsets, sizes in chunk_grid(
+                    shape, cuts, data.properties.dtype.itemsize, self.chunk_bytes)
+                if box is None or all(o <= a < o + s for a, o, s in
+                                      zip(offsets, box.offsets, box.sizes))]
 
     def resolve_data(self, write_item: WriteItem):
         if write_item.type != WriteItemType.SHARD:
             return super().resolve_data(write_item)
-        tensor = self.state_dict[write_item.index.fqn]
-        chunk = write_item.tensor_data.chunk
-        return narrow_tensor_by_index(tensor, chunk.offsets, chunk.sizes)
+        fqn, chunk = write_item.index.fqn, write_item.tensor_data.chunk
+        return narrow_tensor_by_index(self.state_dict[fqn],
+                                      self.in_part[fqn, tuple(chunk.offsets)], chunk.sizes)
 
 
 class RegionLoadPlanner(DefaultLoadPlanner):

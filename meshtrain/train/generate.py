@@ -1,10 +1,13 @@
-"""Text from a trained byte-level run: the latest checkpoint, one process, whatever plan
-trained it (checkpoints hold the consolidated one-process state).
+"""Text from a trained run: the latest checkpoint, one process, whatever plan trained it
+(checkpoints hold the consolidated one-process state); or from a transformers model folder.
 
     model, seq_len, step = load_trained("runs/2026-11-23_10-00-00")
     text = generate(model, "def ", tokens=200, seq_len=seq_len, temperature=0.8, top_k=40)
 """
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -14,12 +17,15 @@ from meshtrain.train.config import RunConfig, latest_checkpoint
 from meshtrain.train.errors import CheckpointError
 
 
-def load_trained(run_dir) -> tuple[nn.Module, int, int]:
+def load_trained(run_dir) -> tuple[nn.Module, int, int | None]:
     """The run's model with its latest checkpoint's weights, in eval mode: (model, context
-    length, steps trained)."""
+    length, steps trained); or a transformers model folder's (what `meshtrain export` or
+    save_pretrained writes: its context up to 2048, steps None)."""
     from meshtrain.train import checkpoint
     from meshtrain.core.state import StateLayout
 
+    if is_model_folder(run_dir):
+        return _load_model_folder(Path(run_dir))
     config = RunConfig.load(run_dir)
     path = latest_checkpoint(run_dir)
     if path is None:
@@ -32,14 +38,41 @@ def load_trained(run_dir) -> tuple[nn.Module, int, int]:
     return built.module.eval(), built.seq_len, int(extra.get("steps_done", 0))
 
 
-def run_tokenizer(run_dir):
-    """The tokenizer the run trained with (its folder's tokenizer/), None for bytes."""
-    from pathlib import Path
+def is_model_folder(path) -> bool:
+    """A transformers model folder (its config.json names a model_type), not a run folder."""
+    config = Path(path) / "config.json"
+    try:
+        return "model_type" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
 
+
+def _load_model_folder(folder: Path) -> tuple[nn.Module, int, None]:
+    from transformers import AutoModelForCausalLM
+
+    from meshtrain.models.registry import context_of, default_seq
+
+    if not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{folder} holds no tokenizer.json: generate needs the model's "
+                                "tokenizer to encode the prompt; save it beside config.json "
+                                "(tokenizer.save_pretrained(FOLDER))")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{folder}: transformers cannot load this model folder "
+                              f"({str(exc).splitlines()[0]})") from None
+    return model.eval(), default_seq(context_of(model.config)), None
+
+
+def run_tokenizer(run_dir):
+    """The tokenizer the run trained with (its folder's tokenizer/), or a transformers model
+    folder's own tokenizer.json; None for bytes."""
     from meshtrain.data.tokenizer import Tokenizer
 
     folder = Path(run_dir) / "tokenizer"
-    return Tokenizer(folder) if (folder / "tokenizer.json").exists() else None
+    if (folder / "tokenizer.json").exists():
+        return Tokenizer(folder)
+    return Tokenizer(Path(run_dir)) if is_model_folder(run_dir) else None
 
 
 @torch.no_grad()
@@ -78,9 +111,9 @@ def generate(model: nn.Module, prompt: str, tokens: int, seq_len: int,
 
 def check_sampling(tokens: int, temperature: float, top_k: int | None) -> None:
     if tokens < 1:
-        raise ValueError(f"--tokens {tokens}: give how many bytes to generate (>= 1)")
+        raise ValueError(f"--tokens {tokens}: give how many tokens to generate (>= 1)")
     if not temperature >= 0:
         raise ValueError(f"--temperature {temperature}: must be >= 0 (0 takes the most likely "
-                         "byte, 1 samples the model's own distribution)")
+                         "token, 1 samples the model's own distribution)")
     if top_k is not None and top_k < 1:
         raise ValueError(f"--top-k {top_k}: must be >= 1 (or leave it out for no cut)")

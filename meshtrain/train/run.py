@@ -215,7 +215,7 @@ def _start_point(trainer: Trainer, config: RunConfig, metrics, val) -> tuple[int
     if ckpt is not None:
         extra = trainer.load(ckpt)
         start, first = trainer.steps_done, extra.get("first", {})
-    if ckpt is not None or restarted:   # steps past the checkpoint are redone
+    if ckpt is not None or restarted or config.resume:   # steps past the checkpoint redone
         metrics.truncate_after(start if ckpt is not None else -1)
     if trainer.mesh.rank == 0:   # only now: a refused checkpoint leaves the run folder as it was
         config.save()

@@ -37,7 +37,8 @@ from meshtrain.strategies.materialise import init_source, materialise
 from meshtrain.strategies.float8 import check_fp8, convert_to_fp8
 from meshtrain.strategies.recompute import apply_recompute
 from meshtrain.strategies.tensor_parallel.sharding import is_token_cross_entropy
-from meshtrain.train import checkpoint, resume
+from meshtrain.train import checkpoint, checkpoint_shares, resume
+from meshtrain.train.checkpoint_shares import param_shaped
 from meshtrain.train.slots import (check_layer_sharding, drive_steps, keep_stages, routing_sums,
                                    shard_layers, split_context, sync_gradients)
 from meshtrain.core.state import StateLayout
@@ -275,7 +276,7 @@ class Trainer:
         {"state": {name: {key: tensor}}, "param_groups": [{..., "params": [names]}]}.
         Collective."""
         state, groups = self.data_parallel.local_optimizer_state()
-        full = {name: {k: self.sharding.full(name, v) if _param_shaped(v) else v
+        full = {name: {k: self.sharding.full(name, v) if param_shaped(v) else v
                        for k, v in per_param.items()}
                 for name, per_param in state.items()}
         return {"state": self.stages.merge(full), "param_groups": groups}
@@ -288,7 +289,7 @@ class Trainer:
                   for n, _ in self.stages.named_parameters()}
         if optimizer_state is not None:
             optimizer_state = dict(optimizer_state, state={
-                n: {k: self.sharding.local(n, v) if _param_shaped(v) else v
+                n: {k: self.sharding.local(n, v) if param_shaped(v) else v
                     for k, v in s.items()}
                 for n, s in optimizer_state["state"].items() if n in params})
         resume.take_local_state(self, params, model_state, optimizer_state, saved_mode)
@@ -297,48 +298,24 @@ class Trainer:
         """Checkpoint (torch.distributed.checkpoint) of the consolidated state, written
         atomically; loadable under any plan, except a DiLoCo / local SGD checkpoint taken
         mid-round under a plan keeping one replica (refused by name). No rank holds the
-        whole state: it is consolidated a group at a time (ZeRO: a bucket, ZeRO-3 a unit)
-        and each rank of a stage keeps and writes its share."""
+        whole state: each rank of a stage takes its rows of every tensor (under ZeRO
+        straight from the shards, else from a group consolidated at a time) and writes
+        that even share from host memory ([Note: even shares] in train/checkpoint_shares.py)."""
         self.train_peak = max(self.train_peak, peak_process_bytes())   # the steps' so far
         reset_process_peak()
-        params, states, groups = self._share_of_state()
-        self.checkpoint_share = max(self.checkpoint_share, storage_bytes(
-            [*params.values(), *(v for s in states.values() for v in s.values())]))
-        stepped = torch.tensor([float(len(states))], device=self.mesh.device)
+        share = checkpoint_shares.share_of_state(self)
+        self.checkpoint_share = max(self.checkpoint_share, share.bytes())
+        stepped = torch.tensor([float(len(share.states))], device=self.mesh.device)
         for axis in ("tp", "pp", self.mesh.replica_axis):
             self.comm.all_reduce(stepped, axis, tag="save")
-        optimizer_state = {"state": states, "param_groups": groups} if stepped.item() else None
-        checkpoint.save(path, params, optimizer_state, self.plan,
+        optimizer_state = ({"state": share.states,
+                            "param_groups": self.data_parallel.optimizer_groups()}
+                           if stepped.item() else None)
+        checkpoint.save(path, share.model_state, optimizer_state, self.plan,
                         dict(extra or {}, steps_done=self.steps_done), shapes=self.layout.shapes,
-                        cuts_of=resume.cuts_of(self))
+                        cuts_of=resume.cuts_of(self), placed=share.placed)
         self.checkpoint_peak = max(self.checkpoint_peak, peak_process_bytes())
         reset_process_peak()   # what follows is training again
-
-    def _share_of_state(self) -> tuple[dict, dict, list]:
-        """This rank's share of the consolidated state: (model state by state-dict key,
-        optimizer states by name, param groups). Each tensor goes to the rank of its stage
-        holding the fewest bytes so far (every rank makes the same choice: the sizes are
-        the same everywhere); tied tensors and buffers appear on every stage that holds them."""
-        replicas = self.mesh.replica_axis   # every rank of a stage keeps a share
-        mine = self.mesh.axis_rank(replicas) * self.mesh.size("tp") + self.mesh.axis_rank("tp")
-        held = [0] * (self.mesh.size(replicas) * self.mesh.size("tp"))
-        params, states = {}, {}
-        for local, local_states in self.data_parallel.local_state_groups():
-            for name, value in local.items():
-                full = self.sharding.full(name, value)   # collective over tp
-                full_states = {k: self.sharding.full(name, v) if _param_shaped(v) else v
-                               for k, v in local_states.get(name, {}).items()}
-                keeper = held.index(min(held))
-                held[keeper] += storage_bytes([full, *full_states.values()])
-                if keeper == mine:
-                    params[name] = full.clone()
-                    if full_states:
-                        states[name] = full_states
-        if mine == 0:
-            params.update({n: b.detach() for n, b in self.stages.named_buffers()})
-        by_key = {key: params[c] for key, c in self.layout.canonical.items() if c in params}
-        groups = self.data_parallel.optimizer_groups()
-        return by_key, states, groups
 
     def load(self, path) -> dict:
         """Restore model and optimizer from `path` (saved under any plan); returns its extras."""
@@ -385,8 +362,3 @@ def _loss_in_fp32(loss_fn: Callable) -> Callable:
 
 def _list(values) -> list | None:
     return None if values is None else list(values)
-
-
-def _param_shaped(value) -> bool:
-    """An optimizer state that has one element per parameter element (not a 0-dim count)."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0

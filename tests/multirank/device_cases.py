@@ -85,10 +85,13 @@ CASES = {
     # ... with a capacity factor (its kept mask on the device), and under context parallel
     "ep-capacity": Case(2, dict(dp=2, ep=2, capacity_factor=1.0), model="mixtral-tiny"),
     "cp-moe": Case(2, dict(cp=2), model="mixtral-tiny"),
+    # ... and sliding windows with soft-capped scores (Gemma-2's local and global layers)
+    "cp-window": Case(2, dict(cp=2, cp_style="all-to-all"), model="gemma2-tiny"),
     # ... in pipeline stages: the routing sums sent beside the hidden state over NCCL
     "ep-pp": Case(4, dict(dp=2, pp=2, ep=2), model="mixtral-tiny"),
 }
-MIXTURES = ("mixtral-tiny", "qwen3-moe-tiny")   # their one-process reference: hf_cases'
+# transformers models: their one-process reference is hf_cases' (a mixture's router loss)
+TRANSFORMERS = ("mixtral-tiny", "qwen3-moe-tiny", "gemma2-tiny")
 
 
 
@@ -112,7 +115,7 @@ def deterministic(device: str):
 
 def reference_of(case: Case, device: str) -> dict:
     with deterministic(device):
-        if case.model in MIXTURES:   # transformers' loss: cross-entropy + its router's
+        if case.model in TRANSFORMERS:   # transformers' loss (+ a mixture's router's)
             return hf_cases.reference(case.model, STEPS, case.clip, device,
                                       case.plan.get("capacity_factor"))
         if case.bf16:

@@ -20,7 +20,8 @@ from tests.multirank import equivalence as eq
 
 SEQ, STEPS = 16, 4
 NAMES = ("llama-tiny", "llama-tiny-tied", "hf-gpt2-tiny", "qwen2-tiny")
-for _name in (*NAMES, *FAMILIES, *MOE):
+WINDOWED = "mistral-window-tiny"   # context parallel's sliding-window cases only
+for _name in (*NAMES, WINDOWED, *FAMILIES, *MOE):
     eq.MODELS[_name] = (partial(build, _name), None, 255, SEQ)   # data() is uint8
 
 

@@ -119,6 +119,24 @@ def test_launch_reports_a_failing_rank():
     assert "ValueError: boom from rank 1: 6 * 7 != 41" in message
 
 
+class NotAnException(BaseException):
+    """As DCP's CheckpointException (a failed checkpoint save): no Exception subclass."""
+
+
+def raise_base_exception():
+    raise NotAnException("the save failed: No space left on device")
+
+
+def test_a_rank_raising_a_base_exception_is_reported_not_printed(capfd):
+    """torch's worker wrapper catches Exception only: a BaseException went on to
+    multiprocessing, which printed the rank's whole traceback on the console."""
+    with pytest.raises(mt.LaunchError) as info:
+        mt.launch(raise_base_exception, nproc=1)
+    assert info.value.first_raised()["type"] == "NotAnException"
+    assert "No space left on device" in info.value.first_raised()["traceback"]
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_bench_harness_times_each_world(tmp_path, capsys):
     """`meshtrain bench harness`: every call's all_reduce of ones sums to the world (checked
     inside the bench), one time per repetition and world, the same numbers in its JSON."""

@@ -268,3 +268,81 @@ def test_the_same_error_on_every_rank_is_said_once_and_whole():
               2: dict(type="ValueError", message="other\nTraceback ...")}
     assert _culprits(SimpleNamespace(failures={}), raised, []) == [
         f"ranks 0, 1 raised PlanError: {why}", "rank 2 raised ValueError: other"]
+
+
+def test_a_new_run_into_a_folder_holding_a_run_is_refused(workdir, capsys):
+    run = workdir / "runs" / "old"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step_00000030\n")
+    code = main(["train", "--steps", "2", "--run-dir", str(run), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert (f"--run-dir {run} holds a run already (config.json, last checkpoint step_00000030): "
+            f"continue it with --resume {run}") in err
+    assert sorted(p.name for p in run.rglob("*")) == ["checkpoints", "config.json", "latest"]
+    (workdir / "fresh").mkdir()   # an empty folder made beforehand is a new run's to fill
+    from meshtrain.cli.train_cmd import check_new_run_dir
+    check_new_run_dir(workdir / "fresh")
+
+
+def test_a_full_disk_is_named_and_the_errors_kept_when_failure_log_cannot_be(tmp_path, capsys):
+    from meshtrain.cli.summary import failure_cause
+    from meshtrain.cli.train_cmd import _keep_failure
+    from meshtrain.launch import LaunchError
+
+    full = LaunchError("rank 0 failed: ...", {0: {
+        "type": "CheckpointException", "message": "CheckpointException ranks:dict_keys([0])",
+        "traceback": "OSError: [Errno 28] No space left on device\n"}},
+        ["rank 0 raised CheckpointException: CheckpointException ranks:dict_keys([0])"])
+    assert failure_cause(full).startswith("the disk holding the run folder is full")
+    other = LaunchError("rank 1 failed", {}, ["rank 1 died without an error of its own"])
+    assert failure_cause(other) == "rank 1 died without an error of its own"
+    (tmp_path / "file").write_text("")
+    said = _keep_failure(full, tmp_path / "file" / "failure.log")   # cannot be written
+    assert said == ("Each rank's error in full above (" + str(tmp_path / "file" / "failure.log")
+                    + " could not be written: Not a directory).")
+    assert "rank 0 failed: ..." in capsys.readouterr().err
+    assert _keep_failure(full, tmp_path / "failure.log").startswith("Each rank's error in full: ")
+    assert (tmp_path / "failure.log").read_text() == "rank 0 failed: ...\n"
+
+
+def test_an_export_that_cannot_be_written_leaves_nothing_and_says_why(tmp_path):
+    from safetensors import SafetensorError
+
+    from meshtrain.cli.export_cmd import _writing
+
+    for tmp in (tmp_path / "model.tmp", tmp_path / "w.safetensors.tmp"):   # folder, file
+        with pytest.raises(OSError, match=r"cannot write .*out: I/O error: No space left on "
+                                          r"device \(os error 28\); free space there"):
+            with _writing(tmp, tmp_path / "out"):
+                if tmp.suffix == ".tmp" and "model" in tmp.name:
+                    tmp.mkdir()
+                    (tmp / "config.json").write_text("{}")
+                else:
+                    tmp.write_bytes(b"half")
+                raise SafetensorError("I/O error: No space left on device (os error 28)")
+        assert not tmp.exists()
+
+
+def test_a_folder_export_shows_the_bytes_written_on_a_terminal(tmp_path, monkeypatch):
+    import io
+    import sys
+
+    import torch
+
+    from meshtrain.cli.export_cmd import write_shards
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    shown = Terminal()
+    monkeypatch.setattr(sys, "stderr", shown)
+    entries = {"a": ((64, 64), torch.float32), "b": ((64,), torch.float32)}
+    write_shards(tmp_path, entries, lambda group: {k: torch.zeros(shape, device="cpu")
+                                                  for k, (shape, _) in group.items()},
+                 shard_bytes=64 * 64 * 4, progress=True)
+    assert "export: 100%" in shown.getvalue() and "16.6k/16.6k" in shown.getvalue()
+    assert sorted(p.name for p in tmp_path.iterdir())[:2] == ["model-00001-of-00002.safetensors",
+                                                             "model-00002-of-00002.safetensors"]

@@ -72,6 +72,18 @@ DATA = torch.randint(0, 256, (5000,), generator=torch.Generator().manual_seed(0)
                      dtype=torch.uint8)
 
 
+def test_a_named_binary_parquet_or_json_lines_file_is_not_read_as_bytes(tmp_path):
+    text = b"plain text " * 1000
+    for name, data, message in [
+            ("web.parquet", b"PAR1" + text, r"web\.parquet: parquet documents are read with a "
+                                            r"tokenizer: give --tokenizer"),
+            ("notes.jsonl", b'{"text": "a"}\n' * 800, r"notes\.jsonl: jsonl documents"),
+            ("blob.txt", b"\x7fELF\0" + text, r"blob\.txt: a binary file .*not text")]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=message):
+            load_corpus(tmp_path / name)
+
+
 def test_dp_shards_concatenate_to_the_global_batch():
     whole = BatchSampler(DATA, batch_size=8, seq_len=32, seed=7).batch(3)
     for n in (2, 4, 8):

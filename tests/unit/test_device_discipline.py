@@ -142,6 +142,8 @@ HOST_ON_PURPOSE = {
     ("core/regions.py", "assemble"): "a rank's value assembled where its regions were read: "
                                      "host memory",
     ("core/regions.py", "share"): "a count of elements, on the host",
+    ("train/checkpoint_shares.py", "_to_host"): "a rank's share of a checkpoint kept in host "
+        "memory as each group is consolidated: device memory holds one group at a time",
 }
 
 

@@ -36,3 +36,42 @@ def test_the_command_asks_for_the_preload_its_model_needs(spec, preload, monkeyp
     args = _train_args("--model", spec, "--max-restarts", "-1", "--run-dir", str(tmp_path))
     assert train_cmd.run(args) == 2
     assert asked == [{"transformers": preload}]
+
+
+SHIELDED = """
+import builtins, os, signal
+real = builtins.__import__
+def hook(name, *args, **kwargs):
+    if name in ("torch", "transformers.modeling_utils"):   # the preload's first import
+        os.kill(os.getpid(), signal.SIGINT)                # Ctrl-C as it preloads
+        raise ImportError("stop here")
+    return real(name, *args, **kwargs)
+builtins.__import__ = hook
+for module in ("meshtrain._preload", "meshtrain._preload_transformers"):
+    try:
+        __import__(module)
+    except ImportError:   # the forkserver skips such a module
+        pass
+    print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+def test_ctrl_c_while_preloading_leaves_no_traceback_and_the_handler_back():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SHIELDED], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and "KeyboardInterrupt" not in done.stderr, done.stderr
+    assert done.stdout.split() == ["True", "True"]
+
+
+def test_the_resource_tracker_started_for_the_ranks_keeps_its_leak_warnings_quiet():
+    """A killed rank's semaphores: released by multiprocessing's resource tracker, which
+    otherwise warns of each below the failure's own message."""
+    import subprocess
+
+    from meshtrain.core.processes import QUIET_TRACKER, forkserver_context
+
+    forkserver_context()
+    assert "-W" + QUIET_TRACKER in subprocess._args_from_interpreter_flags()

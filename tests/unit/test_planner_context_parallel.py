@@ -170,3 +170,62 @@ def test_ring_overlap_follows_what_the_device_lets_hide():
     apart = replace(slow, overlap=0.0)
     assert cpm.exposed_time(GQA, _cand(cp=4), BF16, apart) == pytest.approx(2 * 10 * send,
                                                                            rel=1e-12)
+
+
+def test_a_sliding_window_counts_fewer_keys_and_hides_less_of_the_ring():
+    from dataclasses import replace
+
+    # a window of 64 keys on every layer at 4096 tokens: of the causal (query, key) pairs,
+    # 4096 x 4097 / 2 = 8,390,656, it keeps 64 x 65 / 2 + (4096 - 64) x 64 = 260,128; the
+    # planner, which counts all 4096 keys for a full-attention query, counts 4096 x that share
+    windowed = replace(GQA, window=64)
+    keys = 4096 * 260_128 / 8_390_656
+    assert windowed.keys_per_query(4096) == pytest.approx(keys, rel=1e-12)
+    # on half the layers (Gemma-2's alternation) half the keys are saved
+    half = replace(GQA, window=64, windowed_layers=1)
+    assert half.keys_per_query(4096) == pytest.approx((4096 + keys) / 2, rel=1e-12)
+    # a window covering the sequence is none
+    assert replace(GQA, window=4096).keys_per_query(4096) == 4096
+    # the ring's step computes a block of 1024 queries on keys / 4 of its keys: 4 x 1024 x
+    # keys / 4 x 8192 FLOPs at 0.5 PFLOP/s, 2.1 us, under a send of a K/V pair (26 us): each
+    # layer shows 3 forward sends less that, 3 backward steps of 2 sends less twice that, and
+    # the last dK/dV hop; the bytes stay (the ring still sends every block round)
+    send = 5e-6 + 2 * 1024 * 1024 * 2 / 200e9
+    slow = make_cluster("H100-80GB", 1, 8, intra_bw="200GB/s", peak_flops="1PFLOPS")
+    block = 4 * 1024 * (keys / 4) * 8192 / 0.5e15
+    assert cpm.block_compute(windowed, _cand(cp=4), slow) == pytest.approx(block, rel=1e-12)
+    assert cpm.exposed_time(windowed, _cand(cp=4), BF16, slow) == pytest.approx(
+        2 * (3 * (send - block) + 3 * (2 * send - 2 * block) + send), rel=1e-12)
+    assert cpm.layer_bytes(windowed, _cand(cp=4), BF16) == cpm.layer_bytes(GQA, _cand(cp=4),
+                                                                           BF16)
+
+
+def test_a_windowed_models_attention_flops_count_its_window():
+    # per token per layer 2 x (matmul weights) + 4 k h, k the keys counted (as above)
+    from dataclasses import replace
+
+    from meshtrain.planner.flops import forward_flops_per_token
+
+    keys = 4096 * 260_128 / 8_390_656
+    layer, scores, _ = forward_flops_per_token(replace(GQA, window=64), 4096)
+    assert scores == pytest.approx(4 * keys * 8192, rel=1e-12)
+    assert layer == pytest.approx(2 * (3 * 8192 * 28672 + 2 * 8192 * 8192 + 2 * 8192 * 1024)
+                                  + 4 * keys * 8192, rel=1e-12)
+
+
+def test_a_transformers_configs_window_is_read_with_the_layers_that_slide():
+    from types import SimpleNamespace
+
+    from meshtrain.planner.model_spec import from_transformers_config
+
+    shape = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=256,
+                 max_position_embeddings=8192, intermediate_size=512, hidden_act="silu",
+                 rms_norm_eps=1e-6)
+    read = lambda **kw: from_transformers_config(SimpleNamespace(**shape, **kw))
+    mistral = read(sliding_window=4096)                            # every layer
+    assert (mistral.window, mistral.windowed_layers) == (4096, 0)
+    assert mistral.keys_per_query(8192) < 8192
+    gemma = read(sliding_window=4096, layer_types=["sliding_attention", "full_attention"] * 2)
+    assert (gemma.window, gemma.windowed_layers) == (4096, 2)
+    full = read(sliding_window=None, layer_types=["full_attention"] * 4)   # Qwen2's default
+    assert full.window == 0 and full.keys_per_query(8192) == 8192

@@ -94,7 +94,9 @@ def test_workers_and_a_resumed_prepare_make_the_same_shards(tokenizer, inputs, t
     (parallel / (names[3] + ".tmp")).write_bytes(b"partial")
     (parallel / "index.json").unlink()
     untouched = (parallel / names[0]).stat().st_mtime_ns
-    prepare(inputs, tokenizer, parallel, shard_mb=0.002)
+    seen = []   # the progress bar's updates: every document's characters, resumed ones too
+    prepare(inputs, tokenizer, parallel, shard_mb=0.002, progress=seen.append)
+    assert sum(seen) == sum(map(len, DOCS)) and len(seen) == len(names)
     for name in names:
         assert (parallel / name).read_bytes() == (whole / name).read_bytes()
     assert (parallel / names[0]).stat().st_mtime_ns == untouched   # skipped, not redone
@@ -154,3 +156,122 @@ def test_a_prepared_dataset_says_what_text_it_was_made_from(tokenizer, inputs, t
     prepare(inputs, tokenizer, tmp_path / "d")
     assert open_tokens(str(tmp_path / "d")).source.startswith(
         f"{tmp_path / 'd'} (made from {inputs[0]} and 2 more; 1 shard(s), ")
+
+
+def test_binary_non_utf8_and_empty_text_are_refused_not_tokenised(tokenizer, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blob.txt").write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)))
+    (tmp_path / "latin1.txt").write_bytes("ok\ncaf\u00e9\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"no text found in .*empty\.txt"):
+        prepare([str(tmp_path / "empty.txt")], tokenizer, tmp_path / "a")
+    with pytest.raises(DataError, match=r"blob\.txt: a binary file .*not text"):
+        prepare([str(tmp_path / "blob.txt")], tokenizer, tmp_path / "b")
+    with pytest.raises(DataError, match=r"latin1\.txt: not UTF-8 text \(byte 0xe9 on line 2, "
+                                        r"offset 6\); convert it"):
+        prepare([str(tmp_path / "latin1.txt")], tokenizer, tmp_path / "c")
+    (tmp_path / "lines.jsonl").write_text('{"text": ""}\n{"text": "words"}\n')
+    index = prepare([str(tmp_path / "empty.txt"), str(tmp_path / "lines.jsonl")], tokenizer,
+                    tmp_path / "d")
+    assert index["documents"] == 1   # only the document with text, one EOS
+
+
+def test_a_full_disk_names_the_folder_being_written(tokenizer, tmp_path, monkeypatch, capsys):
+    import errno
+
+    import meshtrain.data.prepare as prepare_module
+
+    def full(*args):   # numpy's tofile raises without a file name
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prepare_module, "write_shard", full)
+    (tmp_path / "a.txt").write_text("some words")
+    assert main(["prepare", str(tmp_path / "a.txt"), "--tokenizer", str(tokenizer), "--out",
+                 str(tmp_path / "d"), "--no-progress"]) == 2
+    assert (f"meshtrain prepare: writing into {tmp_path / 'd'}: No space left on device"
+            in capsys.readouterr().err)
+
+
+def test_the_progress_total_is_the_inputs_bytes_where_they_measure_the_text(inputs, tmp_path):
+    from meshtrain.data.prepare import input_bytes
+
+    texts = [str(tmp_path / "a.txt"), str(tmp_path / "d")]
+    (tmp_path / "a.txt").write_text("abc")
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "e" / "b.jsonl").write_text('{"text": "x"}\n')
+    assert input_bytes(texts) == 3 + 14
+    assert input_bytes(inputs) is None   # Parquet: compressed, no measure of its text
+
+
+def test_a_long_document_is_encoded_in_pieces_to_its_whole_ids(tokenizer, tmp_path, monkeypatch):
+    """A document longer than ENCODE_CHARS (a book as one file) is encoded in pieces cut
+    where no word spans the cut: the library's per-token overhead (hundreds of bytes) stays
+    bounded, and the ids are the whole text's."""
+    import meshtrain.data.prepare as prepare_module
+    from meshtrain.data.tokenizer import Tokenizer
+
+    tok = Tokenizer(tokenizer)
+    text = "".join(DOCS) + "end.\n\n\n  spaced\n \nlast line \n\nx"
+    anywhere = prepare_module._split(text, 120, exact=lambda text, cut: True)
+    monkeypatch.setattr(prepare_module, "_TOKENIZER", tok)
+    pieces = prepare_module._split(text, 120)   # each cut checked on the text around it
+    assert pieces == anywhere and len(pieces) > 20   # this BPE's words never span a word's end
+    assert [i for p in pieces for i in tok.encode(p)] == tok.encode(text)
+    assert prepare_module._split(text, 120, exact=lambda text, cut: False) == [text]
+    monkeypatch.setattr(prepare_module, "ENCODE_CHARS", 120)
+    (tmp_path / "book.txt").write_text(text)
+    tokens, _ = _all_tokens_of(prepare([str(tmp_path / "book.txt")], tokenizer, tmp_path / "d"),
+                               tmp_path / "d")
+    assert tokens.tolist() == [tok.eos_id, *tok.encode(text)]
+
+
+def _all_tokens_of(index, out):
+    return np.concatenate([open_shard(out / s["file"]) for s in index["shards"]]), index
+
+
+def test_a_prepare_interrupted_before_its_first_shard_is_recorded_resumes(tokenizer, inputs,
+                                                                         tmp_path, monkeypatch):
+    """Workers finish shards out of order: a shard written before the first one is recorded
+    (then Ctrl-C) left a folder the same command refused ("holds shards but no
+    progress.json")."""
+    import meshtrain.data.prepare as prepare_module
+
+    real = prepare_module.write_shard
+
+    def interrupted(path, tokens, dtype):
+        real(path, tokens, dtype)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module, "write_shard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(inputs, tokenizer, tmp_path / "d", shard_mb=0.002)
+    monkeypatch.setattr(prepare_module, "write_shard", real)
+    index = prepare(inputs, tokenizer, tmp_path / "d", shard_mb=0.002)
+    assert index["documents"] == len(DOCS)
+
+
+def test_token_data_made_by_another_tokenizer_than_the_models_is_refused(tokenizer, inputs,
+                                                                          tmp_path):
+    from transformers import LlamaConfig
+
+    from meshtrain.cli.train_data import settle_data
+    from meshtrain.core.plan import PlanError
+    from meshtrain.train.config import RunConfig
+
+    model = tmp_path / "model"   # a save_pretrained folder with its own tokenizer
+    LlamaConfig(vocab_size=320, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=64).save_pretrained(model)
+    train_tokenizer(model / "tokenizer.json", vocab_size=290)
+    prepare(inputs, tokenizer, tmp_path / "theirs")
+    prepare(inputs, model, tmp_path / "ours")
+
+    def config(data, tok=None):
+        return RunConfig(run_dir=str(tmp_path / "run"), model=str(model / "config.json"),
+                         init_from=str(model), data=str(tmp_path / data), tokenizer=tok,
+                         seq_len=16)
+
+    with pytest.raises(PlanError, match=r"theirs: made by another tokenizer than the model's "
+                                        r"\(.*model/tokenizer\.json; the data's has vocabulary "
+                                        r"300, the model's 290\)"):
+        settle_data(config("theirs"))
+    assert settle_data(config("ours")).vocab_size == 290
+    assert settle_data(config("theirs", str(tokenizer))).vocab_size == 300   # named: taken

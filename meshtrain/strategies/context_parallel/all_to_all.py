@@ -6,7 +6,8 @@
 The gathered sequence arrives in rank order (rank j's chunks j and 2cp-1-j), so it is put
 in sequence order before the causal attention and back after. Each all-to-all's backward
 is the other one. The heads (and, under GQA, the K/V heads, which travel as they are) must
-divide by cp.
+divide by cp. A sliding window narrower than the sequence, or soft-capped scores, run the
+ring's tiled kernel on the gathered sequence (tiles.py: only the tiles in the window).
 
 Bytes sent per rank per layer: (cp-1)/cp of q, k, v and the output in forward, and as much
 for their gradients in backward.
@@ -18,18 +19,26 @@ import torch.nn.functional as F
 
 from meshtrain.core.comm import Comm
 from meshtrain.strategies.context_parallel.layout import ChunkLayout
+from meshtrain.strategies.context_parallel.ring import local_attention
+from meshtrain.strategies.context_parallel.tiles import Scoring
 
 AXIS = "cp"
 
 
-def all_to_all_attention(q, k, v, comm: Comm, layout: ChunkLayout, scale: float):
+def all_to_all_attention(q, k, v, comm: Comm, layout: ChunkLayout, scale: float,
+                         window: int | None = None, softcap: float | None = None):
     """Causal attention of this rank's queries over the whole sequence.
-    q (B, H, 2c, D), k and v (B, Hkv, 2c, D), cp dividing H and Hkv -> (B, H, 2c, D)."""
+    q (B, H, 2c, D), k and v (B, Hkv, 2c, D), cp dividing H and Hkv -> (B, H, 2c, D);
+    `window`: keys a query sees (sliding-window attention), `softcap`: scores capped."""
     order = _sequence_order(layout, q.size(2), q.device)
     q, k, v = (_Exchange.apply(t, comm, _scatter_heads, _gather_heads)[:, :, order]
                for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                         enable_gqa=q.size(1) != k.size(1))
+    scoring = Scoring(scale, window, softcap).within(q.size(2))
+    if scoring.window is None and scoring.softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=q.size(1) != k.size(1))
+    else:   # SDPA has no cap, and a band mask would be T x T: the ring's tiles, locally
+        out = local_attention(q, k, v, scoring)
     undo = torch.empty_like(order)
     undo[order] = torch.arange(order.numel(), device=order.device)
     return _Exchange.apply(out[:, :, undo], comm, _gather_heads, _scatter_heads)

@@ -56,15 +56,17 @@ def _check_transformers(model: nn.Module) -> tuple[int, int]:
         raise PlanError(f"context parallel replaces attention through transformers' "
                         f"attention-function interface, which {name} does not use; use a "
                         "model that does (Llama, Qwen2, Mistral, GPT-2, ...), or cp=1")
-    unsupported = {"sliding_window": getattr(config, "sliding_window", None),
-                   "attn_logit_softcapping": getattr(config, "attn_logit_softcapping", None),
-                   "attention_dropout": getattr(config, "attention_dropout", 0.0) or None,
-                   "attn_pdrop": getattr(config, "attn_pdrop", 0.0) or None}
-    for field, value in unsupported.items():
-        if value is not None:
-            raise PlanError(f"context parallel with {name}'s {field}={value!r}: its attention "
-                            "is plain causal softmax attention only; set it to None / 0, or "
-                            "cp=1")
+    # sliding windows and soft-capped scores come with each call (per layer): built
+    if getattr(config, "use_bidirectional_attention", False):
+        raise PlanError(f"context parallel with {name}'s use_bidirectional_attention=True: "
+                        "its attention is causal only; set use_bidirectional_attention="
+                        "False, or cp=1")
+    for field in ("attention_dropout", "attn_pdrop"):
+        if getattr(config, field, 0.0):
+            raise PlanError(f"context parallel with {name}'s {field}="
+                            f"{getattr(config, field)!r}: attention dropout is not built "
+                            f"under cp (the ring and the all-to-all drop no probability); "
+                            f"set {field}=0.0, or cp=1")
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     return heads, getattr(config, "num_key_value_heads", None) or heads
 
@@ -97,9 +99,11 @@ def replace_attention(model: nn.Module, comm: Comm, layout: ChunkLayout, style: 
     function = STYLES[style]
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                  is_causal=None, **kwargs):
+                  is_causal=None, sliding_window=None, softcap=None, **kwargs):
+        _refuse_unbuilt(module, is_causal, kwargs)
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.size(-1))
-        out = function(query, key, value, comm, layout, scale)      # (B, H, 2c, D)
+        out = function(query, key, value, comm, layout, scale,      # (B, H, 2c, D)
+                       window=sliding_window, softcap=softcap)      # this layer's
         return out.transpose(1, 2).contiguous(), None               # (B, 2c, H, D)
 
     from transformers import AttentionInterface
@@ -109,6 +113,21 @@ def replace_attention(model: nn.Module, comm: Comm, layout: ChunkLayout, style: 
     # pipeline stages run the base model's forward on a proxy, past this hook: they read it
     setattr(model, GLOBAL_POSITIONS,
             lambda length, device: layout.positions(length, device).unsqueeze(0))
+
+
+UNBUILT = {"s_aux": "attention sinks", "position_bias": "an additive position bias"}
+
+
+def _refuse_unbuilt(module: nn.Module, is_causal, kwargs: dict) -> None:
+    """A call asking for what the cp kernels do not compute (they are causal softmax
+    attention, windowed and capped): raise rather than train a different model."""
+    asked = [f"{UNBUILT[k]} ({k})" for k in UNBUILT if kwargs.get(k) is not None]
+    if is_causal is False or not getattr(module, "is_causal", True):
+        asked.append("bidirectional attention (is_causal=False)")
+    if asked:
+        raise ValueError(f"context parallel's attention is causal, with a sliding window "
+                         f"and soft-capped scores at most; {type(module).__name__} asks for "
+                         f"{', '.join(asked)}, not built under cp: use cp=1")
 
 
 def _gpt_positions(layout: ChunkLayout):

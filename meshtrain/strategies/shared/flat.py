@@ -126,6 +126,28 @@ class FlatLayout:
             flats.append(flat.to(shard.device))
         return flats
 
+    def regather(self, bucket: int, shard: torch.Tensor, wanted: list[list[tuple[int, int]]],
+                 comm: Comm, axis: str, tag: str = "state") -> torch.Tensor:
+        """Of bucket `bucket`, the element ranges this rank wants, from every rank's `shard`
+        of it: one all-to-all, each rank sending each other the part of its ranges its own
+        shard holds (never the whole bucket). `wanted[q]`: rank q's ranges, disjoint and in
+        order. Returns this rank's ranges, concatenated in order, on the mesh's device."""
+        n, rank = self.split_of(bucket)
+        k, device = self.shard_size(bucket), comm.mesh.device
+        mine = shard.to(device)   # offloaded shards cross on the compute device
+
+        def overlaps(ranges, r):   # the parts of `ranges` in rank r's shard, within it
+            return [(max(lo, r * k) - r * k, min(hi, (r + 1) * k) - r * k)
+                    for lo, hi in ranges if min(hi, (r + 1) * k) > max(lo, r * k)]
+        sends = [overlaps(wanted[q], rank) for q in range(n)]
+        parts = [mine[lo:hi] for ranges in sends for lo, hi in ranges]
+        sent = torch.cat(parts) if parts else mine[:0]
+        received = [sum(hi - lo for lo, hi in overlaps(wanted[rank], r)) for r in range(n)]
+        out = torch.empty(sum(received), dtype=shard.dtype, device=device)
+        comm.all_to_all(out, sent, axis, tag=tag, output_splits=received,
+                        input_splits=[sum(hi - lo for lo, hi in ranges) for ranges in sends])
+        return out
+
 
 def flatten_into_buckets(buckets: list[Bucket], dtype: torch.dtype) -> list[torch.Tensor]:
     """Make each bucket's parameters views into one flat `dtype` buffer of the bucket's

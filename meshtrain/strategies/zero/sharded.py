@@ -47,6 +47,7 @@ from meshtrain.strategies.shared.replicas import (ReplicaGroup, broadcast_tensor
                                                   replica_groups)
 from meshtrain.strategies.slots import GradientSync
 from meshtrain.strategies.zero.offload import Offloader
+from meshtrain.strategies.zero.state_rows import RowsOf, state_rows
 
 
 class ZeRO(GradientSync):
@@ -242,10 +243,8 @@ class ZeRO(GradientSync):
     # ---- state --------------------------------------------------------------------------------
     def local_parameters(self) -> dict[str, torch.Tensor]:
         """Whole parameters by name: the exact values (the fp32 masters, gathered, in bf16)."""
-        out: dict[str, torch.Tensor] = {}
-        for i in range(len(self.buckets)):
-            out.update(self._bucket_parameters(i))
-        return out
+        return {name: t for i in range(len(self.buckets))
+                for name, t in self._bucket_parameters(i).items()}
 
     def local_optimizer_state(self) -> tuple[dict[str, dict], list[dict]]:
         """Per-parameter states, whole along dp: per-element states gathered and cut per
@@ -257,10 +256,13 @@ class ZeRO(GradientSync):
 
     def local_state_groups(self):
         """One bucket at a time (ZeRO-3: one unit), so no rank gathers the whole model."""
-        for i in range(len(self.buckets)):
-            state = self._bucket_optimizer_state(i)
-            yield self._bucket_parameters(i), {n: s for n, s in state.items()
-                                               if s and n in self._stepped}
+        for i in range(len(self.buckets)):   # none of a bucket kept past its yield
+            yield self._bucket_parameters(i), {
+                n: s for n, s in self._bucket_optimizer_state(i).items()
+                if s and n in self._stepped}
+
+    def state_rows(self, rows_of: RowsOf):   # not where a bucket has a group of its own
+        return None if any(self._group_of.values()) else state_rows(self, rows_of)
 
     def optimizer_groups(self) -> list[dict]:
         return flat_state_by_name(self.optimizer, {}, set(), list(self.named))[1]
