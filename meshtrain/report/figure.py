@@ -94,9 +94,11 @@ def text_summary(run: RunData) -> str:
     if run.tokens_per_s:
         lines.append(f"  tokens/s    median {statistics.median(run.tokens_per_s):,.0f}")
     if run.mfu:
-        source = run.summary.get("peak_source")
-        lines.append(f"  MFU         median {statistics.median(run.mfu):.2%}"
-                     + (f" (peak {source})" if source else ""))
+        peak = (f" (peak {run.peak_flops / 1e12:.3g} TFLOP/s per device, {run.peak_source})"
+                if run.peak_flops else " (the run did not record its peak)")
+        lines.append(f"  MFU         median {statistics.median(run.mfu):.2%}{peak}")
+    elif run.steps:
+        lines.append("  MFU         none (the run's metrics record no MFU)")
     for axis, sent in run.bytes_by_axis.items():
         lines.append(f"  sent/step   {axis}: {statistics.mean(sent) / 2**20:,.2f} MiB")
     for rank, m in enumerate(run.memory_per_rank):

@@ -1,7 +1,8 @@
 """What a run folder says about its run, read back for pictures and summaries.
 
-A run folder (see train/run.py) holds `config.json`, `metrics.jsonl` (one record per step and
-per evaluation) and, once the run ended, `summary.json` (memory per rank among others).
+A run folder (see train/run.py) holds `config.json` (with the MFU peak, written at the start),
+`metrics.jsonl` (one record per step and per evaluation) and, once the run ended,
+`summary.json` (memory per rank among others).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ class RunData:
     val_loss: list[float] = field(default_factory=list)
     memory_per_rank: list[dict] = field(default_factory=list)   # from summary.json, if ended
     summary: dict = field(default_factory=dict)
+    peak_flops: float | None = None   # MFU's peak per device (config.json: known from the start)
+    peak_source: str | None = None
 
 
 def read_run(path) -> RunData:
@@ -39,11 +42,14 @@ def read_run(path) -> RunData:
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         summary_file = path / "summary.json"
         summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-        plan = json.loads((path / "config.json").read_text()).get("plan", {})
+        config = json.loads((path / "config.json").read_text())
+        plan = config.get("plan", {})
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise NotARun(f"{path}: a file of the run folder is not valid JSON ({exc})") from None
     run = RunData(path, summary.get("plan") or _describe(plan) or path.name, summary=summary,
-                  memory_per_rank=summary.get("memory_per_rank", []))
+                  memory_per_rank=summary.get("memory_per_rank", []),
+                  peak_flops=summary.get("peak_flops") or config.get("peak_flops"),
+                  peak_source=summary.get("peak_source") or config.get("peak_source"))
     steps_seen = [r for r in records if "loss" in r]
     axes = sorted({a for r in steps_seen for a in r.get("bytes_by_axis", {})})
     run.bytes_by_axis = {a: [] for a in axes}

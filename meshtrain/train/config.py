@@ -51,6 +51,10 @@ class RunConfig:
     straggler: list | None = None    # [rank, seconds]: that rank is delayed every step
     trace: bool = False              # pipeline: save the last step's measured trace (trace.*)
     link: str | None = None          # emulated slow link, e.g. "dp=1Gb/s,5ms" (core/link.py)
+    # set by the run at its start, not by the user: the per-device peak FLOP/s MFU is
+    # against and where it came from, so `meshtrain report` states it for a run cut short
+    peak_flops: float | None = None
+    peak_source: str | None = None
 
     def __post_init__(self) -> None:
         if self.warmup is None:   # settled once, saved: a resume keeps the run's own

@@ -3,7 +3,7 @@
 `train_rank(config)` runs on every rank (started by `meshtrain.launch` or by torchrun). A run
 folder holds everything needed to understand and continue it:
 
-    config.json       the RunConfig (resume reads it back)
+    config.json       the RunConfig (resume reads it back), with the MFU peak the run used
     metrics.jsonl     one JSON object per step (loss, lr, tokens/s, bytes per mesh axis; with
                       --link the seconds the emulated link slept, link_s; on CUDA rank 0's
                       device_allocated and device_peak bytes) and per evaluation
@@ -79,10 +79,11 @@ def train_rank(config: RunConfig) -> dict:
     metrics = _Metrics(Path(config.run_dir) / "metrics.jsonl", enabled=is_main,
                        tensorboard=config.tensorboard)
 
+    peak = run_peak(trainer.mesh.device, plan.precision)
+    config.peak_flops, config.peak_source = peak.flops, peak.source   # saved by _start_point
     start, first = _start_point(trainer, config, metrics, val)
 
     tokens_per_step = config.batch_size * seq_len
-    peak = run_peak(trainer.mesh.device, plan.precision)
 
     def util(tok_s: float) -> float:   # MFU over every rank's device
         return mfu(tok_s, flops_tok, peak.flops, trainer.mesh.world_size)

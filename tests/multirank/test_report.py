@@ -76,3 +76,26 @@ def test_a_folder_that_is_not_a_run_is_refused(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path} is not a meshtrain run folder" in err and "Traceback" not in err
+
+
+def test_a_run_cut_short_states_mfu_with_the_peak_it_used(run_dir, tmp_path):
+    """config.json, written at the start, carries MFU's peak: a run without summary.json
+    (Ctrl-C, a failure) still says what its MFU is against."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    cut = tmp_path / "cut"
+    shutil.copytree(run_dir, cut)
+    (cut / "summary.json").unlink()
+    config = json.loads((cut / "config.json").read_text())
+    assert (config["peak_flops"], config["peak_source"]) == (summary["peak_flops"],
+                                                             summary["peak_source"])
+    mfus = [r["mfu"] for r in metrics(cut) if "loss" in r]
+    _, text = write_report([cut])
+    assert (f"MFU         median {statistics.median(mfus):.2%} (peak "
+            f"{summary['peak_flops'] / 1e12:.3g} TFLOP/s per device, {summary['peak_source']})"
+            ) in text
+    config.pop("peak_flops"), config.pop("peak_source")   # a run from before peaks were kept
+    (cut / "config.json").write_text(json.dumps(config))
+    assert "(the run did not record its peak)" in write_report([cut])[1]
+    records = [{k: v for k, v in r.items() if k != "mfu"} for r in metrics(cut)]
+    (cut / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "MFU         none (the run's metrics record no MFU)" in write_report([cut])[1]
