@@ -19,7 +19,8 @@ A checkpoint written with each tensor by one rank (before the shares) reads the 
 Every rank writes into `<path>.partial`; after a barrier, rank 0 writes meshtrain.json last
 and renames the folder to `<path>` (moving an older one aside first). A crash at any point
 leaves either the previous checkpoint or the new one, never a half-written one under `path`;
-a folder without meshtrain.json is refused on load.
+a folder without meshtrain.json is refused on load. A write that fails with an error (a full
+disk) removes `<path>.partial` on its way out; a killed process leaves it to the next save.
 
 [Note: loading runs no code]
 Every read goes through `checkpoint_reader`: DCP's `.metadata` and the state dict's
@@ -85,21 +86,30 @@ def save(path, model_state: dict[str, torch.Tensor], optimizer_state: dict | Non
     state = {"model": model_state}
     if optimizer_state is not None:
         state["optim"] = optimizer_state
-    with _single_process_quiet():
-        dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed(),
-                 planner=ChunkedSavePlanner(cuts_of or _no_cuts, checkpoint_regions.CHUNK_BYTES,
-                                            placed))
-    faults.maybe_kill(_rank(), int(extra.get("steps_done", -1)), "checkpoint")
-    _barrier()
+    try:
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed(),
+                     planner=ChunkedSavePlanner(cuts_of or _no_cuts,
+                                                checkpoint_regions.CHUNK_BYTES, placed))
+        faults.maybe_kill(_rank(), int(extra.get("steps_done", -1)), "checkpoint")
+        _barrier()
+        if _rank() == 0:
+            meta = {"format": 3, "plan": plan.to_dict(), "extra": extra,
+                    "has_optimizer_state": optimizer_state is not None,
+                    "shapes": {k: list(v) for k, v in (shapes or {
+                        k: v.shape for k, v in model_state.items()}).items()},
+                    "files": manifest(partial)}
+            tmp = partial / (META + ".tmp")
+            tmp.write_text(json.dumps(meta, indent=1))
+            os.replace(tmp, partial / META)
+    except BaseException:
+        # a write that failed (a full disk) leaves no half checkpoint taking the space; only
+        # the partial folder goes, `path` and `latest` are untouched, the error propagates
+        # (DCP raises its failure on every rank, after they all stopped writing)
+        if _rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
     if _rank() == 0:
-        meta = {"format": 3, "plan": plan.to_dict(), "extra": extra,
-                "has_optimizer_state": optimizer_state is not None,
-                "shapes": {k: list(v) for k, v in (shapes or {
-                    k: v.shape for k, v in model_state.items()}).items()},
-                "files": manifest(partial)}
-        tmp = partial / (META + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, partial / META)
         old = path.with_name(path.name + ".old")
         if path.exists():
             shutil.rmtree(old, ignore_errors=True)

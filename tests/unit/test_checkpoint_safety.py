@@ -6,6 +6,7 @@ import os
 import pickle
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,3 +192,26 @@ def test_the_manifest_lists_every_file_with_its_checksum(genuine):
     for name, entry in files.items():
         data = (path / name).read_bytes()
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_a_save_that_fails_while_writing_leaves_no_partial_folder(tmp_path, monkeypatch):
+    """A full disk mid-write: the error propagates, `<path>.partial` is removed, and the
+    previous complete checkpoint (even one at the same path) is untouched."""
+    state = {"w": torch.arange(6.0, device="cpu").reshape(2, 3)}
+    ck = tmp_path / "step_1"
+    checkpoint.save(ck, state, None, mt.Plan(), {"steps_done": 1})
+    (tmp_path / "latest").write_text("step_1")
+    before = {p.name: p.read_bytes() for p in ck.iterdir()}
+
+    def full_disk(state, checkpoint_id, **kwargs):
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", full_disk)
+    for path in (tmp_path / "step_2", ck):   # a new step, and a rewrite of the same one
+        with pytest.raises(OSError, match="No space left on device"):
+            checkpoint.save(path, state, None, mt.Plan(), {"steps_done": 2})
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_1"]
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+    assert (tmp_path / "latest").read_text() == "step_1"
+    assert checkpoint.inspect(ck)["extra"] == {"steps_done": 1}
