@@ -5,6 +5,9 @@ whatever plan trained it; prompts are encoded and output decoded with the run's 
 
     meshtrain generate runs/2026-11-23_10-00-00 --prompt "def " --tokens 200
     meshtrain generate my-llama/ --prompt "def "
+
+With a tokenizer, a sample stops where the model emits its end-of-document token (EOS);
+--ignore-eos draws all --tokens.
 """
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=40,
                    help="sample among the k most likely tokens (default: 40; 0 for all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="go on past the tokenizer's end-of-document token (default: a sample "
+                   "stops there, the token left out; a byte-level run has none)")
     p.set_defaults(run=run)
 
 
@@ -61,6 +67,9 @@ def run(args) -> int:
         sys.stdout.flush()
 
     generate(model, args.prompt, args.tokens, seq_len, args.temperature, top_k, args.seed,
-             on_token=show, tokenizer=tokenizer)
+             on_token=show, tokenizer=tokenizer, stop_at_eos=not args.ignore_eos)
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    if tokenizer is not None and len(ids) < args.tokens:   # only an EOS ends a sample early
+        print(f"# stopped at {tokenizer.eos!r} (the end of a document) after {len(ids)} "
+              "tokens; --ignore-eos goes on", file=sys.stderr)
     return 0

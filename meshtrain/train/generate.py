@@ -78,11 +78,13 @@ def run_tokenizer(run_dir):
 @torch.no_grad()
 def generate(model: nn.Module, prompt: str, tokens: int, seq_len: int,
              temperature: float = 0.8, top_k: int | None = 40, seed: int = 0,
-             on_token=None, tokenizer=None) -> bytes:
-    """`tokens` tokens sampled after `prompt`, each from the model's next-token distribution
-    over the last `seq_len` tokens: logits / temperature, then only the top_k most likely
-    (temperature 0 takes the most likely). Tokens are bytes (UTF-8), or the ids of
-    `tokenizer` (the run's), decoded at the end. `on_token(id)` sees each as it is drawn."""
+             on_token=None, tokenizer=None, stop_at_eos: bool = True) -> bytes:
+    """Up to `tokens` tokens sampled after `prompt`, each from the model's next-token
+    distribution over the last `seq_len` tokens: logits / temperature, then only the top_k
+    most likely (temperature 0 takes the most likely). Tokens are bytes (UTF-8), or the ids
+    of `tokenizer` (the run's), decoded at the end; with a tokenizer the sample ends where the
+    model emits its end-of-document token (left out of the text) unless `stop_at_eos` is
+    False. `on_token(id)` sees each as it is drawn."""
     check_sampling(tokens, temperature, top_k)
     if tokenizer is None:
         context, vocab = list(prompt.encode("utf-8")) or [ord("\n")], BYTE_VOCAB
@@ -102,6 +104,8 @@ def generate(model: nn.Module, prompt: str, tokens: int, seq_len: int,
                 cutoff = logits.topk(top_k).values[-1]
                 logits = logits.masked_fill(logits < cutoff, float("-inf"))
             token = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+        if stop_at_eos and tokenizer is not None and token == tokenizer.eos_id:
+            break   # the document ended (a byte-level run has no such token)
         context.append(token)
         out.append(token)
         if on_token is not None:
