@@ -94,26 +94,46 @@ def _check_model_tokenizer(model_tok, data, folder: Path) -> None:
 
 def tokenize_once(spec: str, tok, progress: bool = False) -> Path:
     """Text `spec` as token shards in the cache (`cache_dir()/<key>`), prepared
-    on first use (with a progress bar); the key is the files' paths, sizes and times and the
-    tokenizer's hash."""
+    on first use (with a progress bar); the key is the files' paths, sizes and times, the
+    tokenizer's identity (hash, vocabulary, EOS) and the tokens' format version. A cache
+    whose index says another format or tokenizer made it is rebuilt, never reused."""
     import hashlib
     import os
+    import shutil
 
-    from meshtrain.data.prepare import INDEX, prepare
+    from meshtrain.data.prepare import INDEX, VERSION, prepare
     from meshtrain.data.tokens import cache_dir
 
     files = [spec] if Path(spec).is_file() else sorted(
         str(p) for p in Path(spec).rglob("*") if p.is_file())
     stamp = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
-    key = hashlib.sha256(json.dumps([stamp, tok.sha256]).encode()).hexdigest()[:16]
+    made_by = {"version": VERSION, "tokenizer": tok.identity}
+    key = hashlib.sha256(json.dumps([stamp, made_by]).encode()).hexdigest()[:16]
     out = cache_dir() / key
-    if not (out / INDEX).exists():
+    index = _read_index(out / INDEX)
+    if index is not None and {k: index.get(k) for k in made_by} != made_by:
+        print(f"meshtrain train: {out} was made by another meshtrain or tokenizer; "
+              "rebuilding it", file=sys.stderr)
+        shutil.rmtree(out)
+        index = None
+    if index is None:
         from meshtrain.cli.prepare_cmd import progress_bar
 
         print(f"meshtrain train: tokenising {spec} once, into {out}", file=sys.stderr)
         with progress_bar([spec], progress) as bar:
             prepare([spec], tok.file, out, eos=tok.eos, progress=bar.update)
     return out
+
+
+def _read_index(path: Path) -> dict | None:
+    """A cache's index.json; None where there is none (an unreadable one counts as stale)."""
+    try:
+        index = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
 
 
 def _check_vocab(config, data, declared: int | None, vocab: int) -> None:

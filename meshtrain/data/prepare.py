@@ -28,6 +28,7 @@ from meshtrain.data.shards import DataError, dtype_for_vocab, read_header, write
 from meshtrain.data.tokenizer import Tokenizer
 
 INDEX, PROGRESS = "index.json", "progress.json"
+VERSION = 1   # the index's and shards' format: a cache made under another one is rebuilt
 ENCODE_CHARS = 2**18   # text handed to the tokenizer at once
 JSON_LINES, PARQUET = (".jsonl",), (".parquet",)
 
@@ -71,7 +72,7 @@ def prepare(inputs: list[str], tokenizer_path, out, workers: int = 1, shard_mb: 
         raise DataError(f"no text found in {', '.join(inputs)} (empty documents are left "
                         f"out); give text files, JSON lines with a {text_field!r} field, or "
                         "Parquet files")
-    index = {"format": "meshtrain-tokens", "version": 1, "shards": shards,
+    index = {"format": "meshtrain-tokens", "version": VERSION, "shards": shards,
              "tokens": sum(s["tokens"] for s in shards),
              "documents": sum(s["documents"] for s in shards), "dtype": dtype.name,
              "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,

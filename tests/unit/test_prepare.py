@@ -275,3 +275,35 @@ def test_token_data_made_by_another_tokenizer_than_the_models_is_refused(tokeniz
         settle_data(config("theirs"))
     assert settle_data(config("ours")).vocab_size == 290
     assert settle_data(config("theirs", str(tokenizer))).vocab_size == 300   # named: taken
+
+
+def test_the_text_cache_is_rebuilt_when_another_format_or_tokenizer_made_it(
+        tokenizer, tmp_path, monkeypatch, capsys):
+    """`train --data TEXT`'s token cache is keyed and checked by what made it: the same
+    text and tokenizer reuse it; another tokenizer, or an index of another format version
+    (an older meshtrain's) under the key, gives freshly prepared tokens."""
+    from meshtrain.cli import train_data
+    from meshtrain.data import prepare as prepare_module
+    from meshtrain.data.tokenizer import Tokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    text = tmp_path / "docs.txt"
+    text.write_text("".join(DOCS[:8]))
+    made = []
+    monkeypatch.setattr(prepare_module, "prepare",
+                        lambda *a, **k: made.append(a[2]) or prepare(*a, **k))
+    tok = Tokenizer(tokenizer)
+    out = train_data.tokenize_once(str(text), tok)
+    assert train_data.tokenize_once(str(text), tok) == out and made == [out]   # reused
+    index = json.loads((out / "index.json").read_text())
+    assert (index["version"], index["tokenizer"]) == (prepare_module.VERSION, tok.identity)
+
+    other = Tokenizer(train_tokenizer(tmp_path / "other.json", vocab_size=280))
+    assert train_data.tokenize_once(str(text), other) != out and len(made) == 2
+    assert made[1].joinpath("index.json").exists()
+
+    (out / "index.json").write_text(json.dumps(dict(index, version=0)))   # an older format
+    assert train_data.tokenize_once(str(text), tok) == out and made[2:] == [out]
+    assert "was made by another meshtrain or tokenizer; rebuilding it" in capsys.readouterr().err
+    rebuilt = json.loads((out / "index.json").read_text())
+    assert rebuilt["version"] == prepare_module.VERSION and rebuilt["tokens"] == index["tokens"]
