@@ -43,11 +43,12 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint.dcp, "save", crash)
     with pytest.raises(OSError, match="disk full"):
         trainer.save(tmp_path / "ck")
+    assert not (tmp_path / "ck.partial").exists()   # removed on the failure's way out
     monkeypatch.undo()
 
     fresh = make_trainer(seed=1)
     fresh.load(tmp_path / "ck")  # still the first, complete checkpoint
     for name, value in saved.items():
         assert torch.equal(fresh.full_state_dict()[name], value), name
-    trainer.save(tmp_path / "ck")  # the next save replaces the leftover .partial
+    trainer.save(tmp_path / "ck")  # and the next save goes through
     assert not (tmp_path / "ck.partial").exists()
