@@ -115,6 +115,13 @@ def test_a_capacity_factor_caps_what_is_sent_and_the_busiest_ranks_share():
     assert epm.transient_bytes(MIXTRAL, loose, skewed) == 2 * 1.25 * buffer
     assert epm.transient_bytes(MIXTRAL, _cand(dp=4, ep=4, capacity_factor=2.0), skewed) == \
         2 * 1.5 * buffer
+    # saved activations follow the rows computed: half the copies under ep, all of them in
+    # one process (a dropped row is computed there, times 0)
+    assert epm.routed_rows(MIXTRAL, half) == 1.0
+    assert epm.routed_rows(MIXTRAL, _cand(capacity_factor=0.5)) == 2
+    saved = [am.full_layer_bytes(MIXTRAL, c, BF16) for c in (_cand(dp=4, ep=4), half)]
+    row = (3 * 4096 + 4 * 14336) * 2 + 20
+    assert saved[0] - saved[1] == pytest.approx(4096 * 1 * row, rel=1e-12)
 
 
 def test_the_advisor_ranks_ep_plans_for_a_mixture_and_none_for_a_dense_model():
