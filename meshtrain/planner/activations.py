@@ -9,6 +9,7 @@ from __future__ import annotations
 from functools import partial
 
 from meshtrain.core.loss_chunks import chunk_rows, uses_lean_loss
+from meshtrain.planner import experts
 from meshtrain.planner.model_spec import ModelSpec
 from meshtrain.planner.setup import Candidate, Setup
 from meshtrain.planner.stage_split import stage_blocks
@@ -16,7 +17,7 @@ from meshtrain.planner.stage_split import stage_blocks
 
 def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int = 1,
                            sp: bool = False, recompute: str = "none",
-                           elem_bytes: int = 2) -> float:
+                           elem_bytes: int = 2, routed: float | None = None) -> float:
     """Activation bytes one transformer layer keeps for backward (Korthikanti 2022, Table 2).
 
     In 16-bit with dropout and multi-head attention the paper's counts are:
@@ -35,6 +36,9 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
     2-byte terms; masks stay 1 byte. Under sequence parallel the attention's and the MLP's
     inputs are kept as this rank's sequence slice and all-gathered again in backward (§4.2.2;
     meshtrain's runtime does so: strategies/tensor_parallel/sequence.py), so all 10 divide.
+    A mixture of experts' MLP saves what its router and its `routed` rows per token keep
+    (default: top-k; experts.saved_bytes_per_token), whole on every tensor-parallel rank (its
+    experts are), and its shared experts as a dense MLP of their width.
     A model traced in this precision (ModelSpec.traced_layer_bytes: what its own layer
     saves, e.g. a transformers RMSNorm's fp32 copy of its input) keeps what the trace finds
     beyond these counts as well, whole on every tensor-parallel rank (as the norms' are),
@@ -51,6 +55,10 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
     kept = 4 * e + masks
     attn = e * (2 + 2 * spec.kv_dim / h)
     mlp = e * (4 if spec.mlp == "swiglu" else 2) * spec.ffn_hidden / h
+    if spec.experts:   # the routed experts' part of ffn_hidden is priced per routed row
+        mlp = e * (4 if spec.mlp == "swiglu" else 2) * spec.shared_ffn / h
+        rows = spec.top_k if routed is None else routed
+        kept += experts.saved_bytes_per_token(spec, rows, e) / h
     divided = attn + mlp
     span = spec.attention_span or s   # keys per query: the whole sequence under cp
     scores = 0.0 if spec.flash_attention else (a * span / h) * (e + (1 + e if spec.dropout else 0))
@@ -99,7 +107,7 @@ def stage_layers_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, layers: i
     counted as floor(layers / k), the layers' count from its start), the others everything."""
     p = cand.plan
     per_layer = partial(layer_activation_bytes, spec, spec.seq, cand.micro_batch, p.tp, cand.sp,
-                        elem_bytes=setup.act_bytes)
+                        elem_bytes=setup.act_bytes, routed=experts.routed_rows(spec, cand))
     k = p.recompute_every if cand.recompute == "full" else 1
     recomputed = layers // k
     return (recomputed * per_layer(recompute=cand.recompute)
@@ -191,7 +199,7 @@ def full_layer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     """Everything one layer's forward makes for one micro-batch, saved or not (nothing
     recomputed): what a recomputed layer holds again, and the heap's unit."""
     return layer_activation_bytes(spec, spec.seq, cand.micro_batch, cand.plan.tp, cand.sp,
-                                  "none", setup.act_bytes)
+                                  "none", setup.act_bytes, experts.routed_rows(spec, cand))
 
 
 def forward_traffic(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int

@@ -20,8 +20,10 @@ k x expert width + shared width).
 A capacity factor C (Plan.capacity_factor: no expert takes more than C x its even share of
 a sequence's choices) caps both: at most min(1, C) of the b s k copies are sent, and the
 busiest rank receives at most C x the even share. The advisor prices dropless plans.
-Left out: the busiest rank's extra saved activations under imbalance, the router's own
-logits, and the compute a capacity saves (every choice's expert work is priced).
+What a mixture's layer saves for backward (`saved_bytes_per_token`) follows its routed rows:
+each copy of a token its experts compute keeps its own input, hidden and output; so does the
+router, per token. Left out: the busiest rank's extra saved activations under imbalance, the
+router's own logits, and the compute a capacity saves (every choice's expert work is priced).
 """
 from __future__ import annotations
 
@@ -76,6 +78,32 @@ def dispatch_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     c = cand.plan.capacity_factor
     kept = 1.0 if c is None else min(1.0, c)
     return kept * cand.micro_batch * spec.seq * spec.top_k * spec.hidden * setup.act_bytes
+
+
+def routed_rows(spec: ModelSpec, cand: Candidate) -> float:
+    """Rows a token's experts compute: its k choices; under expert parallel with a capacity
+    factor C < 1, at most C of them (dropped choices are not sent; in one process they are
+    still computed, times 0: models/experts.py)."""
+    c = cand.plan.capacity_factor
+    kept = 1.0 if c is None or cand.plan.ep == 1 else min(1.0, c)
+    return kept * spec.top_k
+
+
+def saved_bytes_per_token(spec: ModelSpec, rows: float, elem_bytes: int) -> float:
+    """What a mixture's layer saves for backward per token beyond its MLP's input, `rows`
+    routed rows each (`routed_rows`), e = elem_bytes (models/gpt_moe.py and expert
+    parallel's dispatch save the same; measured on gpt-moe-tiny, tests/unit/test_planner_experts.py):
+      router, per token: softmax's fp32 probabilities (E), the top-k's fp32 weights and
+        int64 indices (k each), their renormalising fp32 sum (1): 4 E + 12 k + 4 bytes
+      per routed row: the gathered copy of its token (h), its expert's SwiGLU hidden (gate
+        and up 2 I, silu's output I, their product I; a GELU expert's 2 I), its expert's
+        output (h) and that output weighted (h, what index_add_ keeps): (3 h + 4 I) e; its
+        fp32 weight and its token's and choice's int64 indices: 20 bytes
+    Its shared experts are counted as a dense MLP of their width."""
+    router = 4 * spec.experts + 12 * spec.top_k + 4
+    hidden = (4 if spec.mlp == "swiglu" else 2) * spec.expert_width
+    row = (3 * spec.hidden + hidden) * elem_bytes + 4 + 2 * 8
+    return router + rows * row
 
 
 def imbalance(cand: Candidate, setup: Setup) -> float:

@@ -10,7 +10,8 @@ reduces to that for a GPT and also covers SwiGLU MLPs (3 matrices h x f), groupe
 attention (k, v of width kv_heads * h/heads), RMSNorm (h weights) and untied output heads.
 A mixture of experts' layer holds its E experts' matrices and a router (h x E), of which
 one token multiplies by the router and its top-k experts (and any shared ones): its FLOPs
-and saved activations follow k x the expert width (`ffn_hidden`), its weights all E.
+follow k x the expert width (`ffn_hidden`), its saved activations its k routed rows
+(planner/experts.saved_bytes_per_token), its weights all E.
 """
 from __future__ import annotations
 

@@ -2,14 +2,19 @@
 model_spec's MoE fields): expected values written out by hand, or counted on the real
 transformers modules (built on the meta device here; the planner itself stays pure)."""
 import pytest
+import torch
 
 from meshtrain.core.plan import Plan
+from meshtrain.core.gpt_shapes import GPT_SHAPES
+from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.planner import activations as am
 from meshtrain.planner import experts as epm
 from meshtrain.planner import from_description, make_cluster
 from meshtrain.planner.advisor import advise
 from meshtrain.planner.guide import verdict
 from meshtrain.planner.memory import memory
-from meshtrain.planner.model_spec import ModelSpecError, from_transformers_config
+from meshtrain.planner.model_spec import (ModelSpecError, from_gpt_config,
+                                          from_transformers_config)
 from meshtrain.planner.setup import Candidate, Setup, SetupError
 
 # Mixtral-8x7B's shape: 32 layers, h 4096, 8 K/V heads of 32, 8 experts of 14336, top 2
@@ -110,6 +115,13 @@ def test_a_capacity_factor_caps_what_is_sent_and_the_busiest_ranks_share():
     assert epm.transient_bytes(MIXTRAL, loose, skewed) == 2 * 1.25 * buffer
     assert epm.transient_bytes(MIXTRAL, _cand(dp=4, ep=4, capacity_factor=2.0), skewed) == \
         2 * 1.5 * buffer
+    # saved activations follow the rows computed: half the copies under ep, all of them in
+    # one process (a dropped row is computed there, times 0)
+    assert epm.routed_rows(MIXTRAL, half) == 1.0
+    assert epm.routed_rows(MIXTRAL, _cand(capacity_factor=0.5)) == 2
+    saved = [am.full_layer_bytes(MIXTRAL, c, BF16) for c in (_cand(dp=4, ep=4), half)]
+    row = (3 * 4096 + 4 * 14336) * 2 + 20
+    assert saved[0] - saved[1] == pytest.approx(4096 * 1 * row, rel=1e-12)
 
 
 def test_the_advisor_ranks_ep_plans_for_a_mixture_and_none_for_a_dense_model():
@@ -167,3 +179,48 @@ def test_expert_gradients_travel_over_their_expert_data_parallel_group_only():
     # ep = dp: every expert lives on one rank, its gradients go nowhere
     assert axis_bytes(MIXTRAL, _cand(dp=4, ep=4), BF16)["dp"] == pytest.approx(
         2 * 3 / 4 * dense * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixtures_saved_tensors_are_priced_per_token_and_routed_row(dtype):
+    """gpt-moe-tiny's MoE layers run for real, autograd's saved tensors counted by storage
+    (parameters and the MLP's input, priced with the layer, left out): the router's and
+    every routed row's, as experts.saved_bytes_per_token prices them; the whole layer as
+    layer_activation_bytes does, but for the norms' statistics and attention's log-sum-exp
+    (4 + heads numbers per token), which no GPT's price counts."""
+    shape = GPT_SHAPES["gpt-moe-tiny"]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**shape)).to(dtype).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, where, inputs = {}, [None], set()   # storage -> (where first saved, bytes)
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if where[0] is not None and ptr not in params and ptr not in saved:
+            region = "layers" if ptr in inputs else where[0]   # the MLP's input: the layer's
+            saved[ptr] = (region, t.untyped_storage().nbytes())
+        return t
+
+    def enter(name):
+        def hook(module, args):
+            where[0] = name
+            if name == "mlp":
+                inputs.add(args[0].untyped_storage().data_ptr())
+        return hook
+
+    for block in model.blocks:
+        block.register_forward_pre_hook(enter("layers"))
+        block.mlp.register_forward_pre_hook(enter("mlp"))
+        block.mlp.register_forward_hook(lambda *a: where.__setitem__(0, "layers"))
+    model.blocks[-1].register_forward_hook(lambda *a: where.__setitem__(0, None))
+    batch, elem = 2, dtype.itemsize
+    tokens = torch.randint(0, shape["vocab_size"], (batch, shape["seq_len"]))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens)
+    spec = from_gpt_config(model.config)
+    moe = sum(n for region, n in saved.values() if region == "mlp")
+    assert moe == spec.layers * batch * spec.seq * epm.saved_bytes_per_token(spec, 2, elem)
+    layer = am.layer_activation_bytes(spec, spec.seq, batch, elem_bytes=elem)
+    # two LayerNorms' mean and rstd (on CPU in their input's dtype), attention's fp32 lse
+    stats = batch * spec.seq * (2 * 2 * elem + 4 * spec.heads)
+    assert sum(n for _, n in saved.values()) == spec.layers * (layer + stats)
