@@ -50,7 +50,7 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
     if recompute == "full":
         return e * sbh / split
     if recompute == "selective":
-        return selective_layer_bytes(spec, seq, micro_batch, tp, sp, elem_bytes)
+        return selective_layer_bytes(spec, seq, micro_batch, tp, sp, elem_bytes, routed)
     masks = 2 if spec.dropout else 0
     kept = 4 * e + masks
     attn = e * (2 + 2 * spec.kv_dim / h)
@@ -73,7 +73,8 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int 
 
 
 def selective_layer_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int = 1,
-                          sp: bool = False, elem_bytes: int = 2) -> float:
+                          sp: bool = False, elem_bytes: int = 2,
+                          routed: float | None = None) -> float:
     """What one layer keeps under per-op selective recomputation (strategies/recompute.py's
     SAVED_OPS): its input and the outputs of its matmuls and attention kernel, nothing else.
     Per token, in elements of e bytes:
@@ -85,19 +86,28 @@ def selective_layer_bytes(spec: ModelSpec, seq: int, micro_batch: int, tp: int =
     The two row-parallel outputs are whole on every tensor-parallel rank (the partial sums
     before their all-reduce or reduce-scatter). A GPT's: 11 h (t = 1); a Llama's:
     5 h + 2 kv + 2 ffn. Dropout masks are not counted (recomputed from the saved RNG).
+    A mixture of experts' MLP keeps its router's logits and each of its `routed` rows'
+    expert matmuls (default: top-k; experts.selective_bytes_per_token), whole on every
+    tensor-parallel rank as its experts are; its shared experts' as a dense MLP's.
     A model traced in this precision (ModelSpec.traced_selective_bytes: what the policy
     kept, run on the model itself) keeps what the trace finds beyond these counts as well,
     whole on every tensor-parallel rank, a slice under sequence parallel."""
     s, b, h, a, e = seq, micro_batch, spec.hidden, spec.heads, elem_bytes
     split = tp if sp else 1
-    mlp_in = (2 if spec.mlp == "swiglu" else 1) * spec.ffn_hidden
+    ffn = spec.shared_ffn if spec.experts else spec.ffn_hidden
+    mlp_in = (2 if spec.mlp == "swiglu" else 1) * ffn
     sliced = e * (h + 2 * spec.kv_dim + h + mlp_in) + 4 * a
     if not spec.flash_attention:
         sliced += e * a * (spec.attention_span or s)
-    whole = e * h / split + 2 * e * h
+    outputs = 2 * e * h   # the output projection's and the MLP's
+    if spec.experts:   # the MLP's out only with shared experts; the routed rows' their own
+        rows = spec.top_k if routed is None else routed
+        outputs = e * h * (2 if spec.shared_ffn else 1) + \
+            experts.selective_bytes_per_token(spec, rows, e)
+    whole = e * h / split + outputs
     traced = spec.traced_bytes_per_token(e, selective=True)
     if traced is not None:   # the counts at tp = 1 fall short of the trace by this
-        whole += (traced - (e * h + sliced + 2 * e * h)) / split
+        whole += (traced - (e * h + sliced + outputs)) / split
     return s * b * (whole + sliced / tp)
 
 

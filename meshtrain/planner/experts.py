@@ -106,6 +106,17 @@ def saved_bytes_per_token(spec: ModelSpec, rows: float, elem_bytes: int) -> floa
     return router + rows * row
 
 
+def selective_bytes_per_token(spec: ModelSpec, rows: float, elem_bytes: int) -> float:
+    """What a mixture's routed part keeps per token under per-op selective recomputation
+    (strategies/recompute.py keeps matmuls' outputs only; measured on gpt-moe-tiny,
+    tests/unit/test_selective_recompute.py): the router's logits (E), and per routed row its
+    expert's first matmuls' output (SwiGLU's gate and up, 2 I; a GELU expert's I) and its
+    down projection's (h), e = elem_bytes each. The softmax, top-k, gathers, the expert's
+    activation and the weighted sum into the token are recomputed."""
+    first = (2 if spec.mlp == "swiglu" else 1) * spec.expert_width
+    return elem_bytes * (spec.experts + rows * (first + spec.hidden))
+
+
 def imbalance(cand: Candidate, setup: Setup) -> float:
     """The busiest rank's received rows over the buffer's mean: the stated imbalance, which
     a capacity factor C caps at C x the dropless even share."""

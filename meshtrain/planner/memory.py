@@ -159,7 +159,7 @@ def _rerun_bytes(spec: ModelSpec, cand: Candidate, setup: Setup, block: float,
     rerun = block + full_layer_bytes(spec, cand, setup)
     if cand.recompute == "selective":
         rerun -= selective_layer_bytes(spec, spec.seq, cand.micro_batch, cand.plan.tp, cand.sp,
-                                       setup.act_bytes)
+                                       setup.act_bytes, experts.routed_rows(spec, cand))
     if cand.plan.zero == 3 and (cand.plan.pp == 1 or cand.plan.zero3_regather):   # else whole
         unit_grad = setup.grad_bytes * spec.largest_layer_params / cand.plan.tp
         rerun += 2 * unit_grad * (2 if host_is_device else 1)

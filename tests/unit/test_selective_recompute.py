@@ -39,6 +39,35 @@ def test_a_gpt_layer_keeps_its_matmul_and_attention_outputs():
     assert predicted < layer_activation_bytes(spec, s, b, recompute="none", elem_bytes=4)
 
 
+def test_a_mixtures_layer_keeps_its_router_logits_and_each_routed_rows_matmuls():
+    """gpt-moe-tiny's block (4 experts, top 2, SwiGLU 512 wide) under "selective", measured:
+    beside attention's as a GPT's, the router's logits (E) and per routed row its expert's
+    gate-and-up (2 I) and down (h) outputs, in place of a dense MLP's 2 k I + h per token:
+    E + (k - 1) h more elements a token; the planner's per-op formula prices exactly that."""
+    from meshtrain.core.gpt_shapes import GPT_SHAPES
+    from meshtrain.planner import experts
+
+    config = GPTConfig(**{**GPT_SHAPES["gpt-moe-tiny"], "seq_len": 64})
+    torch.manual_seed(0)
+    model = GPT(config)
+    meter = ActivationMeter(model.parameters())
+    apply_recompute(model, "selective", meter.keep)
+    b, s, h = 2, config.seq_len, config.d_model
+    x = torch.randn(b, s, h, requires_grad=True)
+    with meter.measure():
+        model.blocks[0](x).sum().backward()
+    spec = from_gpt_config(config, "gpt")
+    i, e, k = spec.expert_width, spec.experts, spec.top_k
+    routed = e + k * (2 * i + h)
+    assert experts.selective_bytes_per_token(spec, k, 4) == 4 * routed
+    predicted = layer_activation_bytes(spec, s, b, recompute="selective", elem_bytes=4)
+    # input, Q K V, attention output and its log-sum-exp, output projection: 6 h + a
+    assert meter.last_bytes == predicted == (6 * h + config.n_head + routed) * s * b * 4
+    # expert parallel with a capacity of half the choices keeps half the rows
+    half = layer_activation_bytes(spec, s, b, recompute="selective", elem_bytes=4, routed=1)
+    assert predicted - half == (2 * i + h) * s * b * 4
+
+
 def test_only_the_stated_ops_are_kept():
     """The policy's kept tensors are outputs of SAVED_OPS and nothing else: a layer's norms,
     activations and residual adds run again in backward, with the same gradients."""
