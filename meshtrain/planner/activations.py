@@ -207,9 +207,21 @@ def output_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
 
 def full_layer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
     """Everything one layer's forward makes for one micro-batch, saved or not (nothing
-    recomputed): what a recomputed layer holds again, and the heap's unit."""
+    recomputed): what a recomputed layer holds again, and a dense layer's heap unit."""
     return layer_activation_bytes(spec, spec.seq, cand.micro_batch, cand.plan.tp, cand.sp,
                                   "none", setup.act_bytes, experts.routed_rows(spec, cand))
+
+
+def heap_layer_bytes(spec: ModelSpec, cand: Candidate, setup: Setup) -> float:
+    """The runtime heap's unit (`forward_traffic`): `full_layer_bytes`, a mixture's routed
+    part counted as a dense MLP of one expert's width (experts.heap_bytes_per_token): the
+    heap was calibrated on dense layers, and keeps a mixture's as its dense counterpart's."""
+    layer = full_layer_bytes(spec, cand, setup)
+    if not spec.experts:
+        return layer
+    e = setup.act_bytes
+    saved = experts.saved_bytes_per_token(spec, experts.routed_rows(spec, cand), e)
+    return layer + spec.seq * cand.micro_batch * (experts.heap_bytes_per_token(spec, e) - saved)
 
 
 def forward_traffic(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int
@@ -219,9 +231,10 @@ def forward_traffic(spec: ModelSpec, cand: Candidate, setup: Setup, stage: int
     the runtime keeps grows with it (the next micro-batch reuses what this one freed,
     whatever is in flight); measured, glibc keeps most of one layer's temporaries and a
     smaller part of each further layer's (meshtrain.measure.fit.fit_runtime_memory). An interleaved
-    stage runs its chunks' forwards apart, each from its own first layer: "first" is theirs."""
+    stage runs its chunks' forwards apart, each from its own first layer: "first" is theirs.
+    A mixture's layer counts as its heap holds it (`heap_layer_bytes`)."""
     p = cand.plan
-    layer = full_layer_bytes(spec, cand, setup)
+    layer = heap_layer_bytes(spec, cand, setup)
     layers_here = stage_blocks(spec, p)[stage]
     chunks = min(p.virtual_stages, layers_here)
     rest = layer * (layers_here - chunks)

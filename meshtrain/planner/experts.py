@@ -106,6 +106,18 @@ def saved_bytes_per_token(spec: ModelSpec, rows: float, elem_bytes: int) -> floa
     return router + rows * row
 
 
+def heap_bytes_per_token(spec: ModelSpec, elem_bytes: int) -> float:
+    """What the runtime's heap keeps of a mixture's routed part per token, in place of what
+    it saves (`saved_bytes_per_token`): a dense MLP's hidden of one expert's width (SwiGLU's
+    4 I, a GELU's 2 I), e = elem_bytes. The allocator's free lists keep the largest
+    temporaries a forward frees, and a mixture's are its experts' hidden tensors, each
+    about b s k / E rows: not the router's or every routed row's copies. Measured, a
+    one-process gpt-moe-tiny's heap (resident peak less allocated peak) stays 14-21 MB at
+    batch 4 and 8, where its saved bytes priced 19-34 MB; this prices 11-20 MB
+    (docs/history.md)."""
+    return elem_bytes * (4 if spec.mlp == "swiglu" else 2) * spec.expert_width
+
+
 def selective_bytes_per_token(spec: ModelSpec, rows: float, elem_bytes: int) -> float:
     """What a mixture's routed part keeps per token under per-op selective recomputation
     (strategies/recompute.py keeps matmuls' outputs only; measured on gpt-moe-tiny,

@@ -226,3 +226,30 @@ def test_a_mixtures_saved_tensors_are_priced_per_token_and_routed_row(dtype):
     # two LayerNorms' mean and rstd (on CPU in their input's dtype), attention's fp32 lse
     stats = batch * spec.seq * (2 * 2 * elem + 4 * spec.heads)
     assert sum(n for _, n in saved.values()) == spec.layers * (layer + stats)
+
+
+def test_the_heap_counts_a_mixtures_layer_as_a_dense_mlp_of_one_expert_and_a_dense_one_as_before():
+    """The runtime heap's unit: a dense layer's full bytes (unchanged: what the heap was
+    calibrated on), a mixture's with its router and routed rows replaced by one expert's
+    dense SwiGLU hidden (4 I per token): gpt-moe-tiny's as a dense GPT with an MLP 512 wide."""
+    from dataclasses import replace
+
+    fp32 = Setup(global_batch=8, precision="fp32")
+    moe = from_gpt_config(GPTConfig(**GPT_SHAPES["gpt-moe-tiny"]))
+    dense = replace(moe, experts=0, top_k=0, expert_ffn=0, ffn=512)
+    for cand in (_cand(b=8), _cand(b=4, dp=2, ep=2), _cand(b=8, dp=2, ep=2, capacity_factor=0.5)):
+        heap = am.heap_layer_bytes(moe, cand, fp32)
+        assert heap == am.full_layer_bytes(dense, cand, fp32)
+        # by hand: the router's 4 E + 12 k + 4 bytes and k rows of (3 h + 4 I) e + 20 bytes
+        # a token out, one expert's 4 I e in
+        rows = epm.routed_rows(moe, cand)
+        out = 4 * 4 + 12 * 2 + 4 + rows * ((3 * 128 + 4 * 512) * 4 + 20)
+        assert heap == am.full_layer_bytes(moe, cand, fp32) - 128 * cand.micro_batch * (
+            out - 4 * 512 * 4)
+        assert am.forward_traffic(moe, cand, fp32, 0)[0] == heap
+    # a dense model's heap unit is its full layer, as before, under every recomputation
+    tiny = from_gpt_config(GPTConfig(**GPT_SHAPES["tiny"]))
+    for cand in (_cand(b=8), _cand("selective", b=4, tp=2), _cand("full", b=8, pp=2)):
+        assert am.heap_layer_bytes(tiny, cand, fp32) == am.full_layer_bytes(tiny, cand, fp32)
+        first, rest = am.forward_traffic(tiny, cand, fp32, 0)
+        assert first == am.full_layer_bytes(tiny, cand, fp32)
