@@ -11,7 +11,8 @@ attention (k, v of width kv_heads * h/heads), RMSNorm (h weights) and untied out
 A mixture of experts' layer holds its E experts' matrices and a router (h x E), of which
 one token multiplies by the router and its top-k experts (and any shared ones): its FLOPs
 follow k x the expert width (`ffn_hidden`), its saved activations its k routed rows
-(planner/experts.saved_bytes_per_token), its weights all E.
+(planner/experts.saved_bytes_per_token; under selective recomputation
+selective_bytes_per_token), its weights all E.
 """
 from __future__ import annotations
 
