@@ -119,6 +119,9 @@ def _schedules(spec: ModelSpec, pp: int, m: int):
 def candidates_for(spec: ModelSpec, setup: Setup, cluster: Cluster):
     """Yield groups of candidates that differ only in offload/recomputation, cheapest first."""
     recomputes = [setup.recompute] if setup.recompute else list(RECOMPUTE)
+    # a mixture's experts stay whole over tp and route whole sequences: no sequence
+    # parallel for it (models/moe.py refuses it)
+    sp = setup.sequence_parallel and not spec.experts
     for dp, pp, tp, cp in _layouts(spec, setup, cluster):
         for b in _micro_batches(setup, dp):
             if cp > 1 and not setup.micro_batch and b % cp == 0:
@@ -145,7 +148,7 @@ def candidates_for(spec: ModelSpec, setup: Setup, cluster: Cluster):
                                         precision=setup.precision, zero3_regather=regather,
                                         stage_balance=balance)
                             if runnable(plan):
-                                group.append(Candidate(plan, b, rc, setup.sequence_parallel))
+                                group.append(Candidate(plan, b, rc, sp))
                         if group:
                             yield group
 

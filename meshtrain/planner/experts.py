@@ -38,11 +38,11 @@ from meshtrain.planner.states import ModelStates, model_states
 
 def stage_expert_params(spec: ModelSpec, cand: Candidate, stage: int | None = None) -> float:
     """Routed experts' weights on one rank of pipeline rank `stage` (None: the one with the
-    most blocks) before ep splits them: its blocks' experts, over tp (tensor parallel
-    splits each expert's matrices)."""
+    most blocks) before ep splits them: its blocks' experts, whole on every tp rank (tensor
+    parallel keeps a mixture's experts whole: ModelSpec.layer_replicated_params)."""
     p = cand.plan
     blocks = most_blocks(spec, p) if stage is None else stage_blocks(spec, p)[stage]
-    return blocks * spec.layer_expert_params / p.tp
+    return blocks * spec.layer_expert_params
 
 
 def expert_share(spec: ModelSpec, cand: Candidate, psi: float, stage: int | None = None

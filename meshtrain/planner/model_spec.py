@@ -153,8 +153,10 @@ class ModelSpec:
     @property
     def layer_replicated_params(self) -> int:
         """What tensor parallel keeps whole on every rank of a block (Megatron): the two
-        norms and the biases of the two row-parallel layers (added once, after the sum)."""
-        return 2 * self.norm_params + 2 * self.hidden * int(self.bias)
+        norms and the biases of the two row-parallel layers (added once, after the sum);
+        a mixture's router and routed experts too (strategies/tensor_parallel/gpt.py)."""
+        mixture = self.layer_expert_params + self.hidden * self.experts
+        return 2 * self.norm_params + 2 * self.hidden * int(self.bias) + mixture
 
     @property
     def embedding_replicated_params(self) -> int:

@@ -126,11 +126,11 @@ def test_a_capacity_factor_caps_what_is_sent_and_the_busiest_ranks_share():
 
 def test_the_advisor_ranks_ep_plans_for_a_mixture_and_none_for_a_dense_model():
     # four nodes of 8 H100s, one sequence a micro-batch, per-op recomputation (a small
-    # enumeration): the fastest plan splits the experts (on two nodes, with what selective
-    # keeps of every routed row whole on each tp rank, dp 8 x tp 2 x ep 2 fits only offloaded,
-    # and the ep plans that do run 0.5% behind a pp x tp x cp one)
+    # enumeration): the fastest plan splits the experts over ep with ZeRO-3 over dp, no tp
+    # (the experts stay whole on every tp rank, so tp only adds their copies); at global
+    # batch 16 a pp x cp plan without ep runs ahead: too few sequences for 32 replicas
     cluster = make_cluster("H100-80GB", 4, 8)
-    advice = advise(MIXTRAL, Setup(global_batch=16, micro_batch=1, recompute="selective"),
+    advice = advise(MIXTRAL, Setup(global_batch=32, micro_batch=1, recompute="selective"),
                     cluster)
     top = advice.ranked[0]
     assert top.cand.plan.ep > 1 and top.time.ep_comm > 0
@@ -253,3 +253,28 @@ def test_the_heap_counts_a_mixtures_layer_as_a_dense_mlp_of_one_expert_and_a_den
         assert am.heap_layer_bytes(tiny, cand, fp32) == am.full_layer_bytes(tiny, cand, fp32)
         first, rest = am.forward_traffic(tiny, cand, fp32, 0)
         assert first == am.full_layer_bytes(tiny, cand, fp32)
+
+
+def test_tensor_parallel_keeps_a_mixtures_router_and_experts_whole():
+    """meshtrain's tp keeps a mixture's router and experts whole on every rank (models/
+    hf_plans.py, tensor_parallel/gpt.py): the planner's rank holds them whole beside its
+    share of the rest, counted from mixtral-tiny's real modules; and the advisor ranks no
+    sequence-parallel plan for a mixture (models/moe.py refuses it)."""
+    transformers = pytest.importorskip("transformers")
+    from meshtrain.models.hf_presets import config_of
+    from meshtrain.planner.states import stage_params
+
+    config = config_of("mixtral-tiny")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    spec = from_transformers_config(config)
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    whole = sum(v for n, v in sizes.items() if ".mlp." in n or "norm" in n)
+    for tp in (2, 4):
+        assert stage_params(spec, Plan(tp=tp)) == (sum(sizes.values()) - whole) / tp + whole
+        assert epm.stage_expert_params(spec, _cand(tp=tp)) == \
+            sum(v for n, v in sizes.items() if ".experts." in n)
+    advice = advise(MIXTRAL, Setup(global_batch=32, micro_batch=1, recompute="selective"),
+                    make_cluster("H100-80GB", 1, 8))
+    tp_plans = [ev for ev in (*advice.ranked, *advice.rejected) if ev.cand.plan.tp > 1]
+    assert tp_plans and not any(ev.cand.sp for ev in tp_plans)
