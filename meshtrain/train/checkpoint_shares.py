@@ -7,17 +7,20 @@ as each group is taken; DCP records each part at its offsets in the whole tensor
 the boxes, as it records a sharded DTensor's chunks), so the checkpoint stays the whole,
 plan-independent state. A tensor whole over tp is cut into n ranges of rows (rank i:
 [i*R//n, (i+1)*R//n)); a tp slice (`LayerSharding.region`: a column or row slice, one box
-per fused part) into one range per replica, each tp rank writing its own slice's. The rows
-come
+per fused part) into one range per replica, each tp rank writing its own slice's. Under
+expert parallelism ep rank k holds experts [k*E/ep, (k+1)*E/ep) of a packed expert tensor
+(its region: a box of the whole), as does every rank of its edp group, with their tp (and
+cp) ranks: those cut it between them, a range of its rows (experts) each, so every ep rank
+writes its own experts and nothing is gathered over ep (`Share._positions`). The rows come
 - straight from the sync's shards where it offers them (`GradientSync.state_rows`: ZeRO
   moves each rank its ranges of a bucket in one all-to-all, no rank holding a whole bucket
-  or tensor);
+  or tensor; an expert bucket over its edp group);
 - else from a group consolidated at a time (`local_state_groups`: DDP and the other syncs
-  hold theirs whole already); under expert parallelism each tensor gathered whole over its
-  slot-1 ranks, cut and dropped before the next.
+  hold theirs whole along dp already), cut where it lies.
 A tensor whose bytes with its states are under `WHOLE_BELOW`, or with fewer rows than the
-ranks cutting it, goes whole to the rank (a tp slice: the replica) holding the fewest bytes
-so far (every rank makes the same choice: the sizes are the same everywhere); a 0-dim state
+ranks cutting it, goes whole to the rank (a tp slice: the replica; an expert part: one rank
+of each ep rank's holders) holding the fewest bytes so far (every rank makes the same
+choice: the sizes are the same everywhere); a 0-dim state
 (a step counter) goes with the whole tensor's first element. So, with T the stage's bytes,
 every rank's share is within
     the largest whole part (with its states) + one row of each cut one (with its states)
