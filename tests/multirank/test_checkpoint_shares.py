@@ -18,11 +18,11 @@ PLANS = {"zero3": {"dp": 4, "zero": 3}, "tp-zero1": {"dp": 2, "tp": 2, "zero": 1
 FP32, STATES = 4, 3   # the parameter, exp_avg and exp_avg_sq; and a 4-byte step counter
 
 
-def trained(plan: mt.Plan, seed: int) -> mt.Trainer:
+def trained(plan: mt.Plan, seed: int, config: GPTConfig = CONFIG) -> mt.Trainer:
     torch.manual_seed(seed)
-    trainer = mt.Trainer(GPT(CONFIG), plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    trainer = mt.Trainer(GPT(config), plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, CONFIG.vocab_size, (8, CONFIG.seq_len + 1), generator=g)
+    tokens = torch.randint(0, config.vocab_size, (8, config.seq_len + 1), generator=g)
     mine = tokens.chunk(trainer.dp_size)[trainer.dp_rank]
     trainer.step(mine[:, :-1], mine[:, 1:])
     return trainer
@@ -47,13 +47,17 @@ def save_and_cross_load(path: str) -> dict:
     for saved, loader in (("zero3", "tp-zero1"), ("tp-zero1", "zero3")):
         fresh = trained(mt.Plan(**PLANS[loader]), seed=1)   # other values, overwritten
         fresh.load(f"{path}/{saved}")
-        want, got = savers[saved].full_state_dict(), fresh.full_state_dict()
-        want_opt, got_opt = (t.full_optimizer_state()["state"] for t in (savers[saved], fresh))
-        out[saved]["differ"] = (
-            [k for k in want if not torch.equal(want[k], got[k])]
-            + [f"{n}.{k}" for n, s in want_opt.items() for k, v in s.items()
-               if not torch.equal(v, got_opt[n][k])])
+        out[saved]["differ"] = differ(savers[saved], fresh)
     return out
+
+
+def differ(want: mt.Trainer, got: mt.Trainer) -> list[str]:
+    """The entries of the consolidated state (parameters, optimizer states) that differ."""
+    a, b = want.full_state_dict(), got.full_state_dict()
+    a_opt, b_opt = (t.full_optimizer_state()["state"] for t in (want, got))
+    return ([k for k in a if not torch.equal(a[k], b[k])]
+            + [f"{n}.{k}" for n, s in a_opt.items() for k, v in s.items()
+               if not torch.equal(v, b_opt[n][k])])
 
 
 def theory(ranks: int) -> tuple[int, int, int]:
@@ -124,29 +128,10 @@ DENSE = {"dp": 4, "zero": 1}   # no ep: loads the ep checkpoints, and saves one 
 EXPERTS = ("blocks.0.mlp.experts.gate_up_proj", "blocks.0.mlp.experts.down_proj")
 
 
-def trained_moe(plan_kw: dict, seed: int) -> mt.Trainer:
-    torch.manual_seed(seed)
-    trainer = mt.Trainer(GPT(MOE), mt.Plan(**plan_kw),
-                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, MOE.vocab_size, (8, MOE.seq_len + 1), generator=g)
-    mine = tokens.chunk(trainer.dp_size)[trainer.dp_rank]
-    trainer.step(mine[:, :-1], mine[:, 1:])
-    return trainer
-
-
-def differ(want: mt.Trainer, got: mt.Trainer) -> list[str]:
-    a, b = want.full_state_dict(), got.full_state_dict()
-    a_opt, b_opt = (t.full_optimizer_state()["state"] for t in (want, got))
-    return ([k for k in a if not torch.equal(a[k], b[k])]
-            + [f"{n}.{k}" for n, s in a_opt.items() for k, v in s.items()
-               if not torch.equal(v, b_opt[n][k])])
-
-
 def save_ep_and_cross_load(path: str) -> dict:
     out, savers = {}, {}
     for kind, plan_kw in EP_PLANS.items():
-        saver = savers[kind] = trained_moe(plan_kw, seed=0)
+        saver = savers[kind] = trained(mt.Plan(**plan_kw), seed=0, config=MOE)
         saver.save(f"{path}/warm-up")
         saver.checkpoint_peak = 0
         gathers = saver.comm.stats.total(op="all_gather").received
@@ -159,7 +144,7 @@ def save_ep_and_cross_load(path: str) -> dict:
                                      tuple(share.states[k]["exp_avg"].shape),
                                      share.placed[("model", k)])
                                  for k in EXPERTS if k in share.model_state}}
-    dense = trained_moe(DENSE, seed=1)   # other values, overwritten
+    dense = trained(mt.Plan(**DENSE), seed=1, config=MOE)   # other values, overwritten
     dense.load(f"{path}/ep-zero3")
     out["ep-zero3"]["differ"] = differ(savers["ep-zero3"], dense)
     dense.save(f"{path}/dense")   # and the reverse: a checkpoint without ep, loaded under it
