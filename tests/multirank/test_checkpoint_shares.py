@@ -123,7 +123,8 @@ def test_a_checkpoint_in_shares_loads_exactly_under_the_other_plan(saved, kind):
 # the packed experts are 85% of the state (2 x 4 experts, 9.4 MB with AdamW's moments)
 MOE = GPTConfig(vocab_size=256, seq_len=16, n_layer=1, n_head=2, d_model=128, bias=False,
                 experts=4)
-EP_PLANS = {"ep-zero3": {"dp": 4, "ep": 2, "zero": 3}, "ep-ddp": {"dp": 4, "ep": 2}}
+EP_PLANS = {"ep-zero3": {"dp": 4, "ep": 2, "zero": 3}, "ep-ddp": {"dp": 4, "ep": 2},
+            "ep-tp-zero1": {"dp": 2, "tp": 2, "ep": 2, "zero": 1}}
 DENSE = {"dp": 4, "zero": 1}   # no ep: loads the ep checkpoints, and saves one for them
 EXPERTS = ("blocks.0.mlp.experts.gate_up_proj", "blocks.0.mlp.experts.down_proj")
 
@@ -148,9 +149,18 @@ def save_ep_and_cross_load(path: str) -> dict:
     dense.load(f"{path}/ep-zero3")
     out["ep-zero3"]["differ"] = differ(savers["ep-zero3"], dense)
     dense.save(f"{path}/dense")   # and the reverse: a checkpoint without ep, loaded under it
-    savers["ep-ddp"].load(f"{path}/dense")
-    out["ep-ddp"]["differ"] = differ(dense, savers["ep-ddp"])
+    for kind in ("ep-ddp", "ep-tp-zero1"):
+        savers[kind].load(f"{path}/dense")
+        out[kind]["differ"] = differ(dense, savers[kind])
     return out
+
+
+def expert_written(plan_kw: dict, rank: int) -> int:
+    """The one expert `rank` writes of each packed tensor (4 experts): of its ep rank's
+    2, the one at its place among the ranks holding them (edp rank x tp + tp rank)."""
+    tp, ep = plan_kw.get("tp", 1), plan_kw["ep"]
+    dp_rank, tp_rank = divmod(rank, tp)
+    return dp_rank % ep * (MOE.experts // ep) + dp_rank // ep * tp + tp_rank
 
 
 @pytest.fixture(scope="module")
@@ -168,14 +178,14 @@ def test_under_ep_every_rank_writes_rows_of_its_own_experts(ep_saved, kind):
     for rank, result in enumerate(ep_saved):
         got = result[kind]
         assert abs(got["share"] - total / 4) <= got["bound"] + len(params) * FP32, (rank, got)
-        # dp rank r: ep rank r % 2 holds experts [2 * (r % 2), 2 * (r % 2) + 2); its edp
-        # rank r // 2 writes expert 2 * (r % 2) + r // 2 of them, nothing gathered whole
+        # one expert of its ep rank's, at its offset in the whole tensor: none gathered whole
         assert sorted(got["experts"]) == sorted(EXPERTS), (kind, rank)
         for key, (shape, state_shape, (whole_shape, boxes)) in got["experts"].items():
             assert whole_shape == tuple(params[key].shape)
             assert shape == state_shape == (1, *whole_shape[1:]), (kind, rank, key, shape)
             offsets = {b.offsets for b in boxes}
-            assert offsets == {(2 * (rank % 2) + rank // 2, 0, 0)}, (kind, rank, offsets)
+            expert = expert_written(EP_PLANS[kind], rank)
+            assert offsets == {(expert, 0, 0)}, (kind, rank, offsets)
         assert got["gathers"] == 0, (kind, rank, got["gathers"])   # over ep, nor over dp
         assert got["checkpoint_peak"] <= got["train_peak"] + got["share"], (kind, rank, got)
 
