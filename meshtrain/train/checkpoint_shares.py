@@ -7,17 +7,20 @@ as each group is taken; DCP records each part at its offsets in the whole tensor
 the boxes, as it records a sharded DTensor's chunks), so the checkpoint stays the whole,
 plan-independent state. A tensor whole over tp is cut into n ranges of rows (rank i:
 [i*R//n, (i+1)*R//n)); a tp slice (`LayerSharding.region`: a column or row slice, one box
-per fused part) into one range per replica, each tp rank writing its own slice's. The rows
-come
+per fused part) into one range per replica, each tp rank writing its own slice's. Under
+expert parallelism ep rank k holds experts [k*E/ep, (k+1)*E/ep) of a packed expert tensor
+(its region: a box of the whole), as does every rank of its edp group, with their tp (and
+cp) ranks: those cut it between them, a range of its rows (experts) each, so every ep rank
+writes its own experts and nothing is gathered over ep (`Share._positions`). The rows come
 - straight from the sync's shards where it offers them (`GradientSync.state_rows`: ZeRO
   moves each rank its ranges of a bucket in one all-to-all, no rank holding a whole bucket
-  or tensor);
+  or tensor; an expert bucket over its edp group);
 - else from a group consolidated at a time (`local_state_groups`: DDP and the other syncs
-  hold theirs whole already); under expert parallelism each tensor gathered whole over its
-  slot-1 ranks, cut and dropped before the next.
+  hold theirs whole along dp already), cut where it lies.
 A tensor whose bytes with its states are under `WHOLE_BELOW`, or with fewer rows than the
-ranks cutting it, goes whole to the rank (a tp slice: the replica) holding the fewest bytes
-so far (every rank makes the same choice: the sizes are the same everywhere); a 0-dim state
+ranks cutting it, goes whole to the rank (a tp slice: the replica; an expert part: one rank
+of each ep rank's holders) holding the fewest bytes so far (every rank makes the same
+choice: the sizes are the same everywhere); a 0-dim state
 (a step counter) goes with the whole tensor's first element. So, with T the stage's bytes,
 every rank's share is within
     the largest whole part (with its states) + one row of each cut one (with its states)
@@ -43,11 +46,14 @@ class Share:
     parameter name, and where each cut one sits in its whole tensor. This rank is (q, t)
     of the stage: replica q, tp rank t."""
 
-    def __init__(self, q: int, replicas: int, t: int, tp: int, region_of: WholeOf) -> None:
+    def __init__(self, q: int, replicas: int, t: int, tp: int, region_of: WholeOf,
+                 experts: frozenset = frozenset(), ep: int = 1, cp: int = 1) -> None:
         """`region_of(name)`: the whole tensor's shape, and the boxes of it this rank's
-        tensor `name` (as the sync holds it) is made of."""
+        tensor `name` (as the sync holds it) is made of; `experts`: the tensors split over
+        the `ep` ranks of each dp group (q = dp rank * cp + cp rank)."""
         self.q, self.replicas, self.t, self.tp = q, replicas, t, tp
         self.rank, self.ranks, self.region_of = q * tp + t, replicas * tp, region_of
+        self.experts, self.ep, self.cp = experts, ep, cp
         self.held = [0] * self.ranks   # bytes each rank of the stage writes so far
         self.params: dict[str, torch.Tensor] = {}   # by parameter name
         self.model_state: dict[str, torch.Tensor] = {}   # by state-dict key, with buffers
@@ -58,35 +64,51 @@ class Share:
         self.rows: dict[str, tuple[tuple[int, int], int, tuple]] = {}
         self.largest_whole = self.cut_rows = 0   # for `bound`
 
+    def _positions(self, name: str, split: bool) -> tuple[list[int], int]:
+        """Each stage rank's position among the ranks holding the same part of `name`
+        (they cut it between them, a range of rows each), and how many positions one of
+        the sync's replicas of `name` covers: whole over tp, each rank its own (a replica,
+        its tp ranks'); a tp slice, its replica's (each tp rank of it its own slice's); an
+        expert tensor under ep, its place among the ranks holding the same experts (its
+        edp group's, with their cp and tp ranks; the sync's replica: its edp rank)."""
+        if name in self.experts:
+            def position(r: int) -> int:
+                dp_rank, c = divmod(r // self.tp, self.cp)
+                return ((dp_rank // self.ep) * self.cp + c) * self.tp + r % self.tp
+            return [position(r) for r in range(self.ranks)], self.cp * self.tp
+        if split:
+            return [r // self.tp for r in range(self.ranks)], 1
+        return list(range(self.ranks)), self.tp
+
     def assign(self, name: str, shape: tuple[int, ...], element_bytes: int
                ) -> list[tuple[int, int]]:
         """Which rows (first, last) of parameter `name` and of its per-element states
-        (`element_bytes` an element, all of them; `shape` as the sync holds it) each replica
-        takes: a tensor whole over tp, the rows of all its tp ranks."""
+        (`element_bytes` an element, all of them; `shape` as the sync holds it) each of the
+        sync's replicas of it takes: a tensor whole over tp, the rows of all its tp ranks."""
         total, rows = math.prod(shape) * element_bytes, shape[0] if shape else 0
         whole_shape, region = self.region_of(name)
-        split = region != whole(whole_shape)   # a tp slice: cut over the replicas
-        group = self.tp if split else 1   # the ranks taking a part together
-        if total < WHOLE_BELOW or rows < self.ranks // group:
+        position, per_replica = self._positions(name, region != whole(whole_shape))
+        n, mine = max(position) + 1, position[self.rank]   # n ranks cut each part
+        if total < WHOLE_BELOW or rows < n:
             self.largest_whole = max(self.largest_whole, total)
-            load = [sum(self.held[r - r % group:][:group]) for r in range(self.ranks)]
-            keeper = load.index(min(load))
-            for r in range(keeper - keeper % group, keeper - keeper % group + group):
-                self.held[r] += total
-            if keeper - keeper % group <= self.rank < keeper - keeper % group + group:
+            load = [0] * n
+            for r, p in enumerate(position):
+                load[p] += self.held[r]
+            keeper = load.index(min(load))   # one rank of each part writes it whole
+            for r, p in enumerate(position):
+                self.held[r] += total if p == keeper else 0
+            if mine == keeper:
                 self._mine(name, shape, (0, rows or 1), 0)
-            return [(0, rows or 1) if q == keeper // self.tp else (0, 0)
-                    for q in range(self.replicas)]
+            return [(0, rows or 1) if q == keeper // per_replica else (0, 0)
+                    for q in range(n // per_replica)]
         self.cut_rows += total // rows
-        n = self.ranks // group
         bounds = [i * rows // n for i in range(n + 1)]
-        for r in range(self.ranks):
-            self.held[r] += (bounds[r // group + 1] - bounds[r // group]) * (total // rows)
-        per_replica = self.tp // group
+        for r, p in enumerate(position):
+            self.held[r] += (bounds[p + 1] - bounds[p]) * (total // rows)
         given = [(bounds[q * per_replica], bounds[(q + 1) * per_replica])
-                 for q in range(self.replicas)]
-        mine = self.rank // group
-        self._mine(name, shape, (bounds[mine], bounds[mine + 1]), given[self.q][0])
+                 for q in range(n // per_replica)]
+        self._mine(name, shape, (bounds[mine], bounds[mine + 1]),
+                   given[mine // per_replica][0])
         return given
 
     def _mine(self, name: str, shape: tuple[int, ...], rows: tuple[int, int], given: int
@@ -99,13 +121,15 @@ class Share:
             boxes = tuple(region.within((rows[0] * row, rows[1] * row)).reads())
         self.rows[name] = (rows, given, boxes)
 
-    def keep(self, name: str, part: torch.Tensor | None, states: dict) -> None:
+    def keep(self, name: str, part: torch.Tensor | None, states: dict,
+             at: int | None = None) -> None:
         """Of the rows of parameter `name` `assign` gave this rank's replica (`part`, and
-        `states` of it; either may come alone), this rank's, copied to host memory with
-        where they sit."""
+        `states` of it; either may come alone; `at`: they begin at that row of the tensor
+        instead), this rank's, copied to host memory with where they sit."""
         if name not in self.rows:
             return
         (first, last), given, boxes = self.rows[name]
+        given = given if at is None else at
         shape = self.region_of(name)[0]
 
         def cut(t: torch.Tensor) -> torch.Tensor:
@@ -140,15 +164,14 @@ def share_of_state(trainer) -> Share:
     entry path (`placed`). Collective: every rank of the stage takes the same groups. Tied
     tensors and buffers appear on every stage that holds them."""
     mesh, sync, sharding = trainer.mesh, trainer.data_parallel, trainer.sharding
-    shapes, gathered = trainer.layout.shapes, trainer.plan.ep > 1
-    replicas = mesh.replica_axis   # every rank of a stage keeps a share
+    shapes, replicas = trainer.layout.shapes, mesh.replica_axis   # every rank keeps a share
     share = Share(mesh.axis_rank(replicas), mesh.size(replicas), mesh.axis_rank("tp"),
-                  mesh.size("tp"), lambda name: (shapes[name], whole(shapes[name])
-                                                 if gathered else
-                                                 sharding.region(name, shapes[name])))
-    rows = None if gathered else sync.state_rows(share.assign)
+                  mesh.size("tp"), lambda name: (shapes[name],
+                                                 sharding.region(name, shapes[name])),
+                  frozenset(sharding.replicas), trainer.plan.ep, mesh.size("cp"))
+    rows = sync.state_rows(share.assign)
     if rows is None:
-        _keep_groups(trainer, share, gathered)
+        _keep_groups(trainer, share)
     for params, states in rows or ():   # parameters and their states may come apart
         for name in {*params, *states}:
             share.keep(name, params.get(name), states.get(name, {}))
@@ -164,25 +187,16 @@ def share_of_state(trainer) -> Share:
     return share
 
 
-def _keep_groups(trainer, share: Share, gathered: bool) -> None:
-    """Each group consolidated (`local_state_groups`), each tensor of it (`gathered`:
-    made whole over slot 1's ranks first) cut to this rank's rows, one at a time; the
-    group goes before the next."""
-    sharding = trainer.sharding
+def _keep_groups(trainer, share: Share) -> None:
+    """Each group consolidated (`local_state_groups`), each tensor of it cut to this rank's
+    rows; the group goes before the next."""
     for local, local_states in trainer.data_parallel.local_state_groups():
         for name, value in local.items():
-            whole_of = sharding.full if gathered else (lambda _, v: v)   # collective
-            value = whole_of(name, value)
-            states = {k: whole_of(name, v) if param_shaped(v) else v
-                      for k, v in local_states.get(name, {}).items()}
+            states = local_states.get(name, {})
             element_bytes = value.element_size() + sum(
                 v.element_size() for v in states.values() if param_shaped(v))
-            first, last = share.assign(name, tuple(value.shape), element_bytes)[share.q]
-            if last > first:
-                share.keep(name, _rows(value, first, last),
-                           {k: _rows(v, first, last) if param_shaped(v) else v
-                            for k, v in states.items()})
-            del value, states   # before the next tensor is gathered
+            share.assign(name, tuple(value.shape), element_bytes)
+            share.keep(name, value, states, at=0)
         del local, local_states
 
 

@@ -261,8 +261,8 @@ class ZeRO(GradientSync):
                 n: s for n, s in self._bucket_optimizer_state(i).items()
                 if s and n in self._stepped}
 
-    def state_rows(self, rows_of: RowsOf):   # not where a bucket has a group of its own
-        return None if any(self._group_of.values()) else state_rows(self, rows_of)
+    def state_rows(self, rows_of: RowsOf):   # an expert bucket's rows: over its edp group
+        return state_rows(self, rows_of)
 
     def optimizer_groups(self) -> list[dict]:
         return flat_state_by_name(self.optimizer, {}, set(), list(self.named))[1]

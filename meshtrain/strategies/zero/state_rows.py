@@ -5,7 +5,8 @@ A checkpoint writes each parameter and its optimizer states as every rank's rang
 ranges of each bucket, spread over the ranks' shards: one all-to-all per bucket tensor
 (`FlatLayout.regather`) brings each rank its ranges, so no rank holds a whole bucket (nor
 gloo's copy of one) to save; parameters whole on every rank (ZeRO-1/2 in the model's
-dtype) are cut where they are.
+dtype) are cut where they are. An expert bucket under expert parallel is sharded over its
+edp group: `rows_of` answers its edp ranks' rows, and the all-to-all runs over that group.
 """
 from __future__ import annotations
 
