@@ -111,3 +111,8 @@ def slice_along(shape: tuple[int, ...], dim: int, start: int, length: int) -> Re
     offsets = tuple(start if d == dim else 0 for d in range(len(shape)))
     sizes = tuple(length if d == dim else s for d, s in enumerate(shape))
     return Region(sizes, (Box(offsets, sizes, (0,) * len(shape)),))
+
+
+def narrow_rows(t: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
+    """Rows [first, last) of `t` (a 0-dim tensor whole)."""
+    return t if t.dim() == 0 else t.narrow(0, rows[0], rows[1] - rows[0])

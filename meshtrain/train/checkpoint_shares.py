@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from meshtrain.core.memory import storage_bytes
-from meshtrain.core.regions import Region, whole
+from meshtrain.core.regions import Region, narrow_rows, whole
 from meshtrain.train.checkpoint_regions import Placed
 
 WHOLE_BELOW = 64 << 10   # smaller tensors (with their states) are not worth cutting
@@ -133,7 +133,7 @@ class Share:
         shape = self.region_of(name)[0]
 
         def cut(t: torch.Tensor) -> torch.Tensor:
-            return _to_host(_rows(t, first - given, last - given))
+            return _to_host(narrow_rows(t, (first - given, last - given)))
         if part is not None:
             self.params[name] = cut(part)
             if boxes:
@@ -198,10 +198,6 @@ def _keep_groups(trainer, share: Share) -> None:
             share.assign(name, tuple(value.shape), element_bytes)
             share.keep(name, value, states, at=0)
         del local, local_states
-
-
-def _rows(t: torch.Tensor, first: int, last: int) -> torch.Tensor:
-    return t if t.dim() == 0 else t.narrow(0, first, last - first)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

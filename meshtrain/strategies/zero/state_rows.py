@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from meshtrain.core.regions import narrow_rows
 from meshtrain.strategies.shared.flat import Piece
 
 # (name, shape, bytes per element with its states) -> every rank's (first, last) row
@@ -39,7 +40,7 @@ def state_rows(zero, rows_of: RowsOf) -> Iterator[tuple[dict, dict]]:
         me = layout.split_of(i)[1]
         comm, axis = zero._where(i)
         if zero.stage < 3 and not zero.masters.mixed:   # whole on every rank already
-            params = {p.name: _narrow(zero.named[p.name].detach(), rows[p.name][me])
+            params = {p.name: narrow_rows(zero.named[p.name].detach(), rows[p.name][me])
                       for p in pieces if _some(rows[p.name][me])}
         else:
             params = _split(pieces, rows, me, layout.regather(i, master.detach(), wanted, comm,
@@ -59,14 +60,14 @@ def _some(rows: tuple[int, int]) -> bool:
     return rows[1] > rows[0]
 
 
+def _row_numel(piece: Piece) -> int:
+    return piece.numel // piece.shape[0] if piece.shape else 1
+
+
 def _elements(piece: Piece, rows: tuple[int, int]) -> tuple[int, int]:
     """Rows (first, last) of `piece` as a range of its bucket's elements."""
-    row = piece.numel // piece.shape[0] if piece.shape else 1
+    row = _row_numel(piece)
     return piece.start + rows[0] * row, piece.start + rows[1] * row
-
-
-def _narrow(t: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
-    return t if t.dim() == 0 else t.narrow(0, rows[0], rows[1] - rows[0])
 
 
 def _split(pieces: list[Piece], rows: dict, me: int, flat: torch.Tensor) -> dict:
@@ -76,7 +77,7 @@ def _split(pieces: list[Piece], rows: dict, me: int, flat: torch.Tensor) -> dict
         first, last = rows[p.name][me]
         if last > first:
             shape = (last - first, *p.shape[1:]) if p.shape else ()
-            size = (last - first) * (p.numel // p.shape[0]) if p.shape else 1
+            size = (last - first) * _row_numel(p)
             out[p.name] = flat[at:at + size].view(shape)
             at += size
     return out
