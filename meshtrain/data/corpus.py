@@ -105,13 +105,22 @@ def _check_text_file(path: Path) -> None:
                          "--tokenizer (or `meshtrain prepare` it); text read as bytes must be "
                          "a plain text file")
     if not _is_text(path):
-        raise ValueError(f"{path}: a binary file (a NUL byte in its first "
-                         f"{_SNIFF_BYTES // 1024} KiB), not text; give a text file or folder")
+        raise ValueError(f"{binary_file(path)}; give a text file or folder")
 
 
 def _is_text(path: Path) -> bool:
     with open(path, "rb") as f:
-        return b"\0" not in f.read(_SNIFF_BYTES)
+        return not looks_binary(f.read(_SNIFF_BYTES))
+
+
+def looks_binary(data: bytes) -> bool:
+    """A NUL byte in the first _SNIFF_BYTES of a file's `data`: binary, not text."""
+    return b"\0" in data[:_SNIFF_BYTES]
+
+
+def binary_file(path: Path) -> str:
+    """What is said of a binary file named where text was expected."""
+    return f"{path}: a binary file (a NUL byte in its first {_SNIFF_BYTES // 1024} KiB), not text"
 
 
 def _read_until(files: Iterator[Path], max_bytes: int | None) -> tuple[bytearray, int]:

@@ -131,12 +131,11 @@ def _documents_of(path: Path, text_field: str, json_lines: bool = False) -> Iter
 def _text_of(path: Path) -> str:
     """A text file's text: a binary file or one not in UTF-8 is refused, not tokenised as
     replacement characters (a folder's binary files are skipped before this)."""
-    from meshtrain.data.corpus import _SNIFF_BYTES
+    from meshtrain.data.corpus import binary_file, looks_binary
 
     data = path.read_bytes()
-    if b"\0" in data[:_SNIFF_BYTES]:
-        raise DataError(f"{path}: a binary file (a NUL byte in its first "
-                        f"{_SNIFF_BYTES // 1024} KiB), not text; leave it out")
+    if looks_binary(data):
+        raise DataError(f"{binary_file(path)}; leave it out")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
