@@ -254,14 +254,7 @@ class ZeRO(GradientSync):
             state.update(self._bucket_optimizer_state(i))
         return flat_state_by_name(self.optimizer, state, self._stepped, list(self.named))
 
-    def local_state_groups(self):
-        """One bucket at a time (ZeRO-3: one unit), so no rank gathers the whole model."""
-        for i in range(len(self.buckets)):   # none of a bucket kept past its yield
-            yield self._bucket_parameters(i), {
-                n: s for n, s in self._bucket_optimizer_state(i).items()
-                if s and n in self._stepped}
-
-    def state_rows(self, rows_of: RowsOf):   # an expert bucket's rows: over its edp group
+    def state_rows(self, rows_of: RowsOf):   # a checkpoint's rows, no bucket gathered whole
         return state_rows(self, rows_of)
 
     def optimizer_groups(self) -> list[dict]:
